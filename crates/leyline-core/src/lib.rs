@@ -1,0 +1,1 @@
+//! leyline-core (placeholder).

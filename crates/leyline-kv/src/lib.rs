@@ -1,0 +1,1 @@
+//! leyline-kv (placeholder).

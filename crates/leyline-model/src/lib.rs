@@ -1,0 +1,1 @@
+//! leyline-model (placeholder).
