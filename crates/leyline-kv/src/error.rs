@@ -1,0 +1,68 @@
+//! The one error type of `leyline-kv`.
+
+/// Everything that can go wrong in the KV layer.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum KvError {
+    /// A slot index outside the pool.
+    #[error("slot {slot} is out of range for a pool of {capacity} slots")]
+    SlotOutOfRange {
+        /// The offending slot.
+        slot: u32,
+        /// Pool capacity.
+        capacity: usize,
+    },
+    /// A row passed to the storage has the wrong width.
+    #[error("{what}: expected {expected} values, got {got}")]
+    WidthMismatch {
+        /// Which buffer.
+        what: &'static str,
+        /// Expected length.
+        expected: usize,
+        /// Actual length.
+        got: usize,
+    },
+    /// The requested storage cannot be allocated.
+    #[error("cannot size the KV pool: {0}")]
+    Sizing(String),
+    /// The pool has fewer free slots than requested (a normal state: evict, queue or refuse).
+    #[error("KV pool exhausted: {requested} slots requested, {free} free")]
+    PoolExhausted {
+        /// Slots asked for.
+        requested: usize,
+        /// Slots free at the time.
+        free: usize,
+    },
+    /// A slot was retained or released while free (double free).
+    #[error("slot {slot} is free; it cannot be retained or released")]
+    SlotNotInUse {
+        /// The offending slot.
+        slot: u32,
+    },
+    /// A sequence was given with a different number of token ids and slots.
+    #[error("{tokens} token ids but {slots} slots")]
+    LengthMismatch {
+        /// Number of token ids.
+        tokens: usize,
+        /// Number of slots.
+        slots: usize,
+    },
+    /// A slot of one lineage was offered to another lineage's namespace.
+    #[error("slot {slot} has lineage {slot_lineage}, which namespace lineage {namespace} may not hold")]
+    LineageMismatch {
+        /// The offending slot.
+        slot: u32,
+        /// The slot's lineage.
+        slot_lineage: u64,
+        /// The namespace's lineage.
+        namespace: u64,
+    },
+    /// A radix node id that no longer (or never) named a live node.
+    #[error("radix node {0} does not exist")]
+    StaleNode(u32),
+    /// A removal would drop a locked radix node.
+    #[error("radix node {0} is locked by a running sequence")]
+    NodeLocked(u32),
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = KvError> = std::result::Result<T, E>;

@@ -1,0 +1,392 @@
+//! KV storage: one pair of row buffers per layer, indexed by slot.
+//!
+//! Every layer holds a *key-part* buffer `k: [slots, k_width]` whose rows carry the rotary
+//! dimensions, and a *value-part* buffer `v: [slots, v_width]` that is position-free.
+//! GQA: `k` is `[kv_heads, head_dim]` post-RoPE keys, `v` the values. MLA: `k` is `k_pe`
+//! (one "head" of `rope_dim`), `v` is the normalized latent. A splice therefore only ever
+//! rotates `k` rows and never reads `v`.
+
+use crate::error::{KvError, Result};
+use half::{bf16, f16};
+
+/// Storage element type of the pool. Rotation math is always f32; this is only how the
+/// numbers rest in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvDtype {
+    /// 4 bytes, exact.
+    #[default]
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per stored element.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+        }
+    }
+
+    /// Lower-case name as used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Ok(KvDtype::F32),
+            "f16" | "float16" | "half" => Ok(KvDtype::F16),
+            "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
+            other => Err(format!("unknown KV dtype {other:?} (expected f32, f16 or bf16)")),
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Shape of what one slot holds in every layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvGeometry {
+    /// Number of layers.
+    pub layers: usize,
+    /// Number of rotary "heads" in a key-part row (GQA: kv heads; MLA: 1).
+    pub k_heads: usize,
+    /// Width of one head in the key-part row.
+    pub k_head_dim: usize,
+    /// Width of a value-part row (GQA: kv_heads * head_dim; MLA: kv_lora_rank).
+    pub v_width: usize,
+}
+
+impl KvGeometry {
+    /// Elements in a key-part row.
+    pub fn k_width(&self) -> usize {
+        self.k_heads * self.k_head_dim
+    }
+
+    /// Bytes one slot costs across all layers at `dtype`.
+    pub fn bytes_per_slot(&self, dtype: KvDtype) -> usize {
+        self.layers * (self.k_width() + self.v_width) * dtype.size()
+    }
+}
+
+/// Typed row buffer. Half types are kept as raw bits so kernels can work bit-level.
+#[derive(Debug, Clone)]
+pub enum Rows {
+    /// f32 values.
+    F32(Vec<f32>),
+    /// f16 bit patterns.
+    F16(Vec<u16>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+}
+
+/// Mutable view of a row buffer, as handed to rotation kernels.
+#[derive(Debug)]
+pub enum RowsMut<'a> {
+    /// f32 values.
+    F32(&'a mut [f32]),
+    /// f16 bit patterns.
+    F16(&'a mut [u16]),
+    /// bf16 bit patterns.
+    Bf16(&'a mut [u16]),
+}
+
+impl Rows {
+    fn zeros(dtype: KvDtype, n: usize) -> Self {
+        match dtype {
+            KvDtype::F32 => Rows::F32(vec![0.0; n]),
+            KvDtype::F16 => Rows::F16(vec![0; n]),
+            KvDtype::Bf16 => Rows::Bf16(vec![0; n]),
+        }
+    }
+
+    fn write(&mut self, offset: usize, src: &[f32]) {
+        match self {
+            Rows::F32(b) => b[offset..offset + src.len()].copy_from_slice(src),
+            Rows::F16(b) => {
+                for (d, s) in b[offset..offset + src.len()].iter_mut().zip(src) {
+                    *d = f16::from_f32(*s).to_bits();
+                }
+            }
+            Rows::Bf16(b) => {
+                for (d, s) in b[offset..offset + src.len()].iter_mut().zip(src) {
+                    *d = bf16::from_f32(*s).to_bits();
+                }
+            }
+        }
+    }
+
+    fn read(&self, offset: usize, dst: &mut [f32]) {
+        match self {
+            Rows::F32(b) => dst.copy_from_slice(&b[offset..offset + dst.len()]),
+            Rows::F16(b) => {
+                for (d, s) in dst.iter_mut().zip(&b[offset..]) {
+                    *d = f16::from_bits(*s).to_f32();
+                }
+            }
+            Rows::Bf16(b) => {
+                for (d, s) in dst.iter_mut().zip(&b[offset..]) {
+                    // bf16 -> f32 is a shift of the bits: exact and vectorizable.
+                    *d = f32::from_bits((*s as u32) << 16);
+                }
+            }
+        }
+    }
+
+    fn fill_zero(&mut self, offset: usize, len: usize) {
+        match self {
+            Rows::F32(b) => b[offset..offset + len].fill(0.0),
+            Rows::F16(b) | Rows::Bf16(b) => b[offset..offset + len].fill(0),
+        }
+    }
+
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize) {
+        match self {
+            Rows::F32(b) => b.copy_within(src..src + len, dst),
+            Rows::F16(b) | Rows::Bf16(b) => b.copy_within(src..src + len, dst),
+        }
+    }
+
+    fn as_mut(&mut self) -> RowsMut<'_> {
+        match self {
+            Rows::F32(b) => RowsMut::F32(b),
+            Rows::F16(b) => RowsMut::F16(b),
+            Rows::Bf16(b) => RowsMut::Bf16(b),
+        }
+    }
+}
+
+struct LayerRows {
+    k: Rows,
+    v: Rows,
+}
+
+/// The pool's storage: `capacity` slots of [`KvGeometry`] at one [`KvDtype`].
+///
+/// It knows nothing of which slot is free; the slot allocator does.
+pub struct KvStorage {
+    geometry: KvGeometry,
+    dtype: KvDtype,
+    capacity: usize,
+    layers: Vec<LayerRows>,
+}
+
+impl KvStorage {
+    /// Allocates zeroed storage for `capacity` slots.
+    ///
+    /// # Errors
+    /// [`KvError::Sizing`] for a zero capacity or geometry, or a size that overflows.
+    pub fn new(geometry: KvGeometry, dtype: KvDtype, capacity: usize) -> Result<Self> {
+        if capacity == 0 || geometry.layers == 0 || geometry.k_width() == 0 {
+            return Err(KvError::Sizing(format!(
+                "capacity {capacity} and geometry {geometry:?} must be non-zero"
+            )));
+        }
+        capacity
+            .checked_mul(geometry.bytes_per_slot(dtype))
+            .ok_or_else(|| KvError::Sizing(format!("{capacity} slots overflow memory")))?;
+        let layers = (0..geometry.layers)
+            .map(|_| LayerRows {
+                k: Rows::zeros(dtype, capacity * geometry.k_width()),
+                v: Rows::zeros(dtype, capacity * geometry.v_width),
+            })
+            .collect();
+        Ok(Self { geometry, dtype, capacity, layers })
+    }
+
+    /// How many slots fit into `bytes` of storage for this geometry (at least 0).
+    pub fn slots_for_bytes(geometry: KvGeometry, dtype: KvDtype, bytes: usize) -> usize {
+        bytes / geometry.bytes_per_slot(dtype).max(1)
+    }
+
+    /// The geometry.
+    pub fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+
+    /// The storage dtype.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+
+    /// Number of slots.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes held by the buffers.
+    pub fn bytes(&self) -> usize {
+        self.capacity * self.geometry.bytes_per_slot(self.dtype)
+    }
+
+    fn check_slot(&self, slot: u32) -> Result<()> {
+        if (slot as usize) < self.capacity {
+            Ok(())
+        } else {
+            Err(KvError::SlotOutOfRange { slot, capacity: self.capacity })
+        }
+    }
+
+    /// Writes one slot's key-part and value-part rows of `layer`, rounding once to the
+    /// storage dtype.
+    ///
+    /// # Errors
+    /// Out-of-range slot or rows of the wrong width.
+    pub fn write(&mut self, layer: usize, slot: u32, k: &[f32], v: &[f32]) -> Result<()> {
+        self.check_slot(slot)?;
+        let (kw, vw) = (self.geometry.k_width(), self.geometry.v_width);
+        if k.len() != kw {
+            return Err(KvError::WidthMismatch { what: "key row", expected: kw, got: k.len() });
+        }
+        if v.len() != vw {
+            return Err(KvError::WidthMismatch { what: "value row", expected: vw, got: v.len() });
+        }
+        let l = &mut self.layers[layer];
+        l.k.write(slot as usize * kw, k);
+        l.v.write(slot as usize * vw, v);
+        Ok(())
+    }
+
+    /// Gathers the key-part rows of `slots` in `layer` into `out` (`slots.len() * k_width`
+    /// f32 values, in slot-list order).
+    ///
+    /// # Errors
+    /// Out-of-range slot or an `out` of the wrong length.
+    pub fn gather_k(&self, layer: usize, slots: &[u32], out: &mut [f32]) -> Result<()> {
+        let w = self.geometry.k_width();
+        self.gather(layer, slots, out, w, true)
+    }
+
+    /// Gathers the value-part rows of `slots` in `layer` into `out`.
+    ///
+    /// # Errors
+    /// Out-of-range slot or an `out` of the wrong length.
+    pub fn gather_v(&self, layer: usize, slots: &[u32], out: &mut [f32]) -> Result<()> {
+        let w = self.geometry.v_width;
+        self.gather(layer, slots, out, w, false)
+    }
+
+    fn gather(&self, layer: usize, slots: &[u32], out: &mut [f32], w: usize, k: bool) -> Result<()> {
+        if out.len() != slots.len() * w {
+            return Err(KvError::WidthMismatch {
+                what: "gather output",
+                expected: slots.len() * w,
+                got: out.len(),
+            });
+        }
+        let rows = if k { &self.layers[layer].k } else { &self.layers[layer].v };
+        for (i, &s) in slots.iter().enumerate() {
+            self.check_slot(s)?;
+            rows.read(s as usize * w, &mut out[i * w..(i + 1) * w]);
+        }
+        Ok(())
+    }
+
+    /// Zeroes every layer's rows of `slot` (used when forgotten slots are freed).
+    ///
+    /// # Errors
+    /// Out-of-range slot.
+    pub fn zero_slot(&mut self, slot: u32) -> Result<()> {
+        self.check_slot(slot)?;
+        let (kw, vw) = (self.geometry.k_width(), self.geometry.v_width);
+        for l in &mut self.layers {
+            l.k.fill_zero(slot as usize * kw, kw);
+            l.v.fill_zero(slot as usize * vw, vw);
+        }
+        Ok(())
+    }
+
+    /// Copies every layer's rows of `src` into `dst` (copy-on-write before a rotation).
+    ///
+    /// # Errors
+    /// Out-of-range slot.
+    pub fn copy_slot(&mut self, src: u32, dst: u32) -> Result<()> {
+        self.check_slot(src)?;
+        self.check_slot(dst)?;
+        let (kw, vw) = (self.geometry.k_width(), self.geometry.v_width);
+        for l in &mut self.layers {
+            l.k.copy_within(src as usize * kw, dst as usize * kw, kw);
+            l.v.copy_within(src as usize * vw, dst as usize * vw, vw);
+        }
+        Ok(())
+    }
+
+    /// Whether every element of `slot` in every layer is zero.
+    ///
+    /// # Errors
+    /// Out-of-range slot.
+    pub fn slot_is_zero(&self, slot: u32) -> Result<bool> {
+        self.check_slot(slot)?;
+        let (kw, vw) = (self.geometry.k_width(), self.geometry.v_width);
+        let mut k = vec![0.0f32; kw];
+        let mut v = vec![0.0f32; vw];
+        for l in &self.layers {
+            l.k.read(slot as usize * kw, &mut k);
+            l.v.read(slot as usize * vw, &mut v);
+            if k.iter().chain(&v).any(|x| x.to_bits() != 0) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Mutable key-part rows of `layer` (`[capacity, k_width]`) for rotation kernels.
+    pub fn k_rows_mut(&mut self, layer: usize) -> RowsMut<'_> {
+        self.layers[layer].k.as_mut()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geom() -> KvGeometry {
+        KvGeometry { layers: 2, k_heads: 2, k_head_dim: 4, v_width: 8 }
+    }
+
+    #[test]
+    fn write_gather_roundtrip_each_dtype() {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+            let mut s = KvStorage::new(geom(), dtype, 4).unwrap();
+            let k: Vec<f32> = (0..8).map(|i| i as f32 * 0.5 - 1.0).collect();
+            let v: Vec<f32> = (0..8).map(|i| 3.0 - i as f32).collect();
+            s.write(1, 2, &k, &v).unwrap();
+            let mut out = vec![0.0; 16];
+            s.gather_k(1, &[0, 2], &mut out).unwrap();
+            assert_eq!(&out[..8], &[0.0; 8]);
+            assert_eq!(&out[8..], &k[..]); // halves of small integers are exact
+            s.gather_v(1, &[2, 0], &mut out).unwrap();
+            assert_eq!(&out[..8], &v[..]);
+            assert!(!s.slot_is_zero(2).unwrap());
+            s.copy_slot(2, 3).unwrap();
+            s.zero_slot(2).unwrap();
+            assert!(s.slot_is_zero(2).unwrap());
+            s.gather_k(1, &[3], &mut out[..8]).unwrap();
+            assert_eq!(&out[..8], &k[..]);
+        }
+    }
+
+    #[test]
+    fn bad_input_is_an_error() {
+        let mut s = KvStorage::new(geom(), KvDtype::Bf16, 4).unwrap();
+        assert!(matches!(s.write(0, 4, &[0.0; 8], &[0.0; 8]), Err(KvError::SlotOutOfRange { .. })));
+        assert!(matches!(s.write(0, 0, &[0.0; 7], &[0.0; 8]), Err(KvError::WidthMismatch { .. })));
+        assert!(KvStorage::new(geom(), KvDtype::F32, 0).is_err());
+        assert_eq!(geom().bytes_per_slot(KvDtype::Bf16), 2 * 16 * 2);
+    }
+}
