@@ -1,0 +1,502 @@
+//! Byte-level BPE tokenizer built from a GGUF file's `tokenizer.ggml.*` metadata.
+//!
+//! The vocabulary and merges come from the file; the pre-tokenizer is chosen by
+//! `tokenizer.ggml.pre`. Control tokens (`token_type == 3`) are special: their text in the
+//! input maps to one id, and `skip_special` decoding drops them.
+//!
+//! Digits: for `pre = "smollm"` every `\p{N}` character is isolated before the byte-level
+//! split, as llama.cpp and the upstream SmolLM2 `tokenizer.json` do. transformers' GGUF
+//! converter omits that step, which changes the ids of some non-ASCII numerics (e.g. `" ½"`);
+//! ASCII digits come out one per token either way.
+
+use std::collections::HashMap;
+
+use candle_core::quantized::gguf_file::Value;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use crate::error::{ModelError, Result};
+
+/// GGUF `token_type` of a control token (`<|im_start|>`, `<|endoftext|>`, ...).
+const TOKEN_TYPE_CONTROL: i32 = 3;
+/// GGUF `token_type` of a user-defined token: matched in text, but not special.
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// Split regex of llama.cpp's `llama-bpe` (Llama 3) pre-tokenizer.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Split regex of llama.cpp's `qwen2` pre-tokenizer.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A byte-level BPE tokenizer with the special tokens of one model.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Vocabulary strings in their byte-level form, by id.
+    tokens: Vec<String>,
+    /// The bytes each id decodes to (special tokens: their text).
+    token_bytes: Vec<Vec<u8>>,
+    /// Whether each id is a control (special) token.
+    special: Vec<bool>,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    add_bos: bool,
+    add_eos: bool,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.tokens.len())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("add_bos", &self.add_bos)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer from GGUF metadata (`tokenizer.ggml.*` keys).
+    ///
+    /// # Errors
+    /// [`ModelError::Tokenizer`] if the model is not byte-level BPE (`gpt2`), the
+    /// pre-tokenizer is unknown, or the vocabulary, types or merges are missing or malformed.
+    pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<Self> {
+        let model = md_str(md, "tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(tok_err(format!(
+                "tokenizer model '{model}' is not supported (only byte-level BPE 'gpt2')"
+            )));
+        }
+        let tokens: Vec<String> = md_array(md, "tokenizer.ggml.tokens")?
+            .iter()
+            .map(|v| v.to_string().cloned().map_err(|e| tok_err(format!("tokens: {e}"))))
+            .collect::<Result<_>>()?;
+        let n = tokens.len();
+        if n == 0 || u32::try_from(n).is_err() {
+            return Err(tok_err(format!("vocabulary size {n} out of range")));
+        }
+        let types: Vec<i32> = match md.get("tokenizer.ggml.token_type") {
+            Some(v) => v
+                .to_vec()
+                .map_err(|e| tok_err(format!("token_type: {e}")))?
+                .iter()
+                .map(|t| t.to_i32().map_err(|e| tok_err(format!("token_type: {e}"))))
+                .collect::<Result<_>>()?,
+            None => vec![1; n],
+        };
+        if types.len() != n {
+            return Err(tok_err(format!(
+                "{} token types for {n} tokens",
+                types.len()
+            )));
+        }
+        let merges = md_array(md, "tokenizer.ggml.merges")?
+            .iter()
+            .map(|v| {
+                let s = v.to_string().map_err(|e| tok_err(format!("merges: {e}")))?;
+                s.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| tok_err(format!("merge without a space: {s:?}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+
+        let mut vocab = tokenizers::models::bpe::Vocab::default();
+        for (id, t) in tokens.iter().enumerate() {
+            // A duplicate string keeps its first id; the later id still decodes via our table.
+            vocab.entry(t.clone()).or_insert(id as u32);
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| tok_err(format!("BPE: {e}")))?;
+
+        let pre = md_opt_str(md, "tokenizer.ggml.pre")?.unwrap_or("default");
+        let pre_tokenizer = pre_tokenizer_for(pre)?;
+
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(pre_tokenizer));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+
+        let special: Vec<bool> = types.iter().map(|&t| t == TOKEN_TYPE_CONTROL).collect();
+        let added = |kind: i32, is_special: bool| -> Vec<AddedToken> {
+            tokens
+                .iter()
+                .zip(&types)
+                .filter(|(_, &t)| t == kind)
+                .map(|(s, _)| AddedToken::from(s.clone(), is_special).normalized(false))
+                .collect()
+        };
+        inner.add_special_tokens(&added(TOKEN_TYPE_CONTROL, true));
+        inner.add_tokens(&added(TOKEN_TYPE_USER_DEFINED, false));
+
+        let token_bytes = tokens
+            .iter()
+            .zip(&special)
+            .map(|(t, &sp)| {
+                if sp {
+                    t.as_bytes().to_vec()
+                } else {
+                    byte_level_bytes(t)
+                }
+            })
+            .collect();
+
+        let bos = md_opt_u32(md, "tokenizer.ggml.bos_token_id")?;
+        let eos = md_opt_u32(md, "tokenizer.ggml.eos_token_id")?;
+        for (what, id) in [("bos", bos), ("eos", eos)] {
+            if let Some(id) = id {
+                if id as usize >= n {
+                    return Err(tok_err(format!("{what} id {id} >= vocabulary size {n}")));
+                }
+            }
+        }
+        let add_bos = md_opt_bool(md, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+        let add_eos = md_opt_bool(md, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
+        Ok(Self {
+            inner,
+            tokens,
+            token_bytes,
+            special,
+            bos,
+            eos,
+            add_bos,
+            add_eos,
+        })
+    }
+
+    /// Encodes `text`. Special-token text inside it (e.g. `<|im_end|>`) becomes one id.
+    /// With `add_special`, BOS / EOS are added where the file asks for them
+    /// (`tokenizer.ggml.add_bos_token` / `add_eos_token`; SmolLM2 asks for neither).
+    ///
+    /// # Errors
+    /// [`ModelError::Tokenizer`] if the underlying tokenizer fails.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| tok_err(format!("encode: {e}")))?;
+        let body = enc.get_ids();
+        let mut ids = Vec::with_capacity(body.len() + 2);
+        if add_special && self.add_bos {
+            ids.extend(self.bos);
+        }
+        ids.extend_from_slice(body);
+        if add_special && self.add_eos {
+            ids.extend(self.eos);
+        }
+        Ok(ids)
+    }
+
+    /// Decodes `ids` to text; bytes that do not form valid UTF-8 become U+FFFD.
+    /// With `skip_special`, control tokens are left out.
+    ///
+    /// # Errors
+    /// [`ModelError::Tokenizer`] if an id is outside the vocabulary.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.check_ids(ids)?;
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| tok_err(format!("decode: {e}")))
+    }
+
+    /// A streaming decoder over this tokenizer's vocabulary.
+    pub fn decode_stream(&self, skip_special: bool) -> DecodeStream {
+        DecodeStream::new(skip_special)
+    }
+
+    /// Number of ids in the vocabulary.
+    pub fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// The beginning-of-sequence id, if the file names one.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// The end-of-sequence id, if the file names one (SmolLM2: `<|im_end|>`).
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// Whether `encode(.., true)` prepends BOS.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// The vocabulary string of `id` in its byte-level form (space is `Ġ`), or `None`
+    /// outside the vocabulary.
+    pub fn token_str(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).map(String::as_str)
+    }
+
+    /// The raw bytes `id` decodes to (a special token: its text), or `None` outside
+    /// the vocabulary. May be part of a multi-byte character.
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        self.token_bytes.get(id as usize).map(Vec::as_slice)
+    }
+
+    /// The id of a vocabulary string (byte-level form, or a special token's text).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Whether `id` is a control token (`token_type == 3`); false outside the vocabulary.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        match ids.iter().find(|&&id| id as usize >= self.tokens.len()) {
+            Some(id) => Err(tok_err(format!(
+                "id {id} outside the vocabulary of {}",
+                self.tokens.len()
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Incremental decoder for streaming: push ids, get the text they complete.
+///
+/// Output never splits a multi-byte character: bytes of an unfinished character wait for
+/// the next id. The concatenation of every [`push`](Self::push) and the final
+/// [`finish`](Self::finish) equals [`Tokenizer::decode`] of all ids (invalid bytes
+/// become U+FFFD in both).
+#[derive(Debug, Clone, Default)]
+pub struct DecodeStream {
+    skip_special: bool,
+    pending: Vec<u8>,
+}
+
+impl DecodeStream {
+    /// A fresh stream; `skip_special` leaves control tokens out.
+    pub fn new(skip_special: bool) -> Self {
+        Self {
+            skip_special,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Appends `ids` and returns the newly completed text (possibly empty).
+    ///
+    /// # Errors
+    /// [`ModelError::Tokenizer`] if an id is outside the vocabulary; the stream is then
+    /// unchanged.
+    pub fn push(&mut self, tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
+        tokenizer.check_ids(ids)?;
+        for &id in ids {
+            if self.skip_special && tokenizer.is_special(id) {
+                continue;
+            }
+            self.pending
+                .extend_from_slice(&tokenizer.token_bytes[id as usize]);
+        }
+        Ok(self.drain_complete())
+    }
+
+    /// Bytes held back because they may start a character the next id completes.
+    pub fn pending_bytes(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Ends the stream: an unfinished character left over becomes U+FFFD.
+    pub fn finish(&mut self) -> String {
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        out
+    }
+
+    /// Emits the longest prefix of `pending` that no later byte can change.
+    fn drain_complete(&mut self) -> String {
+        let mut out = String::new();
+        let mut start = 0;
+        loop {
+            match std::str::from_utf8(&self.pending[start..]) {
+                Ok(s) => {
+                    out.push_str(s);
+                    start = self.pending.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = start + e.valid_up_to();
+                    // Safe to unwrap-free: `valid_up_to` bytes are valid UTF-8 by contract.
+                    out.push_str(&String::from_utf8_lossy(&self.pending[start..valid]));
+                    match e.error_len() {
+                        // Bytes that no continuation can fix: one U+FFFD, as from_utf8_lossy.
+                        Some(len) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            start = valid + len;
+                        }
+                        // An unfinished character at the end: keep it for the next id.
+                        None => {
+                            start = valid;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.pending.drain(..start);
+        out
+    }
+}
+
+/// The pre-tokenizer of llama.cpp's `tokenizer.ggml.pre` name.
+fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper> {
+    let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    let split = |re: &str| -> Result<PreTokenizerWrapper> {
+        let s = Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
+            .map_err(|e| tok_err(format!("split regex: {e}")))?;
+        Ok(PreTokenizerWrapper::Split(s))
+    };
+    Ok(match pre {
+        "default" | "gpt2" | "gpt-2" => byte_level(true),
+        "smollm" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            byte_level(true),
+        ])),
+        "llama-bpe" | "llama3" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(LLAMA3_SPLIT)?, byte_level(false)]))
+        }
+        "qwen2" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN2_SPLIT)?, byte_level(false)]))
+        }
+        other => return Err(tok_err(format!("pre-tokenizer '{other}' is not supported"))),
+    })
+}
+
+/// GPT-2's byte-level alphabet: the char each byte is written as.
+fn byte_to_char() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, 33..=126 | 161..=172 | 174..=255);
+        table[b as usize] = if printable {
+            char::from(b)
+        } else {
+            let c = char::from_u32(next).unwrap_or(char::REPLACEMENT_CHARACTER);
+            next += 1;
+            c
+        };
+    }
+    table
+}
+
+/// The bytes a byte-level token stands for; a token with a char outside the alphabet
+/// stands for its own UTF-8 (as the `tokenizers` byte-level decoder treats it).
+fn byte_level_bytes(token: &str) -> Vec<u8> {
+    use std::sync::OnceLock;
+    static INV: OnceLock<HashMap<char, u8>> = OnceLock::new();
+    let inv = INV.get_or_init(|| {
+        byte_to_char()
+            .iter()
+            .enumerate()
+            .map(|(b, &c)| (c, b as u8))
+            .collect()
+    });
+    token
+        .chars()
+        .map(|c| inv.get(&c).copied())
+        .collect::<Option<Vec<u8>>>()
+        .unwrap_or_else(|| token.as_bytes().to_vec())
+}
+
+fn tok_err(msg: String) -> ModelError {
+    ModelError::Tokenizer(msg)
+}
+
+fn md_array<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<&'a Vec<Value>> {
+    md.get(key)
+        .ok_or_else(|| tok_err(format!("metadata key {key} missing")))?
+        .to_vec()
+        .map_err(|e| tok_err(format!("{key}: {e}")))
+}
+
+fn md_str<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<&'a str> {
+    md_opt_str(md, key)?.ok_or_else(|| tok_err(format!("metadata key {key} missing")))
+}
+
+fn md_opt_str<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<Option<&'a str>> {
+    md.get(key)
+        .map(|v| v.to_string().map(String::as_str))
+        .transpose()
+        .map_err(|e| tok_err(format!("{key}: {e}")))
+}
+
+fn md_opt_u32(md: &HashMap<String, Value>, key: &str) -> Result<Option<u32>> {
+    md.get(key)
+        .map(|v| {
+            v.to_u64()
+                .ok()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| tok_err(format!("{key}: not a u32: {v:?}")))
+        })
+        .transpose()
+}
+
+fn md_opt_bool(md: &HashMap<String, Value>, key: &str) -> Result<Option<bool>> {
+    md.get(key)
+        .map(|v| v.to_bool().map_err(|e| tok_err(format!("{key}: {e}"))))
+        .transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_alphabet_is_gpt2() {
+        let t = byte_to_char();
+        assert_eq!(t[b' ' as usize], '\u{120}');
+        assert_eq!(t[b'\n' as usize], '\u{10a}');
+        assert_eq!(t[b'\t' as usize], '\u{109}');
+        assert_eq!(t[b'a' as usize], 'a');
+        assert_eq!(t[0xad], '\u{143}');
+        let mut seen: Vec<char> = t.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), 256);
+        assert_eq!(byte_level_bytes("Ġhello"), b" hello");
+        assert_eq!(byte_level_bytes("ÃĥÂ"), vec![0xc3, 0x83, 0xc2]);
+    }
+
+    fn pieces(pre: &str, text: &str) -> Vec<String> {
+        use tokenizers::{PreTokenizedString, PreTokenizer};
+        let p = pre_tokenizer_for(pre).expect("known pre-tokenizer");
+        let mut s = PreTokenizedString::from(text);
+        p.pre_tokenize(&mut s).expect("pre-tokenize");
+        s.get_splits(tokenizers::OffsetReferential::Original, tokenizers::OffsetType::Byte)
+            .into_iter()
+            .map(|(s, _, _)| s.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn digit_rules_per_pre_tokenizer() {
+        assert_eq!(pieces("smollm", "a 12345"), ["a", "Ġ", "1", "2", "3", "4", "5"]);
+        assert_eq!(pieces("gpt2", "a 12345"), ["a", "Ġ12345"]);
+        assert_eq!(pieces("llama-bpe", "a 12345"), ["a", "Ġ", "123", "45"]);
+        assert_eq!(pieces("qwen2", "a 12"), ["a", "Ġ", "1", "2"]);
+        assert!(pre_tokenizer_for("nope").is_err());
+    }
+
+    #[test]
+    fn stream_holds_back_unfinished_chars() {
+        let mut s = DecodeStream::new(false);
+        s.pending.extend_from_slice(&[b'a', 0xe2, 0x82]);
+        assert_eq!(s.drain_complete(), "a");
+        assert_eq!(s.pending_bytes(), 2);
+        s.pending.push(0xac);
+        assert_eq!(s.drain_complete(), "€");
+        s.pending.extend_from_slice(&[0xff, b'b', 0xe2]);
+        assert_eq!(s.drain_complete(), "\u{fffd}b");
+        assert_eq!(s.finish(), "\u{fffd}");
+        assert_eq!(s.pending_bytes(), 0);
+    }
+}
