@@ -67,7 +67,9 @@ pub trait Renderer {
 /// per changed message, each trimmed to the tokens that differ. Inserted or deleted messages
 /// next to each other are one edit. Edits that would touch (one ends where the next starts)
 /// are merged, so no two share a position.
-/// An appended tail comes out as a last edit with `start == end == old.len()`.
+/// An appended tail comes out as a last edit with `start == end == old.len()`, unless the
+/// edit before it reaches `old.len()` (the last cached message changed at its very end, or a
+/// tokenizer merged its last token with the appended text): then the two are one edit.
 ///
 /// # Errors
 /// [`PolicyError::BadBounds`] if either bound list is decreasing or runs past its tokens.
@@ -411,6 +413,15 @@ mod tests {
         // Messages [1][2]: both change, and nothing separates them.
         let edits = diff(&[1, 2], &[0, 1, 2], &[3, 4], &[0, 1, 2]).unwrap();
         assert_eq!(edits, vec![e(0, 2, &[3, 4])]);
+    }
+
+    #[test]
+    fn a_boundary_merge_joins_the_append() {
+        // The tokenizer merged the cached message's last token (6) with appended text: the
+        // message's edit ends where the append starts, so both are one edit, not an append.
+        let edits = diff(&[5, 6], &[0, 2], &[5, 7, 8], &[0, 2, 3]).unwrap();
+        assert_eq!(edits, vec![e(1, 2, &[7, 8])]);
+        assert!(!edits[0].is_append(2));
     }
 
     #[test]

@@ -57,9 +57,7 @@ impl Policy for TruncateToolOutputs {
             match m.role {
                 Role::Assistant => assistants_after += 1,
                 Role::Tool if assistants_after > self.config.older_than_turns => {
-                    if m.content != self.config.stub {
-                        m.content.clone_from(&self.config.stub);
-                    }
+                    m.content.clone_from(&self.config.stub);
                 }
                 _ => {}
             }
