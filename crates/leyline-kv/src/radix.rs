@@ -28,12 +28,12 @@ pub struct Namespace {
 
 impl Namespace {
     /// The namespace `(model, lineage)`.
-    pub fn new(model: u32, lineage: Lineage) -> Self {
+    pub const fn new(model: u32, lineage: Lineage) -> Self {
         Self { model, lineage }
     }
 
     /// The lineage-free namespace of `model`.
-    pub fn shared(model: u32) -> Self {
+    pub const fn shared(model: u32) -> Self {
         Self {
             model,
             lineage: Lineage::SHARED,
