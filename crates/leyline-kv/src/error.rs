@@ -47,7 +47,7 @@ pub enum KvError {
         slots: usize,
     },
     /// A slot of one lineage was offered to another lineage's namespace.
-    #[error("slot {slot} has lineage {slot_lineage}, which namespace lineage {namespace} may not hold")]
+    #[error("slot {slot} of lineage {slot_lineage} may not serve lineage {namespace}")]
     LineageMismatch {
         /// The offending slot.
         slot: u32,
