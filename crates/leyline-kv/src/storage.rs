@@ -48,7 +48,9 @@ impl std::str::FromStr for KvDtype {
             "f32" | "float32" => Ok(KvDtype::F32),
             "f16" | "float16" | "half" => Ok(KvDtype::F16),
             "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
-            other => Err(format!("unknown KV dtype {other:?} (expected f32, f16 or bf16)")),
+            other => Err(format!(
+                "unknown KV dtype {other:?} (expected f32, f16 or bf16)"
+            )),
         }
     }
 }
@@ -206,7 +208,12 @@ impl KvStorage {
                 v: Rows::zeros(dtype, capacity * geometry.v_width),
             })
             .collect();
-        Ok(Self { geometry, dtype, capacity, layers })
+        Ok(Self {
+            geometry,
+            dtype,
+            capacity,
+            layers,
+        })
     }
 
     /// How many slots fit into `bytes` of storage for this geometry (at least 0).
@@ -238,7 +245,10 @@ impl KvStorage {
         if (slot as usize) < self.capacity {
             Ok(())
         } else {
-            Err(KvError::SlotOutOfRange { slot, capacity: self.capacity })
+            Err(KvError::SlotOutOfRange {
+                slot,
+                capacity: self.capacity,
+            })
         }
     }
 
@@ -251,10 +261,18 @@ impl KvStorage {
         self.check_slot(slot)?;
         let (kw, vw) = (self.geometry.k_width(), self.geometry.v_width);
         if k.len() != kw {
-            return Err(KvError::WidthMismatch { what: "key row", expected: kw, got: k.len() });
+            return Err(KvError::WidthMismatch {
+                what: "key row",
+                expected: kw,
+                got: k.len(),
+            });
         }
         if v.len() != vw {
-            return Err(KvError::WidthMismatch { what: "value row", expected: vw, got: v.len() });
+            return Err(KvError::WidthMismatch {
+                what: "value row",
+                expected: vw,
+                got: v.len(),
+            });
         }
         let l = &mut self.layers[layer];
         l.k.write(slot as usize * kw, k);
@@ -281,7 +299,14 @@ impl KvStorage {
         self.gather(layer, slots, out, w, false)
     }
 
-    fn gather(&self, layer: usize, slots: &[u32], out: &mut [f32], w: usize, k: bool) -> Result<()> {
+    fn gather(
+        &self,
+        layer: usize,
+        slots: &[u32],
+        out: &mut [f32],
+        w: usize,
+        k: bool,
+    ) -> Result<()> {
         if out.len() != slots.len() * w {
             return Err(KvError::WidthMismatch {
                 what: "gather output",
@@ -289,7 +314,11 @@ impl KvStorage {
                 got: out.len(),
             });
         }
-        let rows = if k { &self.layers[layer].k } else { &self.layers[layer].v };
+        let rows = if k {
+            &self.layers[layer].k
+        } else {
+            &self.layers[layer].v
+        };
         for (i, &s) in slots.iter().enumerate() {
             self.check_slot(s)?;
             rows.read(s as usize * w, &mut out[i * w..(i + 1) * w]);
@@ -356,7 +385,12 @@ mod tests {
     use super::*;
 
     fn geom() -> KvGeometry {
-        KvGeometry { layers: 2, k_heads: 2, k_head_dim: 4, v_width: 8 }
+        KvGeometry {
+            layers: 2,
+            k_heads: 2,
+            k_head_dim: 4,
+            v_width: 8,
+        }
     }
 
     #[test]
@@ -384,8 +418,14 @@ mod tests {
     #[test]
     fn bad_input_is_an_error() {
         let mut s = KvStorage::new(geom(), KvDtype::Bf16, 4).unwrap();
-        assert!(matches!(s.write(0, 4, &[0.0; 8], &[0.0; 8]), Err(KvError::SlotOutOfRange { .. })));
-        assert!(matches!(s.write(0, 0, &[0.0; 7], &[0.0; 8]), Err(KvError::WidthMismatch { .. })));
+        assert!(matches!(
+            s.write(0, 4, &[0.0; 8], &[0.0; 8]),
+            Err(KvError::SlotOutOfRange { .. })
+        ));
+        assert!(matches!(
+            s.write(0, 0, &[0.0; 7], &[0.0; 8]),
+            Err(KvError::WidthMismatch { .. })
+        ));
         assert!(KvStorage::new(geom(), KvDtype::F32, 0).is_err());
         assert_eq!(geom().bytes_per_slot(KvDtype::Bf16), 2 * 16 * 2);
     }

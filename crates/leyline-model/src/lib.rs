@@ -1,1 +1,148 @@
-//! leyline-model (placeholder).
+//! leyline-model: loading llama-family GGUF files (and, later, DeepSeek-V2 safetensors), the
+//! tokenizer and chat template from the file's metadata, and forward passes whose attention
+//! reads and writes Leyline's KV slot pool at explicit positions.
+//!
+//! Design decision: a model never owns a cache. Each forward call is handed the pool storage,
+//! the slots to read (the sequence's context) and the slots to write (the new tokens), so
+//! the engine alone decides where a token's KV lives.
+#![deny(missing_docs)]
+
+pub mod chat;
+pub mod error;
+pub mod gguf;
+pub mod linear;
+pub mod llama;
+pub mod qmatmul;
+pub mod registry;
+pub mod tokenizer;
+
+pub use error::{ModelError, Result};
+
+use leyline_kv::rope::RopeSpec;
+use leyline_kv::{KvGeometry, KvStorage};
+
+/// What the engine needs to know about a loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// Display name (file stem or registry name).
+    pub name: String,
+    /// Architecture (`llama`, `qwen2`, ...).
+    pub arch: String,
+    /// Vocabulary size (rows of the output head).
+    pub vocab_size: usize,
+    /// Longest context the model was trained for.
+    pub context_length: usize,
+    /// What one slot holds per layer.
+    pub geometry: KvGeometry,
+    /// The rotary embedding of the cached keys (for shifts).
+    pub rope: RopeSpec,
+}
+
+/// Which logits a sequence wants back from a forward call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// None (a prefill chunk that is not the last).
+    None,
+    /// The last new token's.
+    Last,
+    /// Every new token's (tests, scoring).
+    All,
+}
+
+/// One sequence's part of a forward batch.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardSeq<'a> {
+    /// New tokens to run.
+    pub tokens: &'a [u32],
+    /// Their positions (rotary phases); usually consecutive after the context's.
+    pub positions: &'a [u32],
+    /// Slots already holding the KV of the tokens before these, in sequence order.
+    pub context: &'a [u32],
+    /// Where the new tokens' KV is written, one slot per token.
+    pub new_slots: &'a [u32],
+    /// Which logits to return.
+    pub logits: LogitsFor,
+}
+
+/// A causal language model that runs over the slot pool.
+pub trait CausalLm: Send + Sync {
+    /// Static facts about the model.
+    fn info(&self) -> &ModelInfo;
+
+    /// Runs the new tokens of every sequence in one batch, writing their KV into `kv` and
+    /// attending causally to `context` followed by the new tokens. Returns per sequence the
+    /// requested logits, row-major `[rows, vocab]` (empty for [`LogitsFor::None`]).
+    ///
+    /// # Errors
+    /// Inconsistent lengths, out-of-range slots or token ids, tensor failures.
+    fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>>;
+}
+
+/// Checks a forward batch against the model and pool before any work is done.
+///
+/// # Errors
+/// [`ModelError::Input`] naming the sequence and the problem.
+pub fn check_batch(info: &ModelInfo, kv: &KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<()> {
+    if kv.geometry() != info.geometry {
+        return Err(ModelError::Input(format!(
+            "KV pool geometry {:?} does not match the model's {:?}",
+            kv.geometry(),
+            info.geometry
+        )));
+    }
+    for (i, s) in seqs.iter().enumerate() {
+        let t = s.tokens.len();
+        if t == 0 {
+            return Err(ModelError::Input(format!("sequence {i}: no tokens to run")));
+        }
+        if s.positions.len() != t || s.new_slots.len() != t {
+            return Err(ModelError::Input(format!(
+                "sequence {i}: {t} tokens but {} positions and {} slots",
+                s.positions.len(),
+                s.new_slots.len()
+            )));
+        }
+        if let Some(&bad) = s.tokens.iter().find(|&&x| x as usize >= info.vocab_size) {
+            return Err(ModelError::Input(format!(
+                "sequence {i}: token id {bad} is outside the vocabulary of {}",
+                info.vocab_size
+            )));
+        }
+        let cap = kv.capacity();
+        if let Some(&bad) = s.context.iter().chain(s.new_slots).find(|&&x| x as usize >= cap) {
+            return Err(ModelError::Input(format!(
+                "sequence {i}: slot {bad} is outside the pool of {cap} slots"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A model ready to serve: weights, tokenizer and (when the file has one) chat template.
+pub struct LoadedModel {
+    /// The network.
+    pub model: std::sync::Arc<dyn CausalLm>,
+    /// Its tokenizer.
+    pub tokenizer: tokenizer::Tokenizer,
+    /// Its chat template, if the file carries one.
+    pub chat: Option<chat::ChatTemplate>,
+    /// Where it was loaded from.
+    pub path: std::path::PathBuf,
+}
+
+/// Loads a llama-family GGUF file with its tokenizer and chat template.
+///
+/// # Errors
+/// [`ModelError::File`] or [`ModelError::Unsupported`] naming the file and the reason.
+pub fn load_gguf(path: &std::path::Path) -> Result<LoadedModel> {
+    let mut f = gguf::GgufFile::open(path)?;
+    // Check the architecture before reading any weights, so an unsupported file fails fast.
+    llama::LlamaConfig::from_gguf(&f)?;
+    let tokenizer = tokenizer::Tokenizer::from_gguf_metadata(f.metadata()).map_err(|e| {
+        ModelError::File { path: path.to_path_buf(), reason: e.to_string() }
+    })?;
+    let chat = chat::ChatTemplate::from_gguf_metadata(f.metadata(), &tokenizer).ok();
+    let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let model = llama::Llama::load(&mut f, &name)?;
+    Ok(LoadedModel { model: std::sync::Arc::new(model), tokenizer, chat, path: path.to_path_buf() })
+}

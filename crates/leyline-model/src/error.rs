@@ -1,0 +1,42 @@
+//! The one error type of `leyline-model`.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A model file could not be read or parsed.
+    #[error("{path}: {reason}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The file is well-formed but describes something Leyline cannot run.
+    #[error("{path}: unsupported model: {reason}")]
+    Unsupported {
+        /// The file.
+        path: PathBuf,
+        /// Why it is not supported.
+        reason: String,
+    },
+    /// Tokenizer construction or use failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// Chat template parse or render failure.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// Invalid input to a forward pass.
+    #[error("{0}")]
+    Input(String),
+    /// A tensor operation failed.
+    #[error("tensor op: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// The KV layer refused an operation.
+    #[error(transparent)]
+    Kv(#[from] leyline_kv::KvError),
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;

@@ -1,0 +1,370 @@
+//! The llama family (Llama, SmolLM, Qwen2) over Leyline's slot pool.
+//!
+//! GGUF llama files store Q/K rows permuted so that RoPE rotates adjacent pairs; Qwen2 GGUF
+//! files keep the halves layout. Either way the model writes post-RoPE keys into the pool
+//! in the layout of its weights, and the [`RopeSpec`] it reports says which layout that is,
+//! so a later shift rotates the same pairs.
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use crate::linear::Linear;
+use crate::{CausalLm, ForwardSeq, LogitsFor, ModelInfo};
+use candle_core::{DType, Device, Tensor};
+use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
+use leyline_kv::{KvGeometry, KvStorage};
+
+/// Hyper-parameters of a llama-family model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// GGUF architecture name (`llama`, `qwen2`).
+    pub arch: String,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Residual width.
+    pub hidden: usize,
+    /// Number of transformer blocks.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (GQA groups).
+    pub kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Feed-forward width.
+    pub ffn: usize,
+    /// RMSNorm epsilon.
+    pub rms_eps: f64,
+    /// Trained context length.
+    pub context_length: usize,
+    /// Rotary embedding.
+    pub rope: RopeSpec,
+}
+
+impl LlamaConfig {
+    /// Reads the hyper-parameters of a `llama` or `qwen2` GGUF file.
+    ///
+    /// # Errors
+    /// [`ModelError::Unsupported`] for other architectures or rope scalings that Leyline
+    /// cannot shift; [`ModelError::File`] for missing metadata.
+    pub fn from_gguf(f: &GgufFile) -> Result<Self> {
+        let arch = f.get_str("general.architecture")?.to_string();
+        let layout = match arch.as_str() {
+            "llama" => RotaryLayout::Interleaved,
+            "qwen2" => RotaryLayout::Neox,
+            other => {
+                return Err(ModelError::Unsupported {
+                    path: f.path().to_path_buf(),
+                    reason: format!(
+                        "architecture {other:?} is not supported (supported: llama, qwen2)"
+                    ),
+                })
+            }
+        };
+        let k = |s: &str| format!("{arch}.{s}");
+        let hidden = f.get_usize(&k("embedding_length"))?;
+        let heads = f.get_usize(&k("attention.head_count"))?;
+        let kv_heads = f.opt_usize(&k("attention.head_count_kv"))?.unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || hidden % heads != 0 {
+            return Err(ModelError::Unsupported {
+                path: f.path().to_path_buf(),
+                reason: format!("{heads} heads, {kv_heads} kv heads and width {hidden} do not divide"),
+            });
+        }
+        let head_dim = f.opt_usize(&k("attention.key_length"))?.unwrap_or(hidden / heads);
+        let rotary_dim = f.opt_usize(&k("rope.dimension_count"))?.unwrap_or(head_dim);
+        let theta = f.opt_f64(&k("rope.freq_base"))?.unwrap_or(10_000.0);
+        let scaling = match f.get_str(&k("rope.scaling.type")).ok() {
+            None | Some("none") => RopeScaling::None,
+            Some("linear") => RopeScaling::Linear {
+                factor: f.opt_f64(&k("rope.scaling.factor"))?.unwrap_or(1.0),
+            },
+            Some(other) => {
+                return Err(ModelError::Unsupported {
+                    path: f.path().to_path_buf(),
+                    reason: format!("rope scaling {other:?} is not supported for GGUF models yet"),
+                })
+            }
+        };
+        let vocab_size = match f.opt_usize(&k("vocab_size"))? {
+            Some(v) => v,
+            None => match f.metadata().get("tokenizer.ggml.tokens") {
+                Some(v) => v.to_vec().map(Vec::len).unwrap_or(0),
+                None => 0,
+            },
+        };
+        Ok(Self {
+            vocab_size,
+            hidden,
+            layers: f.get_usize(&k("block_count"))?,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn: f.get_usize(&k("feed_forward_length"))?,
+            rms_eps: f.opt_f64(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+            context_length: f.opt_usize(&k("context_length"))?.unwrap_or(2048),
+            rope: RopeSpec { theta, head_dim, rotary_dim, layout, scaling },
+            arch,
+        })
+    }
+}
+
+struct Block {
+    attn_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ffn_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A loaded llama-family model.
+pub struct Llama {
+    cfg: LlamaConfig,
+    info: ModelInfo,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    lm_head: Linear,
+    inv_freq: Vec<f64>,
+}
+
+impl Llama {
+    /// Loads the weights of an opened GGUF file.
+    ///
+    /// # Errors
+    /// Unsupported architecture, missing or unreadable tensors.
+    pub fn load(f: &mut GgufFile, name: &str) -> Result<Self> {
+        let cfg = LlamaConfig::from_gguf(f)?;
+        let embed_q = f.tensor("token_embd.weight")?;
+        let embed = embed_q.dequantize(&Device::Cpu)?;
+        let (vocab, hidden) = embed.dims2()?;
+        if hidden != cfg.hidden {
+            return Err(ModelError::File {
+                path: f.path().to_path_buf(),
+                reason: format!("token_embd has width {hidden}, metadata says {}", cfg.hidden),
+            });
+        }
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let mut lin = |n: &str| Linear::load(f, &format!("blk.{i}.{n}"));
+            let q = lin("attn_q")?;
+            let k = lin("attn_k")?;
+            let v = lin("attn_v")?;
+            let o = lin("attn_output")?;
+            let gate = lin("ffn_gate")?;
+            let up = lin("ffn_up")?;
+            let down = lin("ffn_down")?;
+            blocks.push(Block {
+                attn_norm: f.tensor(&format!("blk.{i}.attn_norm.weight"))?.dequantize(&Device::Cpu)?,
+                ffn_norm: f.tensor(&format!("blk.{i}.ffn_norm.weight"))?.dequantize(&Device::Cpu)?,
+                q,
+                k,
+                v,
+                o,
+                gate,
+                up,
+                down,
+            });
+        }
+        let norm = f.tensor("output_norm.weight")?.dequantize(&Device::Cpu)?;
+        let lm_head = if f.has_tensor("output.weight") {
+            Linear::load(f, "output")?
+        } else {
+            Linear::from_parts(embed.clone(), Some(std::sync::Arc::new(embed_q)), None)?
+        };
+        let cfg = LlamaConfig { vocab_size: vocab, ..cfg };
+        let info = ModelInfo {
+            name: name.to_string(),
+            arch: cfg.arch.clone(),
+            vocab_size: vocab,
+            context_length: cfg.context_length,
+            geometry: KvGeometry {
+                layers: cfg.layers,
+                k_heads: cfg.kv_heads,
+                k_head_dim: cfg.head_dim,
+                v_width: cfg.kv_heads * cfg.head_dim,
+            },
+            rope: cfg.rope.clone(),
+        };
+        let inv_freq = cfg.rope.inv_freq();
+        Ok(Self { cfg, info, embed, blocks, norm, lm_head, inv_freq })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// cos/sin of every new token's position, `[tokens, rotary_dim / 2]` each.
+    fn rope_tables(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for f in &self.inv_freq {
+                let (s, c) = (p as f64 * f).sin_cos();
+                cos.push(c as f32);
+                sin.push(s as f32);
+            }
+        }
+        (cos, sin)
+    }
+
+    fn apply_rope(&self, x: &mut [f32], heads: usize, cos: &[f32], sin: &[f32]) {
+        let hd = self.cfg.head_dim;
+        let half = self.inv_freq.len();
+        let row = heads * hd;
+        for (t, xr) in x.chunks_exact_mut(row).enumerate() {
+            let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+            for h in xr.chunks_exact_mut(hd) {
+                match self.cfg.rope.layout {
+                    RotaryLayout::Interleaved => {
+                        for i in 0..half {
+                            let (a, b) = (h[2 * i], h[2 * i + 1]);
+                            h[2 * i] = a * c[i] - b * s[i];
+                            h[2 * i + 1] = a * s[i] + b * c[i];
+                        }
+                    }
+                    RotaryLayout::Neox => {
+                        for i in 0..half {
+                            let (a, b) = (h[i], h[i + half]);
+                            h[i] = a * c[i] - b * s[i];
+                            h[i + half] = a * s[i] + b * c[i];
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn attention(
+        &self,
+        kv: &KvStorage,
+        layer: usize,
+        q: &Tensor,
+        seqs: &[ForwardSeq<'_>],
+    ) -> Result<Tensor> {
+        let (h, kvh, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
+        let g = h / kvh;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut outs = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        let mut slots = Vec::new();
+        for s in seqs {
+            let t = s.tokens.len();
+            slots.clear();
+            slots.extend_from_slice(s.context);
+            slots.extend_from_slice(s.new_slots);
+            let n = slots.len();
+            let mut kbuf = vec![0f32; n * kvh * hd];
+            let mut vbuf = vec![0f32; n * kvh * hd];
+            kv.gather_k(layer, &slots, &mut kbuf)?;
+            kv.gather_v(layer, &slots, &mut vbuf)?;
+            let k = Tensor::from_vec(kbuf, (n, kvh, hd), &Device::Cpu)?.transpose(0, 1)?.contiguous()?;
+            let v = Tensor::from_vec(vbuf, (n, kvh, hd), &Device::Cpu)?.transpose(0, 1)?.contiguous()?;
+            // [t, h, hd] -> [kvh, g * t, hd]: query head j uses kv head j / g.
+            let qs = q
+                .narrow(0, row, t)?
+                .reshape((t, h, hd))?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((kvh, g * t, hd))?;
+            let mut att = (qs.matmul(&k.t()?)? * scale)?;
+            if t > 1 {
+                let ctx = s.context.len();
+                let mask: Vec<f32> = (0..t)
+                    .flat_map(|i| {
+                        (0..n).map(move |j| if j <= ctx + i { 0.0 } else { f32::NEG_INFINITY })
+                    })
+                    .collect();
+                let mask = Tensor::from_vec(mask, (t, n), &Device::Cpu)?;
+                att = att.reshape((kvh, g, t, n))?.broadcast_add(&mask)?.reshape((kvh, g * t, n))?;
+            }
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let o = att.matmul(&v)?.reshape((h, t, hd))?.transpose(0, 1)?.reshape((t, h * hd))?;
+            outs.push(o);
+            row += t;
+        }
+        Ok(Tensor::cat(&outs, 0)?)
+    }
+}
+
+fn to_rows(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+impl CausalLm for Llama {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
+        crate::check_batch(&self.info, kv, seqs)?;
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let positions: Vec<u32> = seqs.iter().flat_map(|s| s.positions.iter().copied()).collect();
+        let new_slots: Vec<u32> = seqs.iter().flat_map(|s| s.new_slots.iter().copied()).collect();
+        let n = tokens.len();
+        let (cos, sin) = self.rope_tables(&positions);
+        let ids = Tensor::from_vec(tokens, n, &Device::Cpu)?;
+        let mut x = self.embed.index_select(&ids, 0)?;
+        let (h, kvh, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
+        let eps = self.cfg.rms_eps as f32;
+        for (li, b) in self.blocks.iter().enumerate() {
+            let xn = candle_nn::ops::rms_norm(&x, &b.attn_norm, eps)?;
+            let mut q = to_rows(&b.q.forward(&xn)?)?;
+            let mut k = to_rows(&b.k.forward(&xn)?)?;
+            let v = to_rows(&b.v.forward(&xn)?)?;
+            self.apply_rope(&mut q, h, &cos, &sin);
+            self.apply_rope(&mut k, kvh, &cos, &sin);
+            let w = kvh * hd;
+            for (i, &slot) in new_slots.iter().enumerate() {
+                kv.write(li, slot, &k[i * w..(i + 1) * w], &v[i * w..(i + 1) * w])?;
+            }
+            let q = Tensor::from_vec(q, (n, h * hd), &Device::Cpu)?;
+            let att = self.attention(kv, li, &q, seqs)?;
+            x = (x + b.o.forward(&att)?)?;
+            let xn = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
+            let gate = b.gate.forward(&xn)?.silu()?;
+            let up = b.up.forward(&xn)?;
+            x = (x + b.down.forward(&(gate * up)?)?)?;
+        }
+        // Only the rows whose logits are wanted go through the head.
+        let mut rows = Vec::new();
+        let mut start = 0u32;
+        let mut counts = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            let t = s.tokens.len() as u32;
+            match s.logits {
+                LogitsFor::None => counts.push(0),
+                LogitsFor::Last => {
+                    rows.push(start + t - 1);
+                    counts.push(1);
+                }
+                LogitsFor::All => {
+                    rows.extend(start..start + t);
+                    counts.push(t as usize);
+                }
+            }
+            start += t;
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        if rows.is_empty() {
+            out.resize(seqs.len(), Vec::new());
+            return Ok(out);
+        }
+        let nrows = rows.len();
+        let idx = Tensor::from_vec(rows, nrows, &Device::Cpu)?;
+        let xs = candle_nn::ops::rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
+        let logits = to_rows(&self.lm_head.forward(&xs)?.to_dtype(DType::F32)?)?;
+        let vocab = self.info.vocab_size;
+        let mut off = 0;
+        for c in counts {
+            out.push(logits[off * vocab..(off + c) * vocab].to_vec());
+            off += c;
+        }
+        Ok(out)
+    }
+}

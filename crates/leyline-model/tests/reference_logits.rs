@@ -1,0 +1,229 @@
+//! SmolLM2 logits against Hugging Face transformers (fixtures in tests/fixtures/smollm2,
+//! produced by transformers from the same GGUF; see the README there), and the cache path:
+//! a prompt prefilled in one call equals the same prompt prefilled in two calls.
+
+use leyline_kv::{KvDtype, KvStorage};
+use leyline_model::gguf::GgufFile;
+use leyline_model::llama::Llama;
+use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// Max |logit difference| allowed against transformers' float32 forward. Both sides use
+/// the same dequantized f32 weights; the rest is accumulation order over 30 layers.
+const LOGIT_TOL: f32 = 2e-2;
+/// Positions whose reference top-1/top-2 gap is below this may flip without a bug.
+const NEAR_TIE: f32 = 2.0 * LOGIT_TOL;
+
+fn model() -> &'static Llama {
+    static M: OnceLock<Llama> = OnceLock::new();
+    M.get_or_init(|| {
+        let path = leyline_model::registry::default_model_path()
+            .expect("the default model is needed: `leyline model fetch` failed");
+        let mut f = GgufFile::open(&path).expect("open GGUF");
+        Llama::load(&mut f, "smollm2-135m").expect("load model")
+    })
+}
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2/logits")
+}
+
+fn load_case(name: &str) -> Value {
+    let text = std::fs::read_to_string(fixture_dir().join(format!("{name}.json"))).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn run_all(m: &Llama, tokens: &[u32], dtype: KvDtype) -> Vec<f32> {
+    let mut kv = KvStorage::new(m.info().geometry, dtype, tokens.len()).unwrap();
+    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+    let seq = ForwardSeq {
+        tokens,
+        positions: &pos,
+        context: &[],
+        new_slots: &pos,
+        logits: LogitsFor::All,
+    };
+    m.forward(&mut kv, &[seq]).unwrap().remove(0)
+}
+
+const CASES: [&str; 4] = ["p1_short", "p2_prose", "p3_code", "p4_agent_chat"];
+
+#[test]
+fn logits_match_transformers_at_every_position() {
+    let m = model();
+    let vocab = m.info().vocab_size;
+    for name in CASES {
+        let case = load_case(name);
+        let tokens = ids(&case["input_ids"]);
+        let logits = run_all(m, &tokens, KvDtype::F32);
+        assert_eq!(logits.len(), tokens.len() * vocab);
+        let pp = &case["per_position"];
+        let mut worst = 0f32;
+        for (p, row) in logits.chunks_exact(vocab).enumerate() {
+            let top_ids = ids(&pp["top10_ids"][p]);
+            let top_logits: Vec<f32> = pp["top10_logits"][p]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect();
+            for (id, want) in top_ids.iter().zip(&top_logits) {
+                worst = worst.max((row[*id as usize] - want).abs());
+            }
+            let gap = pp["top1_minus_top2"][p].as_f64().unwrap() as f32;
+            let ours = argmax(row);
+            if gap >= NEAR_TIE {
+                assert_eq!(
+                    ours, top_ids[0],
+                    "{name}: top-1 differs at position {p} (gap {gap})"
+                );
+            }
+            let lse_ref = pp["logsumexp"][p].as_f64().unwrap();
+            let lse = logsumexp(row);
+            assert!(
+                (lse - lse_ref).abs() < LOGIT_TOL as f64,
+                "{name} pos {p}: lse {lse} vs {lse_ref}"
+            );
+        }
+        assert!(
+            worst <= LOGIT_TOL,
+            "{name}: max |diff| {worst} > {LOGIT_TOL}"
+        );
+        // All 49152 logits of the last position.
+        let bytes =
+            std::fs::read(fixture_dir().join(format!("{name}.last_logits.f32le.bin"))).unwrap();
+        let want: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let last = &logits[(tokens.len() - 1) * vocab..];
+        let max = last
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(max <= LOGIT_TOL, "{name}: last-position max |diff| {max}");
+        eprintln!(
+            "{name}: {} tokens, top-10 max |diff| {worst:.2e}, last row {max:.2e}",
+            tokens.len()
+        );
+    }
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn logsumexp(row: &[f32]) -> f64 {
+    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    max + row
+        .iter()
+        .map(|&x| (x as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+}
+
+/// Prefill in one call vs. two calls where the second reads the first half's slots from
+/// the pool, in f32 and bf16 storage.
+#[test]
+fn split_prefill_reads_the_cached_half() {
+    let m = model();
+    let vocab = m.info().vocab_size;
+    let tokens = ids(&load_case("p3_code")["input_ids"]);
+    let n = tokens.len();
+    let half = n / 2;
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let whole = run_all(m, &tokens, dtype);
+        let mut kv = KvStorage::new(m.info().geometry, dtype, n + 7).unwrap();
+        // Non-contiguous, shuffled slots: the model must follow the slot list.
+        let slots: Vec<u32> = (0..n as u32)
+            .map(|i| (i * 37 + 5) % (n as u32 + 7))
+            .collect();
+        let pos: Vec<u32> = (0..n as u32).collect();
+        let first = ForwardSeq {
+            tokens: &tokens[..half],
+            positions: &pos[..half],
+            context: &[],
+            new_slots: &slots[..half],
+            logits: LogitsFor::None,
+        };
+        assert!(m.forward(&mut kv, &[first]).unwrap()[0].is_empty());
+        let second = ForwardSeq {
+            tokens: &tokens[half..],
+            positions: &pos[half..],
+            context: &slots[..half],
+            new_slots: &slots[half..],
+            logits: LogitsFor::All,
+        };
+        let split = m.forward(&mut kv, &[second]).unwrap().remove(0);
+        let max = split
+            .iter()
+            .zip(&whole[half * vocab..])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        // In bf16 a last-bit difference of the f32 activations (matmul blocking differs with
+        // the row count) can flip a key's rounding; f32 storage shows the path itself is exact.
+        let tol = if dtype == KvDtype::F32 { 1e-3 } else { 0.15 };
+        eprintln!("{dtype}: split vs whole max |diff| {max:.2e}");
+        assert!(max < tol, "{dtype}: split prefill differs by {max}");
+    }
+}
+
+/// Two sequences in one batch give the same logits as each alone.
+#[test]
+fn batched_sequences_do_not_mix() {
+    let m = model();
+    let a = ids(&load_case("p1_short")["input_ids"]);
+    let b = ids(&load_case("p2_prose")["input_ids"]);
+    let alone_a = run_all(m, &a, KvDtype::F32);
+    let alone_b = run_all(m, &b, KvDtype::F32);
+    let mut kv = KvStorage::new(m.info().geometry, KvDtype::F32, a.len() + b.len()).unwrap();
+    let pa: Vec<u32> = (0..a.len() as u32).collect();
+    let pb: Vec<u32> = (0..b.len() as u32).collect();
+    let sb: Vec<u32> = (a.len() as u32..(a.len() + b.len()) as u32).collect();
+    let out = m
+        .forward(
+            &mut kv,
+            &[
+                ForwardSeq {
+                    tokens: &a,
+                    positions: &pa,
+                    context: &[],
+                    new_slots: &pa,
+                    logits: LogitsFor::All,
+                },
+                ForwardSeq {
+                    tokens: &b,
+                    positions: &pb,
+                    context: &[],
+                    new_slots: &sb,
+                    logits: LogitsFor::All,
+                },
+            ],
+        )
+        .unwrap();
+    for (got, want) in [(&out[0], &alone_a), (&out[1], &alone_b)] {
+        let max = got
+            .iter()
+            .zip(want.iter())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(max < 1e-3, "batched differs by {max}");
+    }
+}
