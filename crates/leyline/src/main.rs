@@ -1,1 +1,312 @@
-fn main() {}
+//! `leyline`: the command line of the Leyline serving engine.
+
+mod bench;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use leyline_engine::{generate, GenerateParams, SamplingParams};
+use leyline_kv::{KvDtype, KvStorage};
+use leyline_model::chat::ChatMessage;
+use leyline_model::registry::{self, FetchEvent};
+use leyline_model::LoadedModel;
+use std::io::{BufRead, Write};
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+/// Leyline: an LLM serving engine whose KV cache takes directives.
+#[derive(Parser)]
+#[command(name = "leyline", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Complete a raw prompt (no chat template) and stream the tokens.
+    Run(RunArgs),
+    /// Talk to the model interactively (chat template applied); empty line or Ctrl-D ends.
+    Chat(ChatArgs),
+    /// Manage models: fetch the default model, list known ones.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Download, verify (sha256) and cache a known model under $LEYLINE_HOME/models.
+    Fetch {
+        /// Model name.
+        #[arg(default_value = registry::DEFAULT_MODEL)]
+        name: String,
+        /// Download again even if the model is cached.
+        #[arg(long)]
+        force: bool,
+    },
+    /// List the models `fetch` knows and whether they are cached.
+    List,
+}
+
+/// Options shared by every command that loads a model.
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// A local llama-family GGUF file (default: the smollm2-135m model, fetched on first use).
+    #[arg(long, short = 'm', env = "LEYLINE_MODEL")]
+    pub model: Option<PathBuf>,
+    /// KV cache storage type: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub kv_dtype: KvDtype,
+    /// KV pool size in slots (tokens); default: the model's context length.
+    #[arg(long)]
+    pub kv_slots: Option<usize>,
+}
+
+#[derive(Args, Clone)]
+struct SamplingArgs {
+    /// Most tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, short = 't', default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// The prompt text.
+    #[arg(long, short = 'p')]
+    prompt: String,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Print timing and throughput to stderr at the end.
+    #[arg(long)]
+    stats: bool,
+}
+
+#[derive(Args)]
+struct ChatArgs {
+    /// System prompt (default: the template's own).
+    #[arg(long)]
+    system: Option<String>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+fn main() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LEYLINE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let cli = Cli::parse();
+    if let Err(e) = dispatch(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn dispatch(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Run(a) => run(a),
+        Command::Chat(a) => chat(a),
+        Command::Model(ModelCommand::Fetch { name, force }) => {
+            let m = registry::known_model(&name)?;
+            let path = registry::cached_path(m);
+            if path.is_file() && !force {
+                println!("{} is cached at {}", m.name, path.display());
+                return Ok(());
+            }
+            let path = fetch_with_progress(m)?;
+            println!("{} verified and cached at {}", m.name, path.display());
+            Ok(())
+        }
+        Command::Model(ModelCommand::List) => {
+            for m in registry::KNOWN_MODELS {
+                let p = registry::cached_path(m);
+                let state = if p.is_file() { p.display().to_string() } else { "not fetched".into() };
+                println!("{:<16} {}  [{}]", m.name, m.description, state);
+            }
+            Ok(())
+        }
+        Command::Bench(b) => bench::run(b),
+    }
+}
+
+fn fetch_with_progress(m: &registry::KnownModel) -> Result<PathBuf> {
+    let bar = ProgressBar::new_spinner();
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    let path = registry::fetch(m, &mut |e| match e {
+        FetchEvent::Stage { name, total } => {
+            match total {
+                Some(t) => {
+                    bar.set_length(t);
+                    bar.set_position(0);
+                    bar.set_style(
+                        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes}")
+                            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                    );
+                }
+                None => bar.set_style(ProgressStyle::default_spinner()),
+            }
+            bar.set_message(name);
+        }
+        FetchEvent::Progress { done } => bar.set_position(done),
+        FetchEvent::Finished => bar.finish_and_clear(),
+    });
+    bar.finish_and_clear();
+    Ok(path?)
+}
+
+/// Resolves `--model` or the default model (fetching it on first use) and loads it.
+pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
+    let path = match &args.model {
+        Some(p) => p.clone(),
+        None => {
+            let m = registry::known_model(registry::DEFAULT_MODEL)?;
+            let p = registry::cached_path(m);
+            if p.is_file() {
+                p
+            } else {
+                eprintln!("leyline: fetching the default model {} (first use)", m.name);
+                fetch_with_progress(m)?
+            }
+        }
+    };
+    Ok(leyline_model::load_gguf(&path)?)
+}
+
+/// Storage for one sequence of the loaded model.
+pub fn storage_for(lm: &LoadedModel, args: &ModelArgs) -> Result<KvStorage> {
+    let info = lm.model.info();
+    let slots = args.kv_slots.unwrap_or(info.context_length);
+    Ok(KvStorage::new(info.geometry, args.kv_dtype, slots)?)
+}
+
+fn params(s: &SamplingArgs, lm: &LoadedModel, extra_stops: &[u32]) -> Result<GenerateParams> {
+    let sampling = SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        seed: s.seed,
+    };
+    if let Err(e) = sampling.validate() {
+        bail!(e);
+    }
+    let mut stop_tokens: Vec<u32> = lm.tokenizer.eos_id().into_iter().collect();
+    stop_tokens.extend_from_slice(extra_stops);
+    Ok(GenerateParams { max_tokens: s.max_tokens, sampling, stop_tokens, ..Default::default() })
+}
+
+fn run(a: RunArgs) -> Result<()> {
+    if a.prompt.is_empty() {
+        bail!("the prompt is empty: pass some text with --prompt");
+    }
+    let lm = load_model(&a.model)?;
+    let prompt = lm.tokenizer.encode(&a.prompt, true)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    let mut kv = storage_for(&lm, &a.model)?;
+    let params = params(&a.sampling, &lm, &[])?;
+    let stats = stream(&lm, &mut kv, &prompt, &params)?;
+    println!();
+    if a.stats {
+        let pf = stats.prompt_tokens as f64 / stats.prefill_time.as_secs_f64();
+        let dec = stats.generated_tokens.saturating_sub(1) as f64 / stats.decode_time.as_secs_f64();
+        eprintln!(
+            "prompt {} tokens in {:.1} ms ({pf:.1} tok/s); generated {} tokens ({dec:.1} tok/s); stop: {:?}",
+            stats.prompt_tokens,
+            stats.prefill_time.as_secs_f64() * 1e3,
+            stats.generated_tokens,
+            stats.stop
+        );
+    }
+    Ok(())
+}
+
+fn stream(
+    lm: &LoadedModel,
+    kv: &mut KvStorage,
+    prompt: &[u32],
+    params: &GenerateParams,
+) -> Result<leyline_engine::GenerateStats> {
+    let mut out = std::io::stdout().lock();
+    let mut dec = lm.tokenizer.decode_stream(true);
+    let mut err = None;
+    let stats = generate(lm.model.as_ref(), kv, prompt, params, |t| {
+        match dec.push(&lm.tokenizer, &[t]) {
+            Ok(text) => {
+                let _ = out.write_all(text.as_bytes());
+                let _ = out.flush();
+                ControlFlow::Continue(())
+            }
+            Err(e) => {
+                err = Some(e);
+                ControlFlow::Break(())
+            }
+        }
+    })?;
+    if let Some(e) = err {
+        return Err(e.into());
+    }
+    let _ = out.write_all(dec.finish().as_bytes());
+    Ok(stats)
+}
+
+fn chat(a: ChatArgs) -> Result<()> {
+    let lm = load_model(&a.model)?;
+    let template = lm
+        .chat
+        .as_ref()
+        .with_context(|| format!("{} has no chat template; use `leyline run`", lm.path.display()))?;
+    let im_end: Vec<u32> = lm.tokenizer.token_id("<|im_end|>").into_iter().collect();
+    let params = params(&a.sampling, &lm, &im_end)?;
+    let mut messages = Vec::new();
+    if let Some(s) = &a.system {
+        messages.push(ChatMessage::new("system", s.clone()));
+    }
+    let mut kv = storage_for(&lm, &a.model)?;
+    let stdin = std::io::stdin();
+    let interactive = std::io::IsTerminal::is_terminal(&stdin);
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            break;
+        }
+        messages.push(ChatMessage::new("user", line.trim_end().to_string()));
+        let text = template.render(&messages, true)?;
+        let prompt = lm.tokenizer.encode(&text, false)?;
+        let mut reply = Vec::new();
+        let mut dec = lm.tokenizer.decode_stream(true);
+        let mut out = std::io::stdout().lock();
+        generate(lm.model.as_ref(), &mut kv, &prompt, &params, |t| {
+            reply.push(t);
+            if let Ok(s) = dec.push(&lm.tokenizer, &[t]) {
+                let _ = out.write_all(s.as_bytes());
+                let _ = out.flush();
+            }
+            ControlFlow::Continue(())
+        })?;
+        let _ = writeln!(out, "{}", dec.finish());
+        messages.push(ChatMessage::new("assistant", lm.tokenizer.decode(&reply, true)?));
+    }
+    Ok(())
+}

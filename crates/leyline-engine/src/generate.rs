@@ -1,0 +1,141 @@
+//! Single-sequence generation: chunked prefill, then one token per step, streaming each
+//! token to a callback. The sequence's KV lives in slots `0..n` of a storage the caller owns.
+
+use crate::error::{EngineError, Result};
+use crate::sampling::{Sampler, SamplingParams};
+use leyline_kv::KvStorage;
+use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
+use std::ops::ControlFlow;
+use std::time::{Duration, Instant};
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    /// Most new tokens.
+    pub max_tokens: usize,
+    /// How to pick them.
+    pub sampling: SamplingParams,
+    /// Tokens that end generation (not emitted).
+    pub stop_tokens: Vec<u32>,
+    /// Prompt tokens per prefill forward.
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        Self { max_tokens: 128, sampling: SamplingParams::default(), stop_tokens: Vec::new(), prefill_chunk: 512 }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop token was produced.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The callback asked to stop.
+    Cancelled,
+    /// The context is full.
+    ContextFull,
+}
+
+/// Timings and counts of one generation.
+#[derive(Debug, Clone)]
+pub struct GenerateStats {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens (emitted).
+    pub generated_tokens: usize,
+    /// Time from start to the first generated token's logits.
+    pub prefill_time: Duration,
+    /// Time spent in decode steps.
+    pub decode_time: Duration,
+    /// Why it ended.
+    pub stop: StopReason,
+}
+
+/// Generates from `prompt`, calling `on_token` with each new token.
+///
+/// # Errors
+/// An empty prompt, a prompt that does not fit the context or the storage, or a model error.
+pub fn generate(
+    model: &dyn CausalLm,
+    kv: &mut KvStorage,
+    prompt: &[u32],
+    params: &GenerateParams,
+    mut on_token: impl FnMut(u32) -> ControlFlow<()>,
+) -> Result<GenerateStats> {
+    if prompt.is_empty() {
+        return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+    }
+    params.sampling.validate().map_err(EngineError::InvalidRequest)?;
+    let limit = model.info().context_length.min(kv.capacity());
+    if prompt.len() >= limit {
+        return Err(EngineError::InvalidRequest(format!(
+            "the prompt has {} tokens but the context holds {limit} (the model's context length is {}, the KV pool has {} slots)",
+            prompt.len(),
+            model.info().context_length,
+            kv.capacity()
+        )));
+    }
+    let start = Instant::now();
+    let mut sampler = Sampler::new(params.sampling);
+    let mut tokens: Vec<u32> = prompt.to_vec();
+    let slots: Vec<u32> = (0..limit as u32).collect();
+    let chunk = params.prefill_chunk.max(1);
+    let mut done = 0;
+    let mut logits = Vec::new();
+    while done < prompt.len() {
+        let end = (done + chunk).min(prompt.len());
+        let last = end == prompt.len();
+        let seq = ForwardSeq {
+            tokens: &prompt[done..end],
+            positions: &slots[done..end],
+            context: &slots[..done],
+            new_slots: &slots[done..end],
+            logits: if last { LogitsFor::Last } else { LogitsFor::None },
+        };
+        logits = model.forward(kv, &[seq])?.remove(0);
+        done = end;
+    }
+    let prefill_time = start.elapsed();
+    let decode_start = Instant::now();
+    let mut generated = 0;
+    let stop = loop {
+        if generated >= params.max_tokens {
+            break StopReason::Length;
+        }
+        let next = sampler.sample(&logits);
+        if params.stop_tokens.contains(&next) {
+            break StopReason::Stop;
+        }
+        generated += 1;
+        if on_token(next).is_break() {
+            break StopReason::Cancelled;
+        }
+        if generated >= params.max_tokens {
+            break StopReason::Length;
+        }
+        let n = tokens.len();
+        if n >= limit {
+            break StopReason::ContextFull;
+        }
+        tokens.push(next);
+        let seq = ForwardSeq {
+            tokens: &tokens[n..],
+            positions: &slots[n..n + 1],
+            context: &slots[..n],
+            new_slots: &slots[n..n + 1],
+            logits: LogitsFor::Last,
+        };
+        logits = model.forward(kv, &[seq])?.remove(0);
+    };
+    Ok(GenerateStats {
+        prompt_tokens: prompt.len(),
+        generated_tokens: generated,
+        prefill_time,
+        decode_time: decode_start.elapsed(),
+        stop,
+    })
+}

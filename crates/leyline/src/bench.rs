@@ -1,0 +1,115 @@
+//! `leyline bench ...`: measurements that print medians, for BENCHMARKS.md.
+
+use crate::{load_model, storage_for, ModelArgs};
+use anyhow::{bail, Result};
+use clap::{Args, Subcommand};
+use leyline_engine::{generate, GenerateParams, SamplingParams};
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+/// Benchmarks.
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Prefill and decode tokens/s of one sequence (compare with llama-bench pp/tg).
+    Engine(EngineArgs),
+}
+
+/// Options of `bench engine`.
+#[derive(Args)]
+pub struct EngineArgs {
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Tokens generated for the decode measurement.
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Repetitions; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Worker threads (sets RAYON_NUM_THREADS before the pool starts).
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+const FILLER: &str = "The history of navigation is a story of instruments and patience. \
+Sailors read the stars, timed the sun at noon, and counted knots on a rope to guess their speed. \
+Each improvement, from the magnetic compass to the marine chronometer, shortened voyages and saved lives. ";
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs a benchmark.
+pub fn run(cmd: BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Engine(a) => engine(a),
+    }
+}
+
+fn engine(a: EngineArgs) -> Result<()> {
+    if a.repeat == 0 || a.prompt_tokens == 0 {
+        bail!("--repeat and --prompt-tokens must be at least 1");
+    }
+    std::env::set_var("RAYON_NUM_THREADS", a.threads.to_string());
+    let lm = load_model(&a.model)?;
+    let mut text = String::new();
+    let mut prompt = Vec::new();
+    while prompt.len() < a.prompt_tokens {
+        text.push_str(FILLER);
+        prompt = lm.tokenizer.encode(&text, false)?;
+    }
+    prompt.truncate(a.prompt_tokens);
+    let mut kv = storage_for(&lm, &a.model)?;
+    let mut pp = Vec::new();
+    let mut tg = Vec::new();
+    for i in 0..=a.repeat {
+        // Prefill alone: generate one token (the first sample needs only the prefill).
+        let params = GenerateParams { max_tokens: 1, ..Default::default() };
+        let t = Instant::now();
+        generate(lm.model.as_ref(), &mut kv, &prompt, &params, |_| ControlFlow::Continue(()))?;
+        let prefill = t.elapsed().as_secs_f64();
+        // Decode: a short prompt, then gen_tokens steps (no stop tokens).
+        let params = GenerateParams {
+            max_tokens: a.gen_tokens + 1,
+            sampling: SamplingParams::greedy(),
+            ..Default::default()
+        };
+        let stats = generate(lm.model.as_ref(), &mut kv, &prompt[..8.min(prompt.len())], &params, |_| {
+            ControlFlow::Continue(())
+        })?;
+        if i == 0 {
+            continue; // warm-up
+        }
+        pp.push(prompt.len() as f64 / prefill);
+        tg.push(a.gen_tokens as f64 / stats.decode_time.as_secs_f64());
+    }
+    let (pp, tg) = (median(pp), median(tg));
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": lm.model.info().name,
+                "threads": a.threads,
+                "kv_dtype": a.model.kv_dtype.name(),
+                "prompt_tokens": a.prompt_tokens,
+                "gen_tokens": a.gen_tokens,
+                "prefill_tok_s": pp,
+                "decode_tok_s": tg,
+            })
+        );
+    } else {
+        println!("| model | threads | kv | test | tok/s (median of {}) |", a.repeat);
+        println!("|---|---|---|---|---|");
+        let name = &lm.model.info().name;
+        let kv = a.model.kv_dtype;
+        println!("| {name} | {} | {kv} | pp{} | {pp:.1} |", a.threads, a.prompt_tokens);
+        println!("| {name} | {} | {kv} | tg{} | {tg:.1} |", a.threads, a.gen_tokens);
+    }
+    Ok(())
+}
