@@ -62,6 +62,21 @@ pub enum KvError {
     /// A removal would drop a locked radix node.
     #[error("radix node {0} is locked by a running sequence")]
     NodeLocked(u32),
+    /// A RoPE spec that cannot describe a rotation (odd or oversized rotary dim, bad theta...).
+    #[error("invalid RoPE spec: {0}")]
+    InvalidRope(String),
+    /// The model's RoPE cannot be shifted by a relative rotation (AMORTIZE is refused).
+    #[error("keys of this model cannot be shifted in place: {0}")]
+    NotShiftable(String),
+    /// Inputs of the splice planner disagree with each other or with the batch.
+    #[error("splice plan: {0}")]
+    SpliceInput(String),
+    /// Copy-on-write before a rotation needs more slots than the allocator gave.
+    #[error("copy-on-write needs {needed} fresh slots and the pool could not provide them")]
+    CowExhausted {
+        /// Slots needed.
+        needed: usize,
+    },
 }
 
 /// Result alias of this crate.
