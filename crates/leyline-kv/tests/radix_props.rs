@@ -358,7 +358,7 @@ impl World {
         self.cache.check_invariants().map_err(TestCaseError::fail)?;
         prop_assert_eq!(&model_of(&self.cache), &self.model);
         let tree = self.cache.tree_references();
-        let mut ext = vec![0u32; CAP];
+        let mut ext = [0u32; CAP];
         for h in &self.held {
             for &s in h {
                 ext[s as usize] += 1;
@@ -400,7 +400,7 @@ impl World {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(2048))]
 
     #[test]
     fn cache_matches_reference(ops in prop::collection::vec(op(), 1..60)) {
