@@ -127,7 +127,9 @@ impl RopeSpec {
                 high_freq_factor,
                 ..
             } => {
-                if !(high_freq_factor > low_freq_factor) {
+                if high_freq_factor.partial_cmp(&low_freq_factor)
+                    != Some(std::cmp::Ordering::Greater)
+                {
                     return bad("llama3 high_freq_factor must exceed low_freq_factor".into());
                 }
                 factor
@@ -141,7 +143,7 @@ impl RopeSpec {
                 factor,
                 original_max_position,
             } => {
-                if !(original_max_position > 0.0) {
+                if original_max_position.is_nan() || original_max_position <= 0.0 {
                     return bad("original_max_position must be positive".into());
                 }
                 factor
