@@ -5,10 +5,18 @@
 //! token; models only read and write the slots they are handed.
 #![deny(missing_docs)]
 
+pub mod engine;
 pub mod error;
 pub mod generate;
+pub mod handle;
+pub mod metrics;
+pub mod request;
 pub mod sampling;
 
+pub use engine::{Engine, EngineConfig, StepReport};
 pub use error::{EngineError, Result};
+pub use handle::{EngineHandle, EngineThread};
+pub use metrics::{Metrics, MetricsSnapshot};
+pub use request::{Event, EventSink, FinishReason, Request, RequestId, Usage};
 pub use generate::{generate, GenerateParams, GenerateStats, StopReason};
 pub use sampling::{argmax, Sampler, SamplingParams};

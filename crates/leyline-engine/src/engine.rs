@@ -1,0 +1,507 @@
+//! The scheduler: continuous batching over the shared slot pool with prefix reuse.
+//!
+//! Each [`Engine::step`] admits waiting requests (longest cached prefix first reused, the
+//! rest of the prompt reserved in the pool, evicting unlocked prefixes when short), then runs
+//! ONE forward over every running sequence: a decode token for each sequence that has one,
+//! and prefill chunks for the others within the `prefill_chunk` token budget, so a long
+//! prompt never stalls decodes for long. Finished sequences leave their KV in the prefix
+//! tree for later hits.
+//!
+//! Slot ownership: a running sequence owns one reference on each slot it allocated; the
+//! cached prefix it started from is pinned by a lock on the tree node instead. On finish the
+//! tree adopts the sequence's slots, the sequence drops its references and its lock.
+
+use crate::error::{EngineError, Result};
+use crate::metrics::Metrics;
+use crate::request::{Event, FinishReason, Request, RequestId, Usage};
+use crate::sampling::Sampler;
+use leyline_kv::radix::{LockReceipt, Namespace, PrefixCache};
+use leyline_kv::slots::Lineage;
+use leyline_kv::{KvDtype, KvError, KvStorage};
+use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// KV storage type.
+    pub kv_dtype: KvDtype,
+    /// Pool size in slots (tokens).
+    pub kv_slots: usize,
+    /// Most prompt tokens prefilled per step, over all sequences.
+    pub prefill_chunk: usize,
+    /// Most sequences running at once.
+    pub max_running: usize,
+}
+
+impl EngineConfig {
+    /// Settings for `model` with a pool of `kv_slots`.
+    pub fn new(kv_slots: usize) -> Self {
+        Self { kv_dtype: KvDtype::F32, kv_slots, prefill_chunk: 512, max_running: 64 }
+    }
+
+    /// A pool sized from a byte budget for `model`'s geometry.
+    pub fn slots_for_memory(model: &dyn CausalLm, dtype: KvDtype, bytes: usize) -> usize {
+        KvStorage::slots_for_bytes(model.info().geometry, dtype, bytes)
+    }
+}
+
+struct Running {
+    id: RequestId,
+    req: Request,
+    ns: Namespace,
+    /// Prompt, then generated tokens.
+    tokens: Vec<u32>,
+    /// Slot of every token with KV (`tokens[..slots.len()]`).
+    slots: Vec<u32>,
+    /// Own slots not used yet, handed out in order.
+    reserved: VecDeque<u32>,
+    /// Prefix length served from the cache (pinned by `lock`).
+    cached: usize,
+    lock: Option<LockReceipt>,
+    sampler: Sampler,
+    prompt_len: usize,
+    generated: usize,
+    submitted: Instant,
+    admitted: Instant,
+    first_token: Option<Instant>,
+    /// Set once the sequence must leave at the end of the step.
+    finish: Option<FinishReason>,
+}
+
+impl Running {
+    fn computed(&self) -> usize {
+        self.slots.len()
+    }
+}
+
+struct Waiting {
+    id: RequestId,
+    req: Request,
+    submitted: Instant,
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Sequences in the forward call.
+    pub seqs: usize,
+    /// Of which decoding one token.
+    pub decode_seqs: usize,
+    /// Prompt tokens prefilled.
+    pub prefill_tokens: usize,
+    /// Requests admitted.
+    pub admitted: usize,
+    /// Requests finished or failed.
+    pub retired: usize,
+}
+
+/// The scheduler and everything it owns: model, KV storage, prefix cache, queues.
+pub struct Engine {
+    model: Arc<dyn CausalLm>,
+    model_id: u32,
+    cfg: EngineConfig,
+    kv: KvStorage,
+    cache: PrefixCache,
+    waiting: VecDeque<Waiting>,
+    running: Vec<Running>,
+    next_id: RequestId,
+    metrics: Arc<Metrics>,
+}
+
+impl Engine {
+    /// An engine over `model` with a pool of `cfg.kv_slots` slots.
+    ///
+    /// # Errors
+    /// A zero-sized pool or bad settings.
+    pub fn new(model: Arc<dyn CausalLm>, cfg: EngineConfig) -> Result<Self> {
+        if cfg.prefill_chunk == 0 || cfg.max_running == 0 {
+            return Err(EngineError::InvalidRequest(
+                "prefill_chunk and max_running must be at least 1".into(),
+            ));
+        }
+        let kv = KvStorage::new(model.info().geometry, cfg.kv_dtype, cfg.kv_slots)?;
+        let cache = PrefixCache::new(cfg.kv_slots)?;
+        let metrics = Arc::new(Metrics::default());
+        metrics.set(&metrics.pool_capacity_slots, cfg.kv_slots as u64);
+        Ok(Self {
+            model,
+            model_id: 0,
+            cfg,
+            kv,
+            cache,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 1,
+            metrics,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<dyn CausalLm> {
+        &self.model
+    }
+
+    /// Live counters.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        Arc::clone(&self.metrics)
+    }
+
+    /// The prefix cache (slot metadata and tree), for inspection.
+    pub fn cache(&self) -> &PrefixCache {
+        &self.cache
+    }
+
+    /// The KV storage, for inspection.
+    pub fn storage(&self) -> &KvStorage {
+        &self.kv
+    }
+
+    /// Settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Whether anything is queued or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Most tokens one sequence can hold: the model's context or the pool, whichever is less.
+    pub fn max_sequence_len(&self) -> usize {
+        self.model.info().context_length.min(self.kv.capacity())
+    }
+
+    /// Queues a request. Requests that can never run fail here, with their sink told why.
+    pub fn submit(&mut self, mut req: Request) -> RequestId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.metrics.add(&self.metrics.requests_submitted, 1);
+        if let Err(e) = self.validate(&req) {
+            self.metrics.add(&self.metrics.requests_failed, 1);
+            let _ = (req.sink)(Event::Failed(e.to_string()));
+            return id;
+        }
+        self.waiting.push_back(Waiting { id, req, submitted: Instant::now() });
+        self.update_gauges();
+        id
+    }
+
+    fn validate(&self, req: &Request) -> Result<()> {
+        if req.prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        req.sampling.validate().map_err(EngineError::InvalidRequest)?;
+        let vocab = self.model.info().vocab_size;
+        if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {t} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let limit = self.max_sequence_len();
+        if req.prompt.len() >= limit {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt has {} tokens but a sequence holds at most {} here (context length {}, KV pool {} slots)",
+                req.prompt.len(),
+                limit - 1,
+                self.model.info().context_length,
+                self.kv.capacity()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs one scheduling step: admit, one batched forward, sample, retire.
+    ///
+    /// # Errors
+    /// Only for engine-internal failures; per-request problems go to that request's sink.
+    pub fn step(&mut self) -> Result<StepReport> {
+        let mut report = StepReport { admitted: self.admit()?, ..Default::default() };
+        if self.running.is_empty() {
+            self.update_gauges();
+            return Ok(report);
+        }
+        // Plan the batch: decodes first, then prefill chunks within the budget.
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, from, to)
+        let mut budget = self.cfg.prefill_chunk;
+        for (i, r) in self.running.iter().enumerate() {
+            let c = r.computed();
+            if c >= r.prompt_len && c < r.tokens.len() {
+                plan.push((i, c, c + 1));
+                report.decode_seqs += 1;
+            }
+        }
+        for (i, r) in self.running.iter().enumerate() {
+            let c = r.computed();
+            if c < r.prompt_len && budget > 0 {
+                let to = (c + budget).min(r.prompt_len);
+                budget -= to - c;
+                report.prefill_tokens += to - c;
+                plan.push((i, c, to));
+            }
+        }
+        if plan.is_empty() {
+            self.retire(&mut report);
+            return Ok(report);
+        }
+        // Hand out slots for the new tokens.
+        let mut new_slots: Vec<Vec<u32>> = Vec::with_capacity(plan.len());
+        let mut positions: Vec<Vec<u32>> = Vec::with_capacity(plan.len());
+        for &(i, from, to) in &plan {
+            let r = &mut self.running[i];
+            let take: Vec<u32> = r.reserved.drain(..to - from).collect();
+            debug_assert_eq!(take.len(), to - from, "reservation covers the sequence");
+            for (k, &s) in take.iter().enumerate() {
+                let pos = (from + k) as u32;
+                self.cache.pool_mut().set_position(s, pos)?;
+                self.cache.pool_mut().set_lineage(s, r.ns.lineage)?;
+            }
+            positions.push((from as u32..to as u32).collect());
+            new_slots.push(take);
+        }
+        let logits = {
+            let seqs: Vec<ForwardSeq<'_>> = plan
+                .iter()
+                .enumerate()
+                .map(|(k, &(i, from, to))| {
+                    let r = &self.running[i];
+                    ForwardSeq {
+                        tokens: &r.tokens[from..to],
+                        positions: &positions[k],
+                        context: &r.slots[..from],
+                        new_slots: &new_slots[k],
+                        logits: if to >= r.prompt_len { LogitsFor::Last } else { LogitsFor::None },
+                    }
+                })
+                .collect();
+            self.model.forward(&mut self.kv, &seqs)
+        };
+        let m = &self.metrics;
+        m.add(&m.forward_calls, 1);
+        m.max(&m.max_batch_seqs, plan.len() as u64);
+        if report.decode_seqs > 1 {
+            m.add(&m.batched_decode_seqs, report.decode_seqs as u64);
+        }
+        m.add(&m.prefilled_tokens, report.prefill_tokens as u64);
+        report.seqs = plan.len();
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                // Give the slots back to their sequences' ownership and fail them.
+                let msg = format!("forward failed: {e}");
+                for (k, &(i, _, _)) in plan.iter().enumerate() {
+                    let r = &mut self.running[i];
+                    for &s in new_slots[k].iter().rev() {
+                        r.reserved.push_front(s);
+                    }
+                    let _ = (r.req.sink)(Event::Failed(msg.clone()));
+                    r.finish = Some(FinishReason::Cancelled);
+                }
+                self.retire(&mut report);
+                return Ok(report);
+            }
+        };
+        let now = Instant::now();
+        for (k, &(i, _, to)) in plan.iter().enumerate() {
+            let max_len = self.max_sequence_len();
+            let r = &mut self.running[i];
+            r.slots.extend_from_slice(&new_slots[k]);
+            if to < r.prompt_len {
+                continue;
+            }
+            let next = r.sampler.sample(&logits[k]);
+            if r.first_token.is_none() {
+                r.first_token = Some(now);
+            }
+            if r.req.stop_tokens.contains(&next) {
+                r.finish = Some(FinishReason::Stop);
+                continue;
+            }
+            r.generated += 1;
+            self.metrics.add(&self.metrics.generated_tokens, 1);
+            r.tokens.push(next);
+            if (r.req.sink)(Event::Token(next)).is_break() {
+                r.finish = Some(FinishReason::Cancelled);
+            } else if r.generated >= r.req.max_tokens {
+                r.finish = Some(FinishReason::Length);
+            } else if r.tokens.len() >= max_len || r.reserved.is_empty() {
+                r.finish = Some(FinishReason::ContextFull);
+            }
+        }
+        self.retire(&mut report);
+        Ok(report)
+    }
+
+    /// Admits waiting requests in order while slots allow.
+    fn admit(&mut self) -> Result<usize> {
+        let mut admitted = 0;
+        while self.running.len() < self.cfg.max_running {
+            let Some(w) = self.waiting.pop_front() else { break };
+            let prompt_len = w.req.prompt.len();
+            let ns = Namespace::new(self.model_id, w.req.lineage);
+            // Leave at least the last prompt token to run: its logits pick the first token.
+            let m = if w.req.lineage.is_shared() {
+                self.cache.match_prefix(ns, &w.req.prompt[..prompt_len - 1])
+            } else {
+                self.cache.match_prefix_session(self.model_id, w.req.lineage, &w.req.prompt[..prompt_len - 1])
+            };
+            let lock = match m.node {
+                Some(node) => Some(self.cache.lock(node)?),
+                None => None,
+            };
+            let room = self.max_sequence_len() - prompt_len;
+            let need = prompt_len - m.len + w.req.max_tokens.min(room);
+            match self.cache.alloc_evicting(need) {
+                Ok((slots, removed)) => {
+                    self.metrics.add(&self.metrics.evicted_slots, removed.freed.len() as u64);
+                    let cached = m.len;
+                    self.metrics.add(&self.metrics.prompt_tokens, prompt_len as u64);
+                    self.metrics.add(&self.metrics.cached_prompt_tokens, cached as u64);
+                    let sampler = Sampler::new(w.req.sampling);
+                    self.running.push(Running {
+                        id: w.id,
+                        tokens: w.req.prompt.clone(),
+                        req: w.req,
+                        ns,
+                        slots: m.slots,
+                        reserved: slots.into(),
+                        cached,
+                        lock,
+                        sampler,
+                        prompt_len,
+                        generated: 0,
+                        submitted: w.submitted,
+                        admitted: Instant::now(),
+                        first_token: None,
+                        finish: None,
+                    });
+                    admitted += 1;
+                }
+                Err(KvError::PoolExhausted { .. }) => {
+                    if let Some(l) = lock {
+                        self.cache.unlock(l)?;
+                    }
+                    let freed_later = !self.running.is_empty();
+                    if freed_later {
+                        // Running sequences will free slots; keep the queue order.
+                        self.waiting.push_front(w);
+                        break;
+                    }
+                    // Nothing runs and eviction could not make room: it never fits.
+                    let mut w = w;
+                    self.metrics.add(&self.metrics.requests_failed, 1);
+                    let _ = (w.req.sink)(Event::Failed(format!(
+                        "the request needs {need} KV slots but the pool cannot free that many ({} slots in all)",
+                        self.kv.capacity()
+                    )));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.update_gauges();
+        Ok(admitted)
+    }
+
+    /// Removes finished sequences: their KV goes into the tree, their references go away.
+    fn retire(&mut self, report: &mut StepReport) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].finish.is_none() {
+                i += 1;
+                continue;
+            }
+            let mut r = self.running.swap_remove(i);
+            report.retired += 1;
+            let reason = r.finish.unwrap_or(FinishReason::Cancelled);
+            let computed = r.computed();
+            let outcome = self.release(&mut r);
+            let now = Instant::now();
+            let usage = Usage {
+                prompt_tokens: r.prompt_len,
+                cached_tokens: r.cached,
+                prefilled_tokens: r.prompt_len - r.cached,
+                completion_tokens: r.generated,
+                queued: r.admitted - r.submitted,
+                ttft: r.first_token.unwrap_or(now) - r.submitted,
+                total: now - r.submitted,
+            };
+            match outcome {
+                Ok(()) => {
+                    self.metrics.add(&self.metrics.requests_finished, 1);
+                    let tokens = r.tokens[..computed].to_vec();
+                    let _ = (r.req.sink)(Event::Finished { reason, usage, tokens });
+                }
+                Err(e) => {
+                    self.metrics.add(&self.metrics.requests_failed, 1);
+                    tracing::error!(request = r.id, "releasing KV failed: {e}");
+                    let _ = (r.req.sink)(Event::Failed(format!("internal KV error: {e}")));
+                }
+            }
+        }
+        self.update_gauges();
+    }
+
+    fn release(&mut self, r: &mut Running) -> Result<()> {
+        let computed = r.computed();
+        let ins = self.cache.insert(r.ns, &r.tokens[..computed], &r.slots)?;
+        let _ = ins;
+        // Our own references: every slot we allocated, used or not.
+        let own: Vec<u32> = r.slots[r.cached..].iter().copied().chain(r.reserved.drain(..)).collect();
+        self.cache.pool_mut().release_all(&own)?;
+        if let Some(l) = r.lock.take() {
+            self.cache.unlock(l)?;
+        }
+        Ok(())
+    }
+
+    fn update_gauges(&self) {
+        let m = &self.metrics;
+        m.set(&m.queue_depth, self.waiting.len() as u64);
+        m.set(&m.running, self.running.len() as u64);
+        m.set(&m.pool_used_slots, self.cache.pool().used_count() as u64);
+    }
+
+    /// Runs steps until nothing is queued or running.
+    ///
+    /// # Errors
+    /// Engine-internal failures.
+    pub fn run_to_completion(&mut self) -> Result<()> {
+        while self.has_work() {
+            self.step()?;
+        }
+        Ok(())
+    }
+
+    /// The lineage-free namespace of this engine's model.
+    pub fn shared_namespace(&self) -> Namespace {
+        Namespace::shared(self.model_id)
+    }
+
+    /// Checks the pool/tree invariants and that no slot is held by anyone but the tree and
+    /// the running sequences: for tests after a workload.
+    ///
+    /// # Errors
+    /// A description of the first violated invariant.
+    pub fn check_no_leaks(&self) -> std::result::Result<(), String> {
+        self.cache.check_invariants()?;
+        if self.running.is_empty() {
+            let refs = self.cache.tree_references();
+            for (slot, &tree) in refs.iter().enumerate() {
+                let held = self.cache.pool().refcount(slot as u32).map_err(|e| e.to_string())?;
+                if held != tree {
+                    return Err(format!(
+                        "slot {slot}: {held} references but the tree holds {tree}: leaked"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Lineage of plain requests.
+    pub fn shared_lineage() -> Lineage {
+        Lineage::SHARED
+    }
+}

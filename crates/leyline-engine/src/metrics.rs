@@ -1,0 +1,80 @@
+//! Engine counters and gauges, readable from any thread without locking the engine.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+macro_rules! metrics {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        /// Live counters (monotonic) and gauges (current values) of an engine.
+        #[derive(Debug, Default)]
+        pub struct Metrics {
+            $($(#[$doc])* pub $name: AtomicU64,)*
+        }
+
+        /// A plain copy of [`Metrics`] at one moment.
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        pub struct MetricsSnapshot {
+            $($(#[$doc])* pub $name: u64,)*
+        }
+
+        impl Metrics {
+            /// Reads every value.
+            pub fn snapshot(&self) -> MetricsSnapshot {
+                MetricsSnapshot { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
+        }
+
+        impl MetricsSnapshot {
+            /// `(name, value)` pairs, for exporters.
+            pub fn pairs(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name),)*]
+            }
+        }
+    };
+}
+
+metrics! {
+    /// Requests submitted.
+    requests_submitted,
+    /// Requests that finished normally.
+    requests_finished,
+    /// Requests that failed.
+    requests_failed,
+    /// Prompt tokens of admitted requests.
+    prompt_tokens,
+    /// Prompt tokens served from the prefix cache.
+    cached_prompt_tokens,
+    /// Tokens run through prefill.
+    prefilled_tokens,
+    /// Tokens generated.
+    generated_tokens,
+    /// Slots freed by prefix-cache eviction.
+    evicted_slots,
+    /// Forward calls.
+    forward_calls,
+    /// Sequences decoded in forward calls that decoded more than one (batching at work).
+    batched_decode_seqs,
+    /// Largest number of sequences in one forward call.
+    max_batch_seqs,
+    /// Gauge: requests waiting for admission.
+    queue_depth,
+    /// Gauge: requests running.
+    running,
+    /// Gauge: slots in use (held by requests or the prefix tree).
+    pool_used_slots,
+    /// Gauge: pool capacity in slots.
+    pool_capacity_slots,
+}
+
+impl Metrics {
+    pub(crate) fn add(&self, c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set(&self, c: &AtomicU64, n: u64) {
+        c.store(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn max(&self, c: &AtomicU64, n: u64) {
+        c.fetch_max(n, Ordering::Relaxed);
+    }
+}

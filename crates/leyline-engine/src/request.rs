@@ -1,0 +1,98 @@
+//! Requests as the scheduler sees them, and the events it streams back.
+
+use crate::sampling::SamplingParams;
+use leyline_kv::slots::Lineage;
+use std::ops::ControlFlow;
+use std::time::Duration;
+
+/// Identifier of a submitted request, unique per engine.
+pub type RequestId = u64;
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token was produced (not emitted).
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The context (model or pool) is full.
+    ContextFull,
+    /// The receiver went away or asked to stop.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// OpenAI's name for it.
+    pub fn as_openai(self) -> &'static str {
+        match self {
+            FinishReason::Stop | FinishReason::Cancelled => "stop",
+            FinishReason::Length | FinishReason::ContextFull => "length",
+        }
+    }
+}
+
+/// Counts and timings of a finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+    /// Prompt tokens that were prefilled.
+    pub prefilled_tokens: usize,
+    /// Generated tokens (emitted).
+    pub completion_tokens: usize,
+    /// Time in the queue before admission.
+    pub queued: Duration,
+    /// Time from submission to the first token.
+    pub ttft: Duration,
+    /// Time from submission to the end.
+    pub total: Duration,
+}
+
+/// What the engine tells a request's receiver.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A generated token.
+    Token(u32),
+    /// The request ended normally.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Counts and timings.
+        usage: Usage,
+        /// Prompt plus generated tokens that have KV in the cache.
+        tokens: Vec<u32>,
+    },
+    /// The request failed; nothing more follows.
+    Failed(String),
+}
+
+/// Receives a request's events; returning `Break` cancels the request.
+pub type EventSink = Box<dyn FnMut(Event) -> ControlFlow<()> + Send>;
+
+/// A generation request.
+pub struct Request {
+    /// Prompt token ids (not empty).
+    pub prompt: Vec<u32>,
+    /// Most new tokens.
+    pub max_tokens: usize,
+    /// How to pick them.
+    pub sampling: SamplingParams,
+    /// Tokens that end generation (not emitted).
+    pub stop_tokens: Vec<u32>,
+    /// Whose cached prefixes the request may use: [`Lineage::SHARED`] for everyone's.
+    pub lineage: Lineage,
+    /// Where events go.
+    pub sink: EventSink,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request")
+            .field("prompt_len", &self.prompt.len())
+            .field("max_tokens", &self.max_tokens)
+            .field("lineage", &self.lineage)
+            .finish_non_exhaustive()
+    }
+}

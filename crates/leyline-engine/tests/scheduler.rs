@@ -1,0 +1,198 @@
+//! The scheduler on the default model: prefix reuse is exact, batching gives the same
+//! greedy outputs as running alone, and memory pressure neither deadlocks nor leaks.
+
+use leyline_engine::{Engine, EngineConfig, Event, FinishReason, Request, SamplingParams, Usage};
+use leyline_kv::slots::Lineage;
+use leyline_model::LoadedModel;
+use std::ops::ControlFlow;
+use std::sync::{Arc, Mutex, OnceLock};
+
+fn lm() -> &'static LoadedModel {
+    static M: OnceLock<LoadedModel> = OnceLock::new();
+    M.get_or_init(|| {
+        let path = leyline_model::registry::default_model_path()
+            .expect("the default model is needed: fetching it failed");
+        leyline_model::load_gguf(&path).expect("load the default model")
+    })
+}
+
+#[derive(Default)]
+struct Outcome {
+    tokens: Vec<u32>,
+    finished: Option<(FinishReason, Usage)>,
+    failed: Option<String>,
+}
+
+type Shared = Arc<Mutex<Outcome>>;
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, Shared) {
+    let out: Shared = Arc::default();
+    let o = Arc::clone(&out);
+    let req = Request {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: Vec::new(),
+        lineage: Lineage::SHARED,
+        sink: Box::new(move |e| {
+            let mut o = o.lock().unwrap();
+            match e {
+                Event::Token(t) => o.tokens.push(t),
+                Event::Finished { reason, usage, .. } => o.finished = Some((reason, usage)),
+                Event::Failed(m) => o.failed = Some(m),
+            }
+            ControlFlow::Continue(())
+        }),
+    };
+    (req, out)
+}
+
+fn engine(slots: usize) -> Engine {
+    let cfg = EngineConfig { prefill_chunk: 64, ..EngineConfig::new(slots) };
+    Engine::new(Arc::clone(&lm().model), cfg).unwrap()
+}
+
+fn encode(text: &str) -> Vec<u32> {
+    lm().tokenizer.encode(text, false).unwrap()
+}
+
+const TEXTS: [&str; 16] = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "The three primary colors are",
+    "In mathematics, a prime number is",
+    "To make a cup of tea, first",
+    "The largest planet in our solar system is",
+    "SELECT name, email FROM users WHERE",
+    "The Pythagorean theorem states that",
+    "My favourite book is",
+    "Photosynthesis is the process by which plants",
+    "The quick brown fox",
+    "A haiku about autumn:\n",
+    "Rust is a programming language that",
+    "The first person to walk on the moon was",
+];
+
+fn run_alone(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut e = engine(2048);
+    let (req, out) = request(prompt.to_vec(), max_tokens);
+    e.submit(req);
+    e.run_to_completion().unwrap();
+    let o = out.lock().unwrap();
+    assert!(o.failed.is_none(), "{:?}", o.failed);
+    o.tokens.clone()
+}
+
+#[test]
+fn prefix_reuse_is_exact_and_counted() {
+    let base = encode(
+        "You are a careful assistant. Answer briefly and precisely, and never invent facts. \
+         Question: what is the boiling point of water at sea level?",
+    );
+    let mut longer = base.clone();
+    longer.extend(encode(" Answer:"));
+    let cold = run_alone(&longer, 12);
+
+    let mut e = engine(2048);
+    let (warm_up, _) = request(base.clone(), 4);
+    e.submit(warm_up);
+    e.run_to_completion().unwrap();
+    let (req, out) = request(longer.clone(), 12);
+    e.submit(req);
+    e.run_to_completion().unwrap();
+    let o = out.lock().unwrap();
+    let (_, usage) = o.finished.clone().expect("finished");
+    assert_eq!(o.tokens, cold, "a warm prefix changed the greedy output");
+    // The first request cached its prompt and generated tokens; `base` is a prefix of `longer`.
+    assert!(usage.cached_tokens >= base.len() - 1, "cached {}", usage.cached_tokens);
+    assert_eq!(usage.prefilled_tokens, longer.len() - usage.cached_tokens);
+    let m = e.metrics().snapshot();
+    assert_eq!(m.prefilled_tokens as usize, base.len() + longer.len() - usage.cached_tokens);
+    e.check_no_leaks().unwrap();
+}
+
+#[test]
+fn sixteen_concurrent_requests_match_their_solo_runs() {
+    let prompts: Vec<Vec<u32>> = TEXTS.iter().map(|t| encode(t)).collect();
+    let max_tokens = 6;
+    let solo: Vec<Vec<u32>> = prompts.iter().map(|p| run_alone(p, max_tokens)).collect();
+    let mut e = engine(4096);
+    let outs: Vec<Shared> = prompts
+        .iter()
+        .map(|p| {
+            let (req, out) = request(p.clone(), max_tokens);
+            e.submit(req);
+            out
+        })
+        .collect();
+    e.run_to_completion().unwrap();
+    for (i, (o, want)) in outs.iter().zip(&solo).enumerate() {
+        let o = o.lock().unwrap();
+        assert!(o.failed.is_none(), "request {i}: {:?}", o.failed);
+        assert_eq!(&o.tokens, want, "request {i} differs when batched");
+    }
+    let m = e.metrics().snapshot();
+    assert!(m.max_batch_seqs > 1, "never more than one sequence per forward");
+    assert!(m.batched_decode_seqs > 0, "decode steps were not batched");
+    e.check_no_leaks().unwrap();
+}
+
+#[test]
+fn pressure_completes_or_fails_clearly_without_leaks() {
+    // 64 requests; the pool holds about 10% of their total demand.
+    let prompts: Vec<Vec<u32>> = (0..64).map(|i| encode(TEXTS[i % 16])).collect();
+    let max_tokens = 4;
+    let demand: usize = prompts.iter().map(|p| p.len() + max_tokens).sum();
+    let slots = demand / 10;
+    let cfg = EngineConfig { prefill_chunk: 64, max_running: 16, ..EngineConfig::new(slots) };
+    let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+    // One request that can never fit.
+    let (huge, huge_out) = request(vec![42; slots + 5], 1);
+    e.submit(huge);
+    let outs: Vec<Shared> = prompts
+        .iter()
+        .map(|p| {
+            let (req, out) = request(p.clone(), max_tokens);
+            e.submit(req);
+            out
+        })
+        .collect();
+    let mut steps = 0;
+    while e.has_work() {
+        e.step().unwrap();
+        steps += 1;
+        assert!(steps < 10_000, "no progress: deadlock?");
+    }
+    let err = huge_out.lock().unwrap().failed.clone().expect("the oversized request fails");
+    assert!(err.contains("tokens"), "{err}");
+    for (i, o) in outs.iter().enumerate() {
+        let o = o.lock().unwrap();
+        match (&o.finished, &o.failed) {
+            (Some((reason, _)), None) => assert_eq!(*reason, FinishReason::Length, "request {i}"),
+            (None, Some(msg)) => assert!(!msg.is_empty()),
+            other => panic!("request {i} neither finished nor failed: {:?}", other.0),
+        }
+    }
+    let done = outs.iter().filter(|o| o.lock().unwrap().finished.is_some()).count();
+    assert_eq!(done, 64, "every request fits alone, so all must complete");
+    let m = e.metrics().snapshot();
+    assert!(m.evicted_slots > 0, "the pool was never under pressure");
+    e.check_no_leaks().unwrap();
+}
+
+#[test]
+fn bad_requests_fail_with_a_reason() {
+    let mut e = engine(256);
+    let (empty, out) = request(Vec::new(), 4);
+    e.submit(empty);
+    assert!(out.lock().unwrap().failed.as_deref().unwrap().contains("empty"));
+    let (long, out) = request(vec![1; 300], 4);
+    e.submit(long);
+    assert!(out.lock().unwrap().failed.as_deref().unwrap().contains("300 tokens"));
+    let (bad, out) = request(vec![1, 999_999], 4);
+    e.submit(bad);
+    assert!(out.lock().unwrap().failed.as_deref().unwrap().contains("999999"));
+    assert!(!e.has_work());
+}
