@@ -165,7 +165,10 @@ impl ChatTemplate {
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(template_err)?;
         let mut ctx: HashMap<&str, Value> = HashMap::new();
         ctx.insert("messages", Value::from_serialize(messages));
-        ctx.insert("add_generation_prompt", Value::from(opts.add_generation_prompt));
+        ctx.insert(
+            "add_generation_prompt",
+            Value::from(opts.add_generation_prompt),
+        );
         ctx.insert("bos_token", Value::from(self.bos_token.as_str()));
         ctx.insert("eos_token", Value::from(self.eos_token.as_str()));
         ctx.insert(
@@ -290,9 +293,7 @@ mod tests {
 
     fn render_src(src: &str, ctx: Value) -> Result<String> {
         let t = ChatTemplate::new(src, "<s>", "</s>")?;
-        t.env
-            .render_str(src, ctx)
-            .map_err(template_err)
+        t.env.render_str(src, ctx).map_err(template_err)
     }
 
     #[test]
@@ -311,7 +312,8 @@ mod tests {
             "{\n  \"b\": [\n    1,\n    2.5,\n    null,\n    true\n  ],\n  \"a\": \"é\\\"<x>\\n\",\n  \"c\": {}\n}"
         );
         assert_eq!(
-            render_src("{{ v.b | tojson }}|{{ v | tojson(sort_keys=true) }}", ctx).expect("renders"),
+            render_src("{{ v.b | tojson }}|{{ v | tojson(sort_keys=true) }}", ctx)
+                .expect("renders"),
             r#"[1, 2.5, null, true]|{"a": "é\"<x>\n", "b": [1, 2.5, null, true], "c": {}}"#
         );
     }
@@ -325,7 +327,7 @@ mod tests {
                 ctx.clone()
             )
             .expect("renders"),
-            "hi there|true|k=1"
+            "hi there|True|k=1"
         );
         let err = render_src("{{ raise_exception('bad role') }}", ctx).expect_err("raises");
         assert!(err.to_string().contains("bad role"), "{err}");

@@ -74,7 +74,11 @@ impl Tokenizer {
         }
         let tokens: Vec<String> = md_array(md, "tokenizer.ggml.tokens")?
             .iter()
-            .map(|v| v.to_string().cloned().map_err(|e| tok_err(format!("tokens: {e}"))))
+            .map(|v| {
+                v.to_string()
+                    .cloned()
+                    .map_err(|e| tok_err(format!("tokens: {e}")))
+            })
             .collect::<Result<_>>()?;
         let n = tokens.len();
         if n == 0 || u32::try_from(n).is_err() {
@@ -325,7 +329,7 @@ impl DecodeStream {
                 }
                 Err(e) => {
                     let valid = start + e.valid_up_to();
-                    // Safe to unwrap-free: `valid_up_to` bytes are valid UTF-8 by contract.
+                    // The first `valid_up_to` bytes are valid UTF-8, so this copies them as is.
                     out.push_str(&String::from_utf8_lossy(&self.pending[start..valid]));
                     match e.error_len() {
                         // Bytes that no continuation can fix: one U+FFFD, as from_utf8_lossy.
@@ -349,10 +353,15 @@ impl DecodeStream {
 
 /// The pre-tokenizer of llama.cpp's `tokenizer.ggml.pre` name.
 fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper> {
-    let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    let byte_level =
+        |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
     let split = |re: &str| -> Result<PreTokenizerWrapper> {
-        let s = Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| tok_err(format!("split regex: {e}")))?;
+        let s = Split::new(
+            SplitPattern::Regex(re.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| tok_err(format!("split regex: {e}")))?;
         Ok(PreTokenizerWrapper::Split(s))
     };
     Ok(match pre {
@@ -361,12 +370,14 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper> {
             PreTokenizerWrapper::Digits(Digits::new(true)),
             byte_level(true),
         ])),
-        "llama-bpe" | "llama3" => {
-            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(LLAMA3_SPLIT)?, byte_level(false)]))
-        }
-        "qwen2" => {
-            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN2_SPLIT)?, byte_level(false)]))
-        }
+        "llama-bpe" | "llama3" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            split(LLAMA3_SPLIT)?,
+            byte_level(false),
+        ])),
+        "qwen2" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            split(QWEN2_SPLIT)?,
+            byte_level(false),
+        ])),
         other => return Err(tok_err(format!("pre-tokenizer '{other}' is not supported"))),
     })
 }
@@ -471,15 +482,21 @@ mod tests {
         let p = pre_tokenizer_for(pre).expect("known pre-tokenizer");
         let mut s = PreTokenizedString::from(text);
         p.pre_tokenize(&mut s).expect("pre-tokenize");
-        s.get_splits(tokenizers::OffsetReferential::Original, tokenizers::OffsetType::Byte)
-            .into_iter()
-            .map(|(s, _, _)| s.to_string())
-            .collect()
+        s.get_splits(
+            tokenizers::OffsetReferential::Original,
+            tokenizers::OffsetType::Byte,
+        )
+        .into_iter()
+        .map(|(s, _, _)| s.to_string())
+        .collect()
     }
 
     #[test]
     fn digit_rules_per_pre_tokenizer() {
-        assert_eq!(pieces("smollm", "a 12345"), ["a", "Ġ", "1", "2", "3", "4", "5"]);
+        assert_eq!(
+            pieces("smollm", "a 12345"),
+            ["a", "Ġ", "1", "2", "3", "4", "5"]
+        );
         assert_eq!(pieces("gpt2", "a 12345"), ["a", "Ġ12345"]);
         assert_eq!(pieces("llama-bpe", "a 12345"), ["a", "Ġ", "123", "45"]);
         assert_eq!(pieces("qwen2", "a 12"), ["a", "Ġ", "1", "2"]);

@@ -23,7 +23,9 @@ fn metadata() -> &'static HashMap<String, gguf_file::Value> {
         let path = model_path();
         let mut f = std::fs::File::open(&path)
             .unwrap_or_else(|e| panic!("model file {}: {e} (set LEYLINE_MODEL)", path.display()));
-        gguf_file::Content::read(&mut f).expect("GGUF header parses").metadata
+        gguf_file::Content::read(&mut f)
+            .expect("GGUF header parses")
+            .metadata
     })
 }
 
@@ -33,8 +35,12 @@ fn tokenizer() -> &'static Tokenizer {
 }
 
 fn fixture() -> Value {
-    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/smollm2/tokenizer_cases.json");
-    serde_json::from_str(&std::fs::read_to_string(p).expect("fixture readable")).expect("fixture is JSON")
+    let p = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/smollm2/tokenizer_cases.json"
+    );
+    serde_json::from_str(&std::fs::read_to_string(p).expect("fixture readable"))
+        .expect("fixture is JSON")
 }
 
 fn ids_of(v: &Value) -> Vec<u32> {
@@ -52,7 +58,10 @@ fn cases() -> Vec<Value> {
 /// The ids Leyline follows: the upstream model's digit-split pre-tokenizer (llama.cpp's
 /// `smollm`), which the fixture records where it differs from transformers' GGUF converter.
 fn expected_ids(case: &Value) -> Vec<u32> {
-    ids_of(case.get("ids_digit_split_pretokenizer").unwrap_or(&case["ids"]))
+    ids_of(
+        case.get("ids_digit_split_pretokenizer")
+            .unwrap_or(&case["ids"]),
+    )
 }
 
 #[test]
@@ -60,11 +69,19 @@ fn special_tokens_and_sizes() {
     let tok = tokenizer();
     let fx = fixture();
     assert_eq!(tok.vocab_size(), 49152);
-    assert_eq!(tok.bos_id(), Some(fx["special_tokens"]["bos_id"].as_u64().expect("bos") as u32));
-    assert_eq!(tok.eos_id(), Some(fx["special_tokens"]["eos_id"].as_u64().expect("eos") as u32));
+    assert_eq!(
+        tok.bos_id(),
+        Some(fx["special_tokens"]["bos_id"].as_u64().expect("bos") as u32)
+    );
+    assert_eq!(
+        tok.eos_id(),
+        Some(fx["special_tokens"]["eos_id"].as_u64().expect("eos") as u32)
+    );
     assert!(!tok.adds_bos());
     let control = ids_of(&fx["control_token_ids_in_gguf"]);
-    let special: Vec<u32> = (0..tok.vocab_size() as u32).filter(|&i| tok.is_special(i)).collect();
+    let special: Vec<u32> = (0..tok.vocab_size() as u32)
+        .filter(|&i| tok.is_special(i))
+        .collect();
     assert_eq!(special, control);
     assert!(!tok.is_special(u32::MAX));
     assert_eq!(tok.token_str(1), Some("<|im_start|>"));
@@ -86,17 +103,38 @@ fn encode_matches_reference_on_all_cases() {
             failures.push(format!("{}: got {got:?}, want {want:?}", c["name"]));
         }
         // add_bos_token is false in this file, so specials change nothing.
-        assert_eq!(tok.encode(text, true).expect("encodes"), got, "{}", c["name"]);
+        assert_eq!(
+            tok.encode(text, true).expect("encodes"),
+            got,
+            "{}",
+            c["name"]
+        );
     }
-    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
 fn token_strings_match_reference() {
     let tok = tokenizer();
-    for c in cases().iter().filter(|c| c.get("ids_digit_split_pretokenizer").is_none()) {
-        let want: Vec<&str> = c["tokens"].as_array().expect("tokens").iter().map(|t| t.as_str().expect("str")).collect();
-        let got: Vec<&str> = ids_of(&c["ids"]).iter().map(|&i| tok.token_str(i).expect("in vocab")).collect();
+    for c in cases()
+        .iter()
+        .filter(|c| c.get("ids_digit_split_pretokenizer").is_none())
+    {
+        let want: Vec<&str> = c["tokens"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .map(|t| t.as_str().expect("str"))
+            .collect();
+        let got: Vec<&str> = ids_of(&c["ids"])
+            .iter()
+            .map(|&i| tok.token_str(i).expect("in vocab"))
+            .collect();
         assert_eq!(got, want, "{}", c["name"]);
     }
 }
@@ -107,21 +145,49 @@ fn digits_follow_the_upstream_pre_tokenizer() {
     // transformers GGUF converter does not. Exactly one fixture case tells them apart.
     let tok = tokenizer();
     let fx = fixture();
-    let differing: Vec<Value> = cases().into_iter().filter(|c| c.get("ids_digit_split_pretokenizer").is_some()).collect();
-    assert_eq!(differing.len() as u64, fx["digit_split_pretokenizer_changes_ids_for"].as_u64().expect("count"));
+    let differing: Vec<Value> = cases()
+        .into_iter()
+        .filter(|c| c.get("ids_digit_split_pretokenizer").is_some())
+        .collect();
+    assert_eq!(
+        differing.len() as u64,
+        fx["digit_split_pretokenizer_changes_ids_for"]
+            .as_u64()
+            .expect("count")
+    );
     for c in &differing {
-        let got = tok.encode(c["text"].as_str().expect("text"), false).expect("encodes");
-        assert_eq!(got, ids_of(&c["ids_digit_split_pretokenizer"]), "{}", c["name"]);
+        let got = tok
+            .encode(c["text"].as_str().expect("text"), false)
+            .expect("encodes");
+        assert_eq!(
+            got,
+            ids_of(&c["ids_digit_split_pretokenizer"]),
+            "{}",
+            c["name"]
+        );
         assert_ne!(got, ids_of(&c["ids"]), "{}", c["name"]);
     }
     // " ½": a space token, then the numeric char alone.
     let half = tok.encode(" ½", false).expect("encodes");
     assert_eq!(half.len(), 2);
     assert_eq!(tok.token_str(half[0]), Some("Ġ"));
+    // A whitespace run before a digit stays one piece (transformers: "Ġ", "Ġ", "2").
+    let ids = tok.encode("x  2", false).expect("encodes");
+    let strs: Vec<&str> = ids
+        .iter()
+        .map(|&i| tok.token_str(i).expect("in vocab"))
+        .collect();
+    assert_eq!(strs, ["x", "ĠĠ", "2"]);
     // ASCII digits: one per token.
     let ids = tok.encode("x 2024-05-15", false).expect("encodes");
-    let strs: Vec<&str> = ids.iter().map(|&i| tok.token_str(i).expect("in vocab")).collect();
-    assert_eq!(strs, ["x", "Ġ", "2", "0", "2", "4", "-", "0", "5", "-", "1", "5"]);
+    let strs: Vec<&str> = ids
+        .iter()
+        .map(|&i| tok.token_str(i).expect("in vocab"))
+        .collect();
+    assert_eq!(
+        strs,
+        ["x", "Ġ", "2", "0", "2", "4", "-", "0", "5", "-", "1", "5"]
+    );
 }
 
 #[test]
@@ -134,7 +200,11 @@ fn decode_matches_reference() {
         let text = c["text"].as_str().expect("text");
         let decoded = tok.decode(&ids, false).expect("decodes");
         assert_eq!(decoded, c["decoded"].as_str().expect("decoded"), "{name}");
-        assert_eq!(tok.decode(&ids, true).expect("decodes"), c["decoded_skip_special"].as_str().expect("skip"), "{name}");
+        assert_eq!(
+            tok.decode(&ids, true).expect("decodes"),
+            c["decoded_skip_special"].as_str().expect("skip"),
+            "{name}"
+        );
         if c["roundtrip_exact"].as_bool().expect("bool") {
             assert_eq!(decoded, text, "{name}");
             exact += 1;
@@ -161,12 +231,21 @@ fn stream_decode_equals_batch_decode() {
                     split_chars += 1;
                 }
                 if c["roundtrip_exact"].as_bool().expect("bool") {
-                    assert!(!chunk.contains('\u{fffd}'), "{}: chunk {chunk:?}", c["name"]);
+                    assert!(
+                        !chunk.contains('\u{fffd}'),
+                        "{}: chunk {chunk:?}",
+                        c["name"]
+                    );
                 }
                 out.push_str(&chunk);
             }
             out.push_str(&s.finish());
-            assert_eq!(out, tok.decode(&ids, skip).expect("decodes"), "{} skip={skip}", c["name"]);
+            assert_eq!(
+                out,
+                tok.decode(&ids, skip).expect("decodes"),
+                "{} skip={skip}",
+                c["name"]
+            );
         }
     }
     // Multi-byte characters split over ids occur in the fixture (CJK, emoji, Arabic).
@@ -177,21 +256,41 @@ fn stream_decode_equals_batch_decode() {
 
 #[test]
 fn encode_speed_of_a_long_system_prompt() {
-    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/traces/tau-bench.jsonl");
+    let p = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../../shared/data/traces/tau-bench.jsonl"
+    );
     let Ok(data) = std::fs::read_to_string(p) else {
         eprintln!("skipped: {p} not found");
         return;
     };
-    let line: Value = serde_json::from_str(data.lines().next().expect("a line")).expect("JSON line");
-    let prompt = line["messages"][0]["content"].as_str().expect("system prompt");
+    let line: Value =
+        serde_json::from_str(data.lines().next().expect("a line")).expect("JSON line");
+    let prompt = line["messages"][0]["content"]
+        .as_str()
+        .expect("system prompt");
     let tok = tokenizer();
     let ids = tok.encode(prompt, false).expect("encodes");
     let runs = 20;
     let t0 = std::time::Instant::now();
     for _ in 0..runs {
-        std::hint::black_box(tok.encode(std::hint::black_box(prompt), false).expect("encodes"));
+        std::hint::black_box(
+            tok.encode(std::hint::black_box(prompt), false)
+                .expect("encodes"),
+        );
     }
     let per = t0.elapsed() / runs;
-    eprintln!("encode: {} chars -> {} tokens in {per:?} per call", prompt.len(), ids.len());
+    eprintln!(
+        "encode: {} chars -> {} tokens in {per:?} per call",
+        prompt.len(),
+        ids.len()
+    );
     assert_eq!(tok.decode(&ids, false).expect("decodes"), prompt);
+}
+
+#[test]
+fn tokenizer_is_shareable_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<leyline_model::tokenizer::DecodeStream>();
 }
