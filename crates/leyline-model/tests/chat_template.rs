@@ -9,13 +9,13 @@ use leyline_model::chat::{ChatMessage, ChatTemplate, RenderOptions};
 use leyline_model::tokenizer::Tokenizer;
 use serde_json::Value;
 
-/// The default model file: `$LEYLINE_MODEL`, else the cache path the registry uses.
+/// The default model file (`leyline_model::registry`, which fetches it if absent), or
+/// `$LEYLINE_MODEL` when set.
 fn model_path() -> PathBuf {
     if let Some(p) = std::env::var_os("LEYLINE_MODEL").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
-    let home = std::env::var_os("HOME").expect("HOME is set");
-    PathBuf::from(home).join(".cache/leyline/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf")
+    leyline_model::registry::default_model_path().expect("default model available")
 }
 
 struct Loaded {
