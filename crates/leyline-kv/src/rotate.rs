@@ -379,20 +379,57 @@ impl Codec for F16C {
 
 /// Rotates one head's rotary dims. Interleaved pairs are de-interleaved into small stack
 /// blocks so both layouts run the same lane-wise loop.
+/// Pairs per block: fixed-size blocks let the compiler vectorize reliably.
+const LANES: usize = 8;
+
+#[inline(always)]
+fn rot_block<C: Codec>(lo: &mut [C::T], hi: &mut [C::T], cos: &[f32], sin: &[f32]) {
+    for k in 0..lo.len() {
+        let (a, b) = (C::load(lo[k]), C::load(hi[k]));
+        lo[k] = C::store(a * cos[k] - b * sin[k]);
+        hi[k] = C::store(a * sin[k] + b * cos[k]);
+    }
+}
+
+/// Rotates one head's rotary dims (the first `2 * cos.len()` of `x`).
 #[inline(always)]
 fn rotate_head<C: Codec>(x: &mut [C::T], cos: &[f32], sin: &[f32], layout: RotaryLayout) {
     let half = cos.len();
+    let sin = &sin[..half];
     match layout {
         RotaryLayout::Neox => {
             let (lo, hi) = x[..2 * half].split_at_mut(half);
-            for i in 0..half {
-                let (a, b) = (C::load(lo[i]), C::load(hi[i]));
-                lo[i] = C::store(a * cos[i] - b * sin[i]);
-                hi[i] = C::store(a * sin[i] + b * cos[i]);
+            let mut lo_it = lo.chunks_exact_mut(LANES);
+            let mut hi_it = hi.chunks_exact_mut(LANES);
+            let (mut c_it, mut s_it) = (cos.chunks_exact(LANES), sin.chunks_exact(LANES));
+            for (((l, h), c), s) in (&mut lo_it).zip(&mut hi_it).zip(&mut c_it).zip(&mut s_it) {
+                let (l, h): (&mut [C::T; LANES], &mut [C::T; LANES]) =
+                    (l.try_into().expect("block"), h.try_into().expect("block"));
+                let (c, s): (&[f32; LANES], &[f32; LANES]) =
+                    (c.try_into().expect("block"), s.try_into().expect("block"));
+                rot_block::<C>(l, h, c, s);
             }
+            let (cr, sr) = (c_it.remainder(), s_it.remainder());
+            rot_block::<C>(lo_it.into_remainder(), hi_it.into_remainder(), cr, sr);
         }
         RotaryLayout::Interleaved => {
-            for ((p, &c), &s) in x[..2 * half].chunks_exact_mut(2).zip(cos).zip(sin) {
+            let mut x_it = x[..2 * half].chunks_exact_mut(2 * LANES);
+            let (mut c_it, mut s_it) = (cos.chunks_exact(LANES), sin.chunks_exact(LANES));
+            for ((x, c), s) in (&mut x_it).zip(&mut c_it).zip(&mut s_it) {
+                let x: &mut [C::T; 2 * LANES] = x.try_into().expect("block");
+                let mut a = [0f32; LANES];
+                let mut b = [0f32; LANES];
+                for k in 0..LANES {
+                    a[k] = C::load(x[2 * k]);
+                    b[k] = C::load(x[2 * k + 1]);
+                }
+                for k in 0..LANES {
+                    x[2 * k] = C::store(a[k] * c[k] - b[k] * s[k]);
+                    x[2 * k + 1] = C::store(a[k] * s[k] + b[k] * c[k]);
+                }
+            }
+            let (cr, sr) = (c_it.remainder(), s_it.remainder());
+            for ((p, &c), &s) in x_it.into_remainder().chunks_exact_mut(2).zip(cr).zip(sr) {
                 let (a, b) = (C::load(p[0]), C::load(p[1]));
                 p[0] = C::store(a * c - b * s);
                 p[1] = C::store(a * s + b * c);
@@ -402,17 +439,28 @@ fn rotate_head<C: Codec>(x: &mut [C::T], cos: &[f32], sin: &[f32], layout: Rotar
 }
 
 #[inline(always)]
+fn rotate_row<C: Codec>(buf: &mut [C::T], r: usize, head: Head, rot: &Rotation) {
+    let row = &mut buf[r * head.width..(r + 1) * head.width];
+    for x in row.chunks_exact_mut(head.dim).take(head.heads) {
+        rotate_head::<C>(x, &rot.cos, &rot.sin, rot.layout);
+    }
+}
+
+// No closures here: a closure is not `inline(always)` and would be compiled once, without
+// the caller's target features.
+#[inline(always)]
 fn kernel<C: Codec>(buf: &mut [C::T], head: Head, sel: &Sel<'_>, rot: &Rotation) {
-    let (cos, sin, layout) = (&rot.cos[..], &rot.sin[..], rot.layout);
-    let mut one = |r: usize| {
-        let row = &mut buf[r * head.width..(r + 1) * head.width];
-        for x in row.chunks_exact_mut(head.dim).take(head.heads) {
-            rotate_head::<C>(x, cos, sin, layout);
-        }
-    };
     match sel {
-        Sel::List(slots) => slots.iter().for_each(|&s| one(s as usize)),
-        Sel::Range(r) => r.clone().for_each(one),
+        Sel::List(slots) => {
+            for &s in slots.iter() {
+                rotate_row::<C>(buf, s as usize, head, rot);
+            }
+        }
+        Sel::Range(r) => {
+            for s in r.clone() {
+                rotate_row::<C>(buf, s, head, rot);
+            }
+        }
     }
 }
 
