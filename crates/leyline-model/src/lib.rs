@@ -8,6 +8,7 @@
 #![deny(missing_docs)]
 
 pub mod chat;
+pub mod deepseek;
 pub mod error;
 pub mod gguf;
 pub mod linear;

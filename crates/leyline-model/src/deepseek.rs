@@ -1,0 +1,478 @@
+//! The DeepSeek-V2 family (multi-head latent attention, DeepSeekMoE) over Leyline's slot pool.
+//!
+//! Design decision: the pool holds MLA's *compressed* cache, one slot per token per layer:
+//! the key-part row is the post-RoPE `k_pe` (one shared rotary "head" of `qk_rope_head_dim`,
+//! interleaved pairs, YaRN frequencies) and the value-part row is the normalized latent `c_kv`.
+//! A splice therefore rotates `qk_rope_head_dim` numbers per token and layer and never
+//! touches the latent. Attention decompresses the gathered latents with `kv_b_proj` into
+//! per-head `k_nope` and `v` on every call (no weight absorption).
+
+mod config;
+mod weights;
+
+pub use config::{DeepseekV2Config, MoeConfig};
+
+use crate::error::{ModelError, Result};
+use crate::linear::Linear;
+use crate::{CausalLm, ForwardSeq, LogitsFor, ModelInfo};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::ops::{rms_norm, softmax_last_dim};
+use leyline_kv::rope::Rotation;
+use leyline_kv::{KvGeometry, KvStorage};
+use std::path::Path;
+use std::sync::Arc;
+use weights::Weights;
+
+/// Loads a DeepSeek-V2-family checkpoint directory (`config.json` + safetensors) as a
+/// [`CausalLm`].
+///
+/// # Errors
+/// As [`DeepseekV2::load_dir`].
+pub fn load_dir(dir: &Path) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(DeepseekV2::load_dir(dir)?))
+}
+
+enum QProj {
+    Full(Linear),
+    Lora { a: Linear, norm: Tensor, b: Linear },
+}
+
+struct Attn {
+    q: QProj,
+    kv_a: Linear,
+    kv_a_norm: Tensor,
+    kv_b: Linear,
+    o: Linear,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn load(w: &mut Weights, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
+        let mut lin = |n: &str, shape: &[usize]| -> Result<Linear> {
+            Linear::from_parts(w.take(&format!("{prefix}.{n}.weight"), shape)?, None, None)
+        };
+        Ok(Self {
+            gate: lin("gate_proj", &[inter, hidden])?,
+            up: lin("up_proj", &[inter, hidden])?,
+            down: lin("down_proj", &[hidden, inter])?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = (self.gate.forward(x)?.silu()? * self.up.forward(x)?)?;
+        self.down.forward(&h)
+    }
+}
+
+struct Moe {
+    router: Tensor,
+    experts: Vec<Mlp>,
+    shared: Option<Mlp>,
+    top_k: usize,
+    scale: f64,
+}
+
+impl Moe {
+    /// Softmax over all routed experts, greedy top-k, selected probabilities times
+    /// `routed_scaling_factor` (no renormalization), plus the shared experts.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let probs = softmax_last_dim(&x.matmul(&self.router.t()?)?)?.to_vec2::<f32>()?;
+        let mut picked: Vec<(Vec<u32>, Vec<f32>)> =
+            vec![(Vec::new(), Vec::new()); self.experts.len()];
+        let mut order: Vec<usize> = Vec::with_capacity(self.experts.len());
+        for (t, p) in probs.iter().enumerate() {
+            order.clear();
+            order.extend(0..p.len());
+            // Descending probability; a tie goes to the lower expert index.
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            for &e in &order[..self.top_k] {
+                picked[e].0.push(t as u32);
+                picked[e].1.push((p[e] as f64 * self.scale) as f32);
+            }
+        }
+        let mut out = x.zeros_like()?;
+        for (e, (rows, w)) in picked.into_iter().enumerate() {
+            if rows.is_empty() {
+                continue;
+            }
+            let m = rows.len();
+            let idx = Tensor::from_vec(rows, m, &Device::Cpu)?;
+            let w = Tensor::from_vec(w, (m, 1), &Device::Cpu)?;
+            let y = self.experts[e]
+                .forward(&x.index_select(&idx, 0)?)?
+                .broadcast_mul(&w)?;
+            out = out.index_add(&idx, &y, 0)?;
+        }
+        debug_assert_eq!(out.dim(0)?, n);
+        if let Some(s) = &self.shared {
+            out = (out + s.forward(x)?)?;
+        }
+        Ok(out)
+    }
+}
+
+enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+struct Block {
+    in_norm: Tensor,
+    attn: Attn,
+    post_norm: Tensor,
+    ffn: Ffn,
+}
+
+/// A loaded DeepSeek-V2-family model (weights held as f32).
+pub struct DeepseekV2 {
+    cfg: DeepseekV2Config,
+    info: ModelInfo,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    lm_head: Linear,
+    /// The magnitude a forward pass bakes into its cos/sin (HF `attention_scaling`).
+    rope_gain: f32,
+}
+
+impl DeepseekV2 {
+    /// Loads `config.json` and the safetensors weights of `dir`. Weights of any float dtype
+    /// are converted to f32.
+    ///
+    /// # Errors
+    /// [`ModelError::File`] for a missing or malformed config or tensor (with its expected
+    /// shape), [`ModelError::Unsupported`] for a config Leyline cannot run.
+    pub fn load_dir(dir: &Path) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::File {
+            path: cfg_path.clone(),
+            reason: e.to_string(),
+        })?;
+        let cfg = DeepseekV2Config::from_json(&text, &cfg_path)?;
+        let mut w = Weights::load_dir(dir)?;
+        let name = dir
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|s| s.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "deepseek_v2".into());
+        Self::from_weights(cfg, &mut w, &name)
+    }
+
+    fn from_weights(cfg: DeepseekV2Config, w: &mut Weights, name: &str) -> Result<Self> {
+        let (hd, heads) = (cfg.hidden_size, cfg.num_attention_heads);
+        let (r, dr, qk) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_head_dim());
+        let embed = w.take("model.embed_tokens.weight", &[cfg.vocab_size, hd])?;
+        let lin = |w: &mut Weights, n: &str, shape: &[usize]| -> Result<Linear> {
+            Linear::from_parts(w.take(&format!("{n}.weight"), shape)?, None, None)
+        };
+        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let a = format!("{p}.self_attn");
+            let q = match cfg.q_lora_rank {
+                None => QProj::Full(lin(w, &format!("{a}.q_proj"), &[heads * qk, hd])?),
+                Some(qr) => QProj::Lora {
+                    a: lin(w, &format!("{a}.q_a_proj"), &[qr, hd])?,
+                    norm: w.take(&format!("{a}.q_a_layernorm.weight"), &[qr])?,
+                    b: lin(w, &format!("{a}.q_b_proj"), &[heads * qk, qr])?,
+                },
+            };
+            let attn = Attn {
+                q,
+                kv_a: lin(w, &format!("{a}.kv_a_proj_with_mqa"), &[r + dr, hd])?,
+                kv_a_norm: w.take(&format!("{a}.kv_a_layernorm.weight"), &[r])?,
+                kv_b: lin(
+                    w,
+                    &format!("{a}.kv_b_proj"),
+                    &[heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), r],
+                )?,
+                o: lin(w, &format!("{a}.o_proj"), &[hd, heads * cfg.v_head_dim])?,
+            };
+            let ffn = match (&cfg.moe, cfg.is_moe_layer(i)) {
+                (Some(m), true) => {
+                    let experts = (0..m.n_routed_experts)
+                        .map(|e| {
+                            Mlp::load(
+                                w,
+                                &format!("{p}.mlp.experts.{e}"),
+                                hd,
+                                m.moe_intermediate_size,
+                            )
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    let shared = if m.n_shared_experts > 0 {
+                        let inter = m.moe_intermediate_size * m.n_shared_experts;
+                        Some(Mlp::load(w, &format!("{p}.mlp.shared_experts"), hd, inter)?)
+                    } else {
+                        None
+                    };
+                    Ffn::Moe(Moe {
+                        router: w
+                            .take(&format!("{p}.mlp.gate.weight"), &[m.n_routed_experts, hd])?,
+                        experts,
+                        shared,
+                        top_k: m.num_experts_per_tok,
+                        scale: m.routed_scaling_factor,
+                    })
+                }
+                _ => Ffn::Dense(Mlp::load(
+                    w,
+                    &format!("{p}.mlp"),
+                    hd,
+                    cfg.intermediate_size,
+                )?),
+            };
+            blocks.push(Block {
+                in_norm: w.take(&format!("{p}.input_layernorm.weight"), &[hd])?,
+                attn,
+                post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"), &[hd])?,
+                ffn,
+            });
+        }
+        let norm = w.take("model.norm.weight", &[hd])?;
+        let lm_head = if cfg.tie_word_embeddings && !w.has("lm_head.weight") {
+            Linear::from_parts(embed.clone(), None, None)?
+        } else {
+            lin(w, "lm_head", &[cfg.vocab_size, hd])?
+        };
+        let info = ModelInfo {
+            name: name.to_string(),
+            arch: "deepseek_v2".into(),
+            vocab_size: cfg.vocab_size,
+            context_length: cfg.max_position_embeddings,
+            geometry: KvGeometry {
+                layers: cfg.num_hidden_layers,
+                k_heads: 1,
+                k_head_dim: dr,
+                v_width: r,
+            },
+            rope: cfg.rope,
+        };
+        let rope_gain = cfg.rope.attention_factor() as f32;
+        Ok(Self {
+            cfg,
+            info,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            rope_gain,
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &DeepseekV2Config {
+        &self.cfg
+    }
+
+    /// Per new token, the forward rotation: unit cos/sin times the YaRN attention factor.
+    fn rotations(&self, positions: &[u32]) -> Vec<Rotation> {
+        positions
+            .iter()
+            .map(|&p| {
+                let mut r = Rotation::new(&self.cfg.rope, i64::from(p));
+                if self.rope_gain != 1.0 {
+                    r.cos
+                        .iter_mut()
+                        .chain(r.sin.iter_mut())
+                        .for_each(|x| *x *= self.rope_gain);
+                }
+                r
+            })
+            .collect()
+    }
+
+    /// Queries `[n, heads * qk_head_dim]` with each head's rope slice rotated.
+    fn queries(&self, a: &Attn, xn: &Tensor, rot: &[Rotation]) -> Result<Vec<f32>> {
+        let q = match &a.q {
+            QProj::Full(l) => l.forward(xn)?,
+            QProj::Lora { a, norm, b } => b.forward(&rms_norm(
+                &a.forward(xn)?,
+                norm,
+                self.cfg.rms_norm_eps as f32,
+            )?)?,
+        };
+        let mut q = q.flatten_all()?.to_vec1::<f32>()?;
+        let (qk, dn) = (self.cfg.qk_head_dim(), self.cfg.qk_nope_head_dim);
+        let row = self.cfg.num_attention_heads * qk;
+        for (r, qr) in rot.iter().zip(q.chunks_exact_mut(row)) {
+            for h in qr.chunks_exact_mut(qk) {
+                r.apply_f32(&mut h[dn..]);
+            }
+        }
+        Ok(q)
+    }
+
+    /// Computes the new tokens' normed latent and post-RoPE `k_pe` and writes them to the pool.
+    fn write_cache(
+        &self,
+        kv: &mut KvStorage,
+        layer: usize,
+        a: &Attn,
+        xn: &Tensor,
+        rot: &[Rotation],
+        new_slots: &[u32],
+    ) -> Result<()> {
+        let (r, dr) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
+        let kva = a.kv_a.forward(xn)?;
+        let latent = rms_norm(
+            &kva.narrow(1, 0, r)?.contiguous()?,
+            &a.kv_a_norm,
+            self.cfg.rms_norm_eps as f32,
+        )?;
+        let latent = latent.flatten_all()?.to_vec1::<f32>()?;
+        let mut k_pe = kva
+            .narrow(1, r, dr)?
+            .contiguous()?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        for (i, &slot) in new_slots.iter().enumerate() {
+            let k = &mut k_pe[i * dr..(i + 1) * dr];
+            rot[i].apply_f32(k);
+            kv.write(layer, slot, k, &latent[i * r..(i + 1) * r])?;
+        }
+        Ok(())
+    }
+
+    /// MLA over each sequence's context slots followed by its new slots, causally.
+    /// `q` is `[n, heads * qk_head_dim]` (post-RoPE); returns `[n, heads * v_head_dim]`.
+    fn attention(
+        &self,
+        kv: &KvStorage,
+        layer: usize,
+        a: &Attn,
+        q: &Tensor,
+        seqs: &[ForwardSeq<'_>],
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (h, dn, dr, dv, r) = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
+        let mut outs = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        let mut slots = Vec::new();
+        for s in seqs {
+            let t = s.tokens.len();
+            slots.clear();
+            slots.extend_from_slice(s.context);
+            slots.extend_from_slice(s.new_slots);
+            let m = slots.len();
+            let mut latent = vec![0f32; m * r];
+            let mut k_pe = vec![0f32; m * dr];
+            kv.gather_v(layer, &slots, &mut latent)?;
+            kv.gather_k(layer, &slots, &mut k_pe)?;
+            let latent = Tensor::from_vec(latent, (m, r), &Device::Cpu)?;
+            let k_pe = Tensor::from_vec(k_pe, (m, dr), &Device::Cpu)?;
+            // Decompress: per head [k_nope | v].
+            let kvb = a
+                .kv_b
+                .forward(&latent)?
+                .reshape((m, h, dn + dv))?
+                .transpose(0, 1)?;
+            let k_nope = kvb.narrow(2, 0, dn)?.contiguous()?;
+            let v = kvb.narrow(2, dn, dv)?.contiguous()?;
+            let qs = q
+                .narrow(0, row, t)?
+                .reshape((t, h, dn + dr))?
+                .transpose(0, 1)?;
+            let q_nope = qs.narrow(2, 0, dn)?.contiguous()?;
+            let q_pe = qs.narrow(2, dn, dr)?.contiguous()?.reshape((h * t, dr))?;
+            let nope = q_nope.matmul(&k_nope.t()?)?;
+            let pe = q_pe.matmul(&k_pe.t()?)?.reshape((h, t, m))?;
+            let mut att = ((nope + pe)? * c.softmax_scale)?;
+            if t > 1 {
+                let ctx = s.context.len();
+                let mask: Vec<f32> = (0..t)
+                    .flat_map(|i| {
+                        (0..m).map(move |j| if j <= ctx + i { 0.0 } else { f32::NEG_INFINITY })
+                    })
+                    .collect();
+                att = att.broadcast_add(&Tensor::from_vec(mask, (t, m), &Device::Cpu)?)?;
+            }
+            let att = softmax_last_dim(&att)?;
+            outs.push(att.matmul(&v)?.transpose(0, 1)?.reshape((t, h * dv))?);
+            row += t;
+        }
+        Ok(Tensor::cat(&outs, 0)?)
+    }
+}
+
+impl CausalLm for DeepseekV2 {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
+        crate::check_batch(&self.info, kv, seqs)?;
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let positions: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| s.positions.iter().copied())
+            .collect();
+        let new_slots: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| s.new_slots.iter().copied())
+            .collect();
+        let n = tokens.len();
+        let rot = self.rotations(&positions);
+        let eps = self.cfg.rms_norm_eps as f32;
+        let mut x = self
+            .embed
+            .index_select(&Tensor::from_vec(tokens, n, &Device::Cpu)?, 0)?;
+        let row = self.cfg.num_attention_heads * self.cfg.qk_head_dim();
+        for (li, b) in self.blocks.iter().enumerate() {
+            let xn = rms_norm(&x, &b.in_norm, eps)?;
+            let q = Tensor::from_vec(self.queries(&b.attn, &xn, &rot)?, (n, row), &Device::Cpu)?;
+            self.write_cache(kv, li, &b.attn, &xn, &rot, &new_slots)?;
+            let att = self.attention(kv, li, &b.attn, &q, seqs)?;
+            x = (x + b.attn.o.forward(&att)?)?;
+            let xn = rms_norm(&x, &b.post_norm, eps)?;
+            let y = match &b.ffn {
+                Ffn::Dense(m) => m.forward(&xn)?,
+                Ffn::Moe(m) => m.forward(&xn)?,
+            };
+            x = (x + y)?;
+        }
+        // Only the rows whose logits are wanted go through the head.
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(seqs.len());
+        let mut start = 0u32;
+        for s in seqs {
+            let t = s.tokens.len() as u32;
+            let c = match s.logits {
+                LogitsFor::None => 0,
+                LogitsFor::Last => 1,
+                LogitsFor::All => t,
+            };
+            rows.extend(start + t - c..start + t);
+            counts.push(c as usize);
+            start += t;
+        }
+        if rows.is_empty() {
+            return Ok(vec![Vec::new(); seqs.len()]);
+        }
+        let nrows = rows.len();
+        let idx = Tensor::from_vec(rows, nrows, &Device::Cpu)?;
+        let xs = rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
+        let logits = self.lm_head.forward(&xs)?.to_dtype(DType::F32)?;
+        let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+        let vocab = self.info.vocab_size;
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut off = 0;
+        for c in counts {
+            out.push(logits[off * vocab..(off + c) * vocab].to_vec());
+            off += c;
+        }
+        Ok(out)
+    }
+}
