@@ -2,7 +2,7 @@
 //! Throughput is weight bytes read per second; `model_m1` runs one decode token's worth of
 //! products (30 layers of q, k, v, o, gate, up, down, then the head) on distinct matrices.
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use leyline_model::qmatmul::{GgmlKind, KernelPath, QMatrix};
 use std::hint::black_box;
 use std::time::Duration;
@@ -111,5 +111,123 @@ fn model_m1(c: &mut Criterion) {
     g.finish();
 }
 
+/// `QMATMUL_PROBE=1 cargo bench -p leyline-model --bench qmatmul`: best-of-N timings of a
+/// decode token's products on 1 and 2 threads (robust to a busy machine), then exit.
+fn probe() {
+    let mut mats = Vec::new();
+    for l in 0..30u64 {
+        for (j, (rows, cols)) in [
+            (576, 576),
+            (192, 576),
+            (192, 576),
+            (576, 576),
+            (1536, 576),
+            (1536, 576),
+            (576, 1536),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            mats.push(random_matrix(
+                GgmlKind::Q4_1,
+                rows,
+                cols,
+                l * 10 + j as u64 + 1,
+            ));
+        }
+    }
+    mats.push(random_matrix(GgmlKind::Q8_0, 49152, 576, 999));
+    let bytes: usize = mats.iter().map(QMatrix::weight_bytes).sum();
+    let reps: usize = std::env::var("QMATMUL_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    for threads in [1, 2] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("pool");
+        for p in [KernelPath::Avx2, KernelPath::Avx512]
+            .into_iter()
+            .filter(|p| p.is_available())
+        {
+            for m in [1, 4, 16] {
+                let xs: Vec<Vec<f32>> = mats.iter().map(|w| activations(m, w.cols())).collect();
+                let mut ys: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.rows()]).collect();
+                let (mut best, mut best_head) = (f64::MAX, f64::MAX);
+                pool.install(|| {
+                    for _ in 0..reps {
+                        let t = std::time::Instant::now();
+                        let n = mats.len();
+                        for ((w, x), y) in mats[..n - 1].iter().zip(&xs).zip(ys.iter_mut()) {
+                            w.matmul_with(p, black_box(x), m, y);
+                        }
+                        let t1 = std::time::Instant::now();
+                        mats[n - 1].matmul_with(p, &xs[n - 1], m, &mut ys[n - 1]);
+                        let head = t1.elapsed().as_secs_f64();
+                        best = best.min(t.elapsed().as_secs_f64());
+                        best_head = best_head.min(head);
+                    }
+                });
+                println!(
+                    "probe threads={threads} {p:?} m={m}: token {:.2} ms (head {:.2} ms), {:.1} GB/s",
+                    best * 1e3,
+                    best_head * 1e3,
+                    bytes as f64 / best / 1e9
+                );
+            }
+        }
+    }
+    // One small matrix over and over (cache-resident): the kernels' compute ceiling.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("pool");
+    for (kind, rows, cols) in [(GgmlKind::Q4_1, 576, 576), (GgmlKind::Q8_0, 1024, 576)] {
+        let w = random_matrix(kind, rows, cols, 5);
+        for p in [KernelPath::Avx2, KernelPath::Avx512]
+            .into_iter()
+            .filter(|p| p.is_available())
+        {
+            let x = activations(1, cols);
+            let mut y = vec![0f32; rows];
+            let mut best = f64::MAX;
+            pool.install(|| {
+                for _ in 0..reps * 10 {
+                    let t = std::time::Instant::now();
+                    w.matmul_with(p, black_box(&x), 1, &mut y);
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+            });
+            println!(
+                "probe in-cache {kind:?} [{rows},{cols}] {p:?} m=1 1 thread: {:.1} us, {:.1} GB/s, {:.1} Gweights/s",
+                best * 1e6,
+                w.weight_bytes() as f64 / best / 1e9,
+                (rows * cols) as f64 / best / 1e9
+            );
+        }
+    }
+    // Plain streaming read of as many bytes, for the memory-bandwidth ceiling.
+    let buf: Vec<u64> = (0..bytes as u64 / 8).collect();
+    let mut best = f64::MAX;
+    for _ in 0..reps {
+        let t = std::time::Instant::now();
+        black_box(buf.iter().fold(0u64, |a, &v| a ^ v));
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    println!(
+        "probe memory read 1 thread: {:.1} GB/s",
+        bytes as f64 / best / 1e9
+    );
+}
+
 criterion_group!(benches, shapes, model_m1);
-criterion_main!(benches);
+
+fn main() {
+    if std::env::var_os("QMATMUL_PROBE").is_some() {
+        probe();
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -3,8 +3,9 @@
 //!
 //! Design decision: activations stay f32 and each 32-weight block is dequantized in
 //! registers (`w = d * q + m`), so results match the f32-dequantized weights up to float
-//! rounding; the weights are read once per call for all activation rows. Rows are split
-//! over rayon's pool; the SIMD path (AVX-512F, AVX2+FMA+F16C, scalar) is chosen at run time.
+//! rounding; the weights are read once per call for all activation rows, a tile of output
+//! rows at a time. Rows are split over rayon's pool; the SIMD path (AVX-512F,
+//! AVX2+FMA+F16C, scalar) is chosen at run time.
 
 use crate::error::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -14,9 +15,13 @@ use std::sync::OnceLock;
 
 /// Values per GGML block (both supported kinds).
 const BLOCK: usize = 32;
-/// Scales of a row are padded to a multiple of this many entries, so SIMD f16->f32
-/// conversion never needs a tail.
-const SCALE_PAD: usize = 16;
+/// Zero bytes after the last row, so 16-wide f16 scale loads may run past a row's scales.
+const SLACK: usize = 64;
+/// How far ahead of the current row tile the kernels prefetch weights.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH: usize = 4096;
+/// Below this many weight bytes (times min(m, 4)) a product runs on the calling thread.
+const SERIAL_BYTES: usize = 96 * 1024;
 
 /// The quantized weight formats [`QMatrix`] accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,23 +94,29 @@ fn detect() -> KernelPath {
 }
 
 /// One quantized weight matrix `[rows = out_features, cols = in_features]`, repacked from
-/// GGML blocks into three row-major streams: quant bytes (as in GGML, without the scales),
-/// f16 scales `d` and (Q4_1) f16 minimums `m`, each row's scales padded to a multiple of 16.
+/// GGML blocks so each row is one stream of the same size: `nb` f16 scales `d`, then (Q4_1)
+/// `nb` f16 minimums `m`, then the `nb` blocks' quant bytes as GGML stores them.
 #[derive(Debug, Clone)]
 pub struct QMatrix {
     kind: GgmlKind,
     rows: usize,
     cols: usize,
-    /// Quant bytes, `rows * nb * qs_bytes`.
-    qs: Vec<u8>,
-    /// f16 bits of `d`, `rows * sb` (zero padded).
-    d: Vec<u16>,
-    /// f16 bits of `m`, `rows * sb` (Q4_1 only; empty for Q8_0).
-    m: Vec<u16>,
+    /// `rows * stride` bytes, then [`SLACK`] zero bytes.
+    data: Vec<u8>,
 }
 
-/// Activation rows handled together by one kernel call (bounded by SIMD registers).
-const M_CHUNK: usize = 8;
+/// Geometry of a row, shared by the kernels.
+#[derive(Clone, Copy)]
+struct RowGeom {
+    /// Blocks per row.
+    nb: usize,
+    /// Bytes per row.
+    stride: usize,
+    /// Offset of the quant bytes in a row.
+    qs_off: usize,
+    /// Floats per row in the scale buffers (`nb` rounded up to 16).
+    sb: usize,
+}
 
 impl QMatrix {
     /// Repacks raw GGML block bytes of a `[rows, cols]` matrix (row-major blocks).
@@ -129,33 +140,32 @@ impl QMatrix {
                 raw.len()
             )));
         }
-        let sb = nb.div_ceil(SCALE_PAD) * SCALE_PAD;
+        let mut data = vec![0u8; want + SLACK];
+        let g = Self::geom_of(kind, cols);
         let qb = kind.qs_bytes();
-        let mut qs = Vec::with_capacity(rows * nb * qb);
-        let mut d = vec![0u16; rows * sb];
-        let mut m = if kind == GgmlKind::Q4_1 {
-            vec![0u16; rows * sb]
-        } else {
-            Vec::new()
-        };
-        for (i, blk) in raw.chunks_exact(kind.block_bytes()).enumerate() {
-            let (r, b) = (i / nb, i % nb);
-            d[r * sb + b] = u16::from_le_bytes([blk[0], blk[1]]);
-            match kind {
-                GgmlKind::Q4_1 => {
-                    m[r * sb + b] = u16::from_le_bytes([blk[2], blk[3]]);
-                    qs.extend_from_slice(&blk[4..20]);
-                }
-                GgmlKind::Q8_0 => qs.extend_from_slice(&blk[2..34]),
+        for (r, (src, dst)) in raw
+            .chunks_exact(g.stride)
+            .zip(data.chunks_exact_mut(g.stride))
+            .enumerate()
+        {
+            debug_assert!(r < rows);
+            for (b, blk) in src.chunks_exact(kind.block_bytes()).enumerate() {
+                dst[2 * b..2 * b + 2].copy_from_slice(&blk[0..2]);
+                let q = match kind {
+                    GgmlKind::Q4_1 => {
+                        dst[2 * nb + 2 * b..2 * nb + 2 * b + 2].copy_from_slice(&blk[2..4]);
+                        &blk[4..20]
+                    }
+                    GgmlKind::Q8_0 => &blk[2..34],
+                };
+                dst[g.qs_off + b * qb..g.qs_off + (b + 1) * qb].copy_from_slice(q);
             }
         }
         Ok(Self {
             kind,
             rows,
             cols,
-            qs,
-            d,
-            m,
+            data,
         })
     }
 
@@ -176,6 +186,21 @@ impl QMatrix {
         let (rows, cols) = t.shape().dims2()?;
         let data = t.data()?;
         Self::from_ggml(kind, &data, rows, cols)
+    }
+
+    fn geom_of(kind: GgmlKind, cols: usize) -> RowGeom {
+        let nb = cols / BLOCK;
+        let scales = if kind == GgmlKind::Q4_1 {
+            4 * nb
+        } else {
+            2 * nb
+        };
+        RowGeom {
+            nb,
+            stride: nb * kind.block_bytes(),
+            qs_off: scales,
+            sb: nb.div_ceil(16) * 16,
+        }
     }
 
     /// The weight format.
@@ -220,8 +245,14 @@ impl QMatrix {
         if m == 0 || self.rows == 0 {
             return;
         }
-        let tile = self.row_tile(m);
         let serial = self.weight_bytes() * m.min(4) < SERIAL_BYTES;
+        // Rows per task: about four tasks per thread, a multiple of 4 rows.
+        let tile = (self
+            .rows
+            .div_ceil(rayon::current_num_threads().max(1) * 4)
+            .div_ceil(4)
+            * 4)
+        .max(16);
         if m == 1 {
             // y is already [rows, 1]: write it in place.
             if serial {
@@ -251,324 +282,338 @@ impl QMatrix {
         }
     }
 
-    /// Rows per parallel task: about four tasks per thread, at least 16 rows.
-    fn row_tile(&self, _m: usize) -> usize {
-        let tasks = rayon::current_num_threads().max(1) * 4;
-        self.rows.div_ceil(tasks).max(16)
-    }
-
     /// Computes rows `r0 .. r0 + out.len() / m` into `out: [n, m]`.
     fn rows_into(&self, path: KernelPath, r0: usize, x: &[f32], m: usize, out: &mut [f32]) {
         let n = out.len() / m;
-        debug_assert!(r0 + n <= self.rows && out.len() == n * m);
-        let nb = self.cols / BLOCK;
-        let sb = nb.div_ceil(SCALE_PAD) * SCALE_PAD;
-        let qb = self.kind.qs_bytes();
-        let mut dbuf = vec![0f32; sb];
-        let mut mbuf = vec![0f32; if self.kind == GgmlKind::Q4_1 { sb } else { 0 }];
-        let mut wbuf = if path == KernelPath::Scalar {
-            vec![0f32; self.cols]
-        } else {
-            Vec::new()
-        };
-        for (j, ys) in out.chunks_exact_mut(m).enumerate() {
-            let r = r0 + j;
-            let row = RowRef {
-                qs: &self.qs[r * nb * qb..(r + 1) * nb * qb],
-                d: &self.d[r * sb..(r + 1) * sb],
-                m: if self.kind == GgmlKind::Q4_1 {
-                    &self.m[r * sb..(r + 1) * sb]
-                } else {
-                    &[]
-                },
-                nb,
-            };
-            match path {
-                KernelPath::Scalar => scalar::row(self.kind, &row, x, ys, &mut wbuf),
-                #[cfg(target_arch = "x86_64")]
-                KernelPath::Avx2 => {
-                    // SAFETY: `matmul_with` asserted the path is available, i.e. this CPU
-                    // has AVX2, FMA and F16C; `row` slices have the lengths RowRef promises.
-                    unsafe { avx2::row(self.kind, &row, x, ys, &mut dbuf, &mut mbuf) }
-                }
-                #[cfg(target_arch = "x86_64")]
-                KernelPath::Avx512 => {
-                    // SAFETY: as above, the CPU has AVX-512F.
-                    unsafe { avx512::row(self.kind, &row, x, ys, &mut dbuf, &mut mbuf) }
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                _ => unreachable!("only the scalar path is available off x86-64"),
+        assert!(r0 + n <= self.rows && out.len() == n * m && x.len() == m * self.cols);
+        let g = Self::geom_of(self.kind, self.cols);
+        let rows = &self.data[r0 * g.stride..(r0 + n) * g.stride + SLACK];
+        match path {
+            KernelPath::Scalar => scalar::rows(self.kind, g, rows, x, m, out),
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 => {
+                // SAFETY: `matmul_with` asserted the path is available, i.e. this CPU has
+                // AVX2, FMA and F16C; the slice lengths were asserted above.
+                unsafe { avx2::rows(self.kind, g, rows, x, m, out) }
             }
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx512 => {
+                // SAFETY: as above; the CPU has AVX-512F.
+                unsafe { avx512::rows(self.kind, g, rows, x, m, out) }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!("only the scalar path is available off x86-64"),
         }
     }
-}
-
-/// Below this many weight bytes (times min(m, 4)) a product runs on the calling thread.
-const SERIAL_BYTES: usize = 96 * 1024;
-
-/// One row of a [`QMatrix`]: `qs.len() == nb * qs_bytes`, `d.len() == m.len() (or 0) ==
-/// round_up(nb, 16)`.
-struct RowRef<'a> {
-    qs: &'a [u8],
-    d: &'a [u16],
-    m: &'a [u16],
-    nb: usize,
 }
 
 mod scalar {
-    use super::{f16, GgmlKind, RowRef, BLOCK};
+    use super::{f16, GgmlKind, RowGeom, BLOCK, SLACK};
 
-    /// Dequantizes the row into `w` (len cols), then one dot product per activation row.
-    pub(super) fn row(kind: GgmlKind, row: &RowRef<'_>, x: &[f32], ys: &mut [f32], w: &mut [f32]) {
-        let cols = row.nb * BLOCK;
-        for b in 0..row.nb {
-            let d = f16::from_bits(row.d[b]).to_f32();
-            let wb = &mut w[b * BLOCK..(b + 1) * BLOCK];
-            match kind {
-                GgmlKind::Q4_1 => {
-                    let mn = f16::from_bits(row.m[b]).to_f32();
-                    let q = &row.qs[b * 16..(b + 1) * 16];
-                    for j in 0..16 {
-                        wb[j] = (q[j] & 0x0f) as f32 * d + mn;
-                        wb[j + 16] = (q[j] >> 4) as f32 * d + mn;
+    /// `rows` holds `n` rows then the slack; `out: [n, m]`.
+    pub(super) fn rows(
+        kind: GgmlKind,
+        g: RowGeom,
+        rows: &[u8],
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+    ) {
+        let cols = g.nb * BLOCK;
+        let mut w = vec![0f32; cols];
+        let n = (rows.len() - SLACK) / g.stride;
+        for (row, ys) in rows
+            .chunks_exact(g.stride)
+            .take(n)
+            .zip(out.chunks_exact_mut(m))
+        {
+            let half_at =
+                |i: usize| f16::from_bits(u16::from_le_bytes([row[i], row[i + 1]])).to_f32();
+            for b in 0..g.nb {
+                let d = half_at(2 * b);
+                let wb = &mut w[b * BLOCK..(b + 1) * BLOCK];
+                match kind {
+                    GgmlKind::Q4_1 => {
+                        let mn = half_at(2 * g.nb + 2 * b);
+                        let q = &row[g.qs_off + b * 16..g.qs_off + (b + 1) * 16];
+                        for j in 0..16 {
+                            wb[j] = (q[j] & 0x0f) as f32 * d + mn;
+                            wb[j + 16] = (q[j] >> 4) as f32 * d + mn;
+                        }
                     }
-                }
-                GgmlKind::Q8_0 => {
-                    let q = &row.qs[b * 32..(b + 1) * 32];
-                    for j in 0..32 {
-                        wb[j] = q[j] as i8 as f32 * d;
+                    GgmlKind::Q8_0 => {
+                        let q = &row[g.qs_off + b * 32..g.qs_off + (b + 1) * 32];
+                        for j in 0..32 {
+                            wb[j] = q[j] as i8 as f32 * d;
+                        }
                     }
                 }
             }
-        }
-        for (i, y) in ys.iter_mut().enumerate() {
-            let xi = &x[i * cols..(i + 1) * cols];
-            let mut acc = [0f32; 8];
-            for (wc, xc) in w[..cols].chunks_exact(8).zip(xi.chunks_exact(8)) {
-                for k in 0..8 {
-                    acc[k] += wc[k] * xc[k];
+            for (i, y) in ys.iter_mut().enumerate() {
+                let xi = &x[i * cols..(i + 1) * cols];
+                let mut acc = [0f32; 8];
+                for (wc, xc) in w.chunks_exact(8).zip(xi.chunks_exact(8)) {
+                    for k in 0..8 {
+                        acc[k] += wc[k] * xc[k];
+                    }
                 }
+                *y = acc.iter().sum();
             }
-            *y = acc.iter().sum();
         }
     }
 }
 
-/// Calls `$f::<N>` for a run-time `n` in `1..=8`.
+/// Defines `rows`, the driver of one ISA's tile kernels: for each tile of `R` output rows
+/// (`R1` when m == 1, else `RM`; single rows for the remainder) it converts the tile's
+/// scales to f32, then runs `$q41` / `$q80::<R, M>` for chunks of `M <= 4` activation rows.
 #[cfg(target_arch = "x86_64")]
-macro_rules! dispatch_m {
-    ($n:expr, $f:ident, $($arg:expr),*) => {
-        match $n {
-            1 => $f::<1>($($arg),*),
-            2 => $f::<2>($($arg),*),
-            3 => $f::<3>($($arg),*),
-            4 => $f::<4>($($arg),*),
-            5 => $f::<5>($($arg),*),
-            6 => $f::<6>($($arg),*),
-            7 => $f::<7>($($arg),*),
-            _ => $f::<8>($($arg),*),
+macro_rules! tile_driver {
+    ($feat:literal, $r1:literal, $rm:literal, $scales:ident) => {
+        /// `rows` holds `n` rows then the slack; `out: [n, m]`, `x: [m, cols]`.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features; `rows.len() == n * g.stride
+        /// + SLACK`, `x.len() == m * cols` and `out.len() == n * m` (checked by `rows_into`).
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn rows(
+            kind: GgmlKind,
+            g: RowGeom,
+            rows: &[u8],
+            x: &[f32],
+            m: usize,
+            out: &mut [f32],
+        ) {
+            let n = (rows.len() - SLACK) / g.stride;
+            assert!(rows.len() == n * g.stride + SLACK && out.len() == n * m);
+            assert!(x.len() == m * g.nb * BLOCK);
+            let r_tile = if m == 1 { $r1 } else { $rm };
+            let mut dbuf = vec![0f32; r_tile * g.sb];
+            let mut mbuf = vec![0f32; r_tile * g.sb];
+            let mut r = 0;
+            while r < n {
+                let rt = if n - r >= r_tile { r_tile } else { 1 };
+                for j in 0..rt {
+                    // SAFETY: row r + j < n starts inside `rows`, and the conversion reads
+                    // at most 32 bytes past a row's scales, inside the row or the slack;
+                    // dbuf/mbuf hold rt * sb floats.
+                    unsafe {
+                        $scales(
+                            kind,
+                            g,
+                            rows.as_ptr().add((r + j) * g.stride),
+                            j,
+                            &mut dbuf,
+                            &mut mbuf,
+                        )
+                    };
+                }
+                // Ask for the bytes PREFETCH ahead of this tile; the tile's own rows are
+                // read while those are in flight (hardware prefetchers stop at pages).
+                let ahead = (r + rt) * g.stride + PREFETCH;
+                let end = (ahead + rt * g.stride).min(rows.len());
+                for off in (ahead..end).step_by(64) {
+                    // SAFETY: off < rows.len(), a valid address; prefetch never faults.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(off) as *const i8) };
+                }
+                let mut i = 0;
+                while i < m {
+                    let mc = (m - i).min(4);
+                    let t = Tile {
+                        w: rows[r * g.stride..].as_ptr(),
+                        g,
+                        d: dbuf.as_ptr(),
+                        mn: mbuf.as_ptr(),
+                        x: x[i * g.nb * BLOCK..].as_ptr(),
+                        out: out[r * m + i..].as_mut_ptr(),
+                        ostride: m,
+                    };
+                    // SAFETY: the tile covers rows r .. r + rt < = n and activation rows
+                    // i .. i + mc <= m, whose bytes / floats lie in `rows`, `x` and `out` by
+                    // the asserts above; the scale buffers were filled for these rows.
+                    unsafe {
+                        match (kind, rt == 1, mc) {
+                            (GgmlKind::Q4_1, true, 1) => q4_1::<1, 1>(&t),
+                            (GgmlKind::Q4_1, true, 2) => q4_1::<1, 2>(&t),
+                            (GgmlKind::Q4_1, true, 3) => q4_1::<1, 3>(&t),
+                            (GgmlKind::Q4_1, true, _) => q4_1::<1, 4>(&t),
+                            (GgmlKind::Q4_1, false, 1) => q4_1::<$r1, 1>(&t),
+                            (GgmlKind::Q4_1, false, 2) => q4_1::<$rm, 2>(&t),
+                            (GgmlKind::Q4_1, false, 3) => q4_1::<$rm, 3>(&t),
+                            (GgmlKind::Q4_1, false, _) => q4_1::<$rm, 4>(&t),
+                            (GgmlKind::Q8_0, true, 1) => q8_0::<1, 1>(&t),
+                            (GgmlKind::Q8_0, true, 2) => q8_0::<1, 2>(&t),
+                            (GgmlKind::Q8_0, true, 3) => q8_0::<1, 3>(&t),
+                            (GgmlKind::Q8_0, true, _) => q8_0::<1, 4>(&t),
+                            (GgmlKind::Q8_0, false, 1) => q8_0::<$r1, 1>(&t),
+                            (GgmlKind::Q8_0, false, 2) => q8_0::<$rm, 2>(&t),
+                            (GgmlKind::Q8_0, false, 3) => q8_0::<$rm, 3>(&t),
+                            (GgmlKind::Q8_0, false, _) => q8_0::<$rm, 4>(&t),
+                        }
+                    }
+                    i += mc;
+                }
+                r += rt;
+            }
         }
     };
+}
+
+/// What a tile kernel reads and writes. Row `j` of the tile starts at `w + j * g.stride`;
+/// its f32 scales are `d[j * g.sb ..]` and `mn[j * g.sb ..]`; activation row `i` is
+/// `x + i * cols`; the result of (row j, activation i) goes to `out[j * ostride + i]`.
+#[cfg(target_arch = "x86_64")]
+struct Tile {
+    w: *const u8,
+    g: RowGeom,
+    d: *const f32,
+    mn: *const f32,
+    x: *const f32,
+    out: *mut f32,
+    ostride: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     // The AVX-512 intrinsics are stable since Rust 1.89; the workspace states 1.85.
     #![allow(clippy::incompatible_msrv)]
-    use super::{GgmlKind, RowRef, BLOCK, M_CHUNK};
+    use super::{GgmlKind, RowGeom, Tile, BLOCK, PREFETCH, SLACK};
     use std::arch::x86_64::*;
 
-    /// One output row for every activation row, `M_CHUNK` activation rows per pass.
+    tile_driver!("avx512f", 4, 2, scales);
+
+    /// Converts the f16 scales of the row at `row` into `dbuf[j * sb..]`, `mbuf[j * sb..]`.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F. `row` must satisfy RowRef's length contract,
-    /// `x.len() >= ys.len() * nb * 32` and `dbuf`, `mbuf` (Q4_1) hold `row.d.len()` floats.
+    /// AVX-512F; `row` is a row start with at least `4 * nb + 32` readable bytes (the row
+    /// or the slack), `(j + 1) * sb <= dbuf.len(), mbuf.len()`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn row(
+    unsafe fn scales(
         kind: GgmlKind,
-        row: &RowRef<'_>,
-        x: &[f32],
-        ys: &mut [f32],
+        g: RowGeom,
+        row: *const u8,
+        j: usize,
         dbuf: &mut [f32],
         mbuf: &mut [f32],
     ) {
-        let sb = row.d.len();
-        assert!(dbuf.len() >= sb && sb.is_multiple_of(16) && row.nb <= sb);
-        assert!(x.len() >= ys.len() * row.nb * BLOCK);
-        assert!(row.qs.len() >= row.nb * if kind == GgmlKind::Q4_1 { 16 } else { 32 });
-        let q41 = kind == GgmlKind::Q4_1;
-        if q41 {
-            assert!(mbuf.len() >= sb && row.m.len() == sb);
-        }
-        // f16 -> f32 scales, 16 at a time; sb is a multiple of 16 (asserted).
-        for k in (0..sb).step_by(16) {
-            // SAFETY: k + 16 <= sb <= len of row.d, dbuf (and row.m, mbuf when Q4_1).
+        assert!((j + 1) * g.sb <= dbuf.len() && (j + 1) * g.sb <= mbuf.len());
+        for k in (0..g.nb).step_by(16) {
+            // SAFETY: k < nb, so bytes row + 2k .. + 32 (and row + 2nb + 2k .. + 32) lie in
+            // the caller's range; k + 16 <= sb, so the stores stay in row j's buffers.
             unsafe {
-                let h = _mm256_loadu_si256(row.d.as_ptr().add(k) as *const __m256i);
-                _mm512_storeu_ps(dbuf.as_mut_ptr().add(k), _mm512_cvtph_ps(h));
-                if q41 {
-                    let h = _mm256_loadu_si256(row.m.as_ptr().add(k) as *const __m256i);
-                    _mm512_storeu_ps(mbuf.as_mut_ptr().add(k), _mm512_cvtph_ps(h));
+                let h = _mm256_loadu_si256(row.add(2 * k) as *const __m256i);
+                _mm512_storeu_ps(dbuf.as_mut_ptr().add(j * g.sb + k), _mm512_cvtph_ps(h));
+                if kind == GgmlKind::Q4_1 {
+                    let h = _mm256_loadu_si256(row.add(2 * g.nb + 2 * k) as *const __m256i);
+                    _mm512_storeu_ps(mbuf.as_mut_ptr().add(j * g.sb + k), _mm512_cvtph_ps(h));
                 }
             }
-        }
-        let cols = row.nb * BLOCK;
-        let mut i = 0;
-        while i < ys.len() {
-            let n = (ys.len() - i).min(M_CHUNK);
-            let xs = &x[i * cols..(i + n) * cols];
-            let out = &mut ys[i..i + n];
-            // SAFETY: the asserts above establish every bound the kernels rely on.
-            unsafe {
-                if q41 {
-                    dispatch_m!(n, q4_1, row, xs, out, dbuf, mbuf);
-                } else {
-                    dispatch_m!(n, q8_0, row, xs, out, dbuf, mbuf);
-                }
-            }
-            i += n;
         }
     }
 
     /// # Safety
-    /// AVX-512F; `xs.len() == M * nb * 32`, `out.len() == M`, `qs.len() >= nb * 16`,
-    /// `dbuf`, `mbuf` at least `nb` long.
+    /// AVX-512F; `t` describes R rows and M activation rows as [`Tile`] says, all in bounds.
     #[target_feature(enable = "avx512f")]
-    unsafe fn q4_1<const M: usize>(
-        row: &RowRef<'_>,
-        xs: &[f32],
-        out: &mut [f32],
-        dbuf: &[f32],
-        mbuf: &[f32],
-    ) {
-        let cols = row.nb * BLOCK;
-        debug_assert!(xs.len() == M * cols && out.len() == M);
-        let mut acc0 = [_mm512_setzero_ps(); M];
-        let mut acc1 = [_mm512_setzero_ps(); M];
+    unsafe fn q4_1<const R: usize, const M: usize>(t: &Tile) {
+        let cols = t.g.nb * BLOCK;
+        let mut acc = [[[_mm512_setzero_ps(); 2]; M]; R];
         let low = _mm512_set1_epi32(0x0f);
-        let qp = row.qs.as_ptr();
-        let xp = xs.as_ptr();
-        for b in 0..row.nb {
-            // SAFETY: b < nb, so bytes b*16..b*16+16 lie in qs, floats i*cols + b*32 .. +32
-            // lie in xs for i < M, and b indexes dbuf/mbuf (caller's contract).
-            unsafe {
-                let raw = _mm_loadu_si128(qp.add(b * 16) as *const __m128i);
-                let v = _mm512_cvtepu8_epi32(raw);
-                let d = _mm512_set1_ps(*dbuf.get_unchecked(b));
-                let mn = _mm512_set1_ps(*mbuf.get_unchecked(b));
-                let w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, mn);
-                let w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, mn);
-                for i in 0..M {
-                    let xb = xp.add(i * cols + b * BLOCK);
-                    acc0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc0[i]);
-                    acc1[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb.add(16)), acc1[i]);
+        for b in 0..t.g.nb {
+            for (j, acc_j) in acc.iter_mut().enumerate() {
+                // SAFETY: b < nb and j < R, so the 16 quant bytes, the scale floats and the
+                // activation floats read here lie inside the tile (caller's contract).
+                unsafe {
+                    let qp = t.w.add(j * t.g.stride + t.g.qs_off + b * 16);
+                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qp as *const __m128i));
+                    let d = _mm512_set1_ps(*t.d.add(j * t.g.sb + b));
+                    let mn = _mm512_set1_ps(*t.mn.add(j * t.g.sb + b));
+                    let w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, mn);
+                    let w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, mn);
+                    for (i, a) in acc_j.iter_mut().enumerate() {
+                        let xb = t.x.add(i * cols + b * BLOCK);
+                        a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a[0]);
+                        a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb.add(16)), a[1]);
+                    }
                 }
             }
         }
-        for i in 0..M {
-            out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
+        for (j, acc_j) in acc.iter().enumerate() {
+            for (i, a) in acc_j.iter().enumerate() {
+                // SAFETY: (j, i) is inside the tile's outputs.
+                unsafe {
+                    *t.out.add(j * t.ostride + i) = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]))
+                };
+            }
         }
     }
 
     /// # Safety
-    /// AVX-512F; `xs.len() == M * nb * 32`, `out.len() == M`, `qs.len() >= nb * 32`,
-    /// `dbuf` at least `nb` long.
+    /// AVX-512F; `t` describes R rows and M activation rows as [`Tile`] says, all in bounds.
     #[target_feature(enable = "avx512f")]
-    unsafe fn q8_0<const M: usize>(
-        row: &RowRef<'_>,
-        xs: &[f32],
-        out: &mut [f32],
-        dbuf: &[f32],
-        _mbuf: &[f32],
-    ) {
-        let cols = row.nb * BLOCK;
-        debug_assert!(xs.len() == M * cols && out.len() == M);
-        let mut acc0 = [_mm512_setzero_ps(); M];
-        let mut acc1 = [_mm512_setzero_ps(); M];
-        let qp = row.qs.as_ptr();
-        let xp = xs.as_ptr();
-        for b in 0..row.nb {
-            // SAFETY: b < nb, so bytes b*32..b*32+32 lie in qs, floats i*cols + b*32 .. +32
-            // lie in xs for i < M, and b indexes dbuf (caller's contract).
-            unsafe {
-                let q0 = _mm_loadu_si128(qp.add(b * 32) as *const __m128i);
-                let q1 = _mm_loadu_si128(qp.add(b * 32 + 16) as *const __m128i);
-                let d = _mm512_set1_ps(*dbuf.get_unchecked(b));
-                let w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-                let w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
-                for i in 0..M {
-                    let xb = xp.add(i * cols + b * BLOCK);
-                    acc0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc0[i]);
-                    acc1[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb.add(16)), acc1[i]);
+    unsafe fn q8_0<const R: usize, const M: usize>(t: &Tile) {
+        let cols = t.g.nb * BLOCK;
+        let mut acc = [[[_mm512_setzero_ps(); 2]; M]; R];
+        for b in 0..t.g.nb {
+            for (j, acc_j) in acc.iter_mut().enumerate() {
+                // SAFETY: b < nb and j < R, so the 32 quant bytes, the scale and the
+                // activation floats read here lie inside the tile (caller's contract).
+                unsafe {
+                    let qp = t.w.add(j * t.g.stride + t.g.qs_off + b * 32);
+                    let q0 = _mm_loadu_si128(qp as *const __m128i);
+                    let q1 = _mm_loadu_si128(qp.add(16) as *const __m128i);
+                    let d = _mm512_set1_ps(*t.d.add(j * t.g.sb + b));
+                    let w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+                    let w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+                    for (i, a) in acc_j.iter_mut().enumerate() {
+                        let xb = t.x.add(i * cols + b * BLOCK);
+                        a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a[0]);
+                        a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb.add(16)), a[1]);
+                    }
                 }
             }
         }
-        for i in 0..M {
-            out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
+        for (j, acc_j) in acc.iter().enumerate() {
+            for (i, a) in acc_j.iter().enumerate() {
+                // SAFETY: (j, i) is inside the tile's outputs.
+                unsafe {
+                    *t.out.add(j * t.ostride + i) = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]))
+                };
+            }
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{GgmlKind, RowRef, BLOCK};
+    use super::{GgmlKind, RowGeom, Tile, BLOCK, PREFETCH, SLACK};
     use std::arch::x86_64::*;
 
-    /// Activation rows per pass (16 ymm registers: 2 accumulators each plus 4 weights).
-    const M2: usize = 4;
+    tile_driver!("avx2,fma,f16c", 2, 1, scales);
 
-    /// One output row for every activation row.
+    /// Converts the f16 scales of the row at `row` into `dbuf[j * sb..]`, `mbuf[j * sb..]`.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; the contract of `avx512::row` otherwise.
+    /// AVX2+FMA+F16C; otherwise as `avx512::scales`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn row(
+    unsafe fn scales(
         kind: GgmlKind,
-        row: &RowRef<'_>,
-        x: &[f32],
-        ys: &mut [f32],
+        g: RowGeom,
+        row: *const u8,
+        j: usize,
         dbuf: &mut [f32],
         mbuf: &mut [f32],
     ) {
-        let sb = row.d.len();
-        assert!(dbuf.len() >= sb && sb.is_multiple_of(16) && row.nb <= sb);
-        assert!(x.len() >= ys.len() * row.nb * BLOCK);
-        assert!(row.qs.len() >= row.nb * if kind == GgmlKind::Q4_1 { 16 } else { 32 });
-        let q41 = kind == GgmlKind::Q4_1;
-        if q41 {
-            assert!(mbuf.len() >= sb && row.m.len() == sb);
-        }
-        for k in (0..sb).step_by(8) {
-            // SAFETY: k + 8 <= sb <= len of row.d, dbuf (and row.m, mbuf when Q4_1).
+        assert!((j + 1) * g.sb <= dbuf.len() && (j + 1) * g.sb <= mbuf.len());
+        for k in (0..g.nb).step_by(8) {
+            // SAFETY: k < nb, so bytes row + 2k .. + 16 (and row + 2nb + 2k .. + 16) lie in
+            // the caller's range; k + 8 <= sb, so the stores stay in row j's buffers.
             unsafe {
-                let h = _mm_loadu_si128(row.d.as_ptr().add(k) as *const __m128i);
-                _mm256_storeu_ps(dbuf.as_mut_ptr().add(k), _mm256_cvtph_ps(h));
-                if q41 {
-                    let h = _mm_loadu_si128(row.m.as_ptr().add(k) as *const __m128i);
-                    _mm256_storeu_ps(mbuf.as_mut_ptr().add(k), _mm256_cvtph_ps(h));
+                let h = _mm_loadu_si128(row.add(2 * k) as *const __m128i);
+                _mm256_storeu_ps(dbuf.as_mut_ptr().add(j * g.sb + k), _mm256_cvtph_ps(h));
+                if kind == GgmlKind::Q4_1 {
+                    let h = _mm_loadu_si128(row.add(2 * g.nb + 2 * k) as *const __m128i);
+                    _mm256_storeu_ps(mbuf.as_mut_ptr().add(j * g.sb + k), _mm256_cvtph_ps(h));
                 }
             }
-        }
-        let cols = row.nb * BLOCK;
-        let mut i = 0;
-        while i < ys.len() {
-            let n = (ys.len() - i).min(M2);
-            let xs = &x[i * cols..(i + n) * cols];
-            let out = &mut ys[i..i + n];
-            // SAFETY: the asserts above establish every bound the kernels rely on.
-            unsafe {
-                match (q41, n) {
-                    (true, 1) => q4_1::<1>(row, xs, out, dbuf, mbuf),
-                    (true, 2) => q4_1::<2>(row, xs, out, dbuf, mbuf),
-                    (true, 3) => q4_1::<3>(row, xs, out, dbuf, mbuf),
-                    (true, _) => q4_1::<4>(row, xs, out, dbuf, mbuf),
-                    (false, 1) => q8_0::<1>(row, xs, out, dbuf),
-                    (false, 2) => q8_0::<2>(row, xs, out, dbuf),
-                    (false, 3) => q8_0::<3>(row, xs, out, dbuf),
-                    (false, _) => q8_0::<4>(row, xs, out, dbuf),
-                }
-            }
-            i += n;
         }
     }
 
@@ -582,83 +627,81 @@ mod avx2 {
     }
 
     /// # Safety
-    /// AVX2+FMA+F16C; `xs.len() == M * nb * 32`, `out.len() == M`, `qs.len() >= nb * 16`,
-    /// `dbuf`, `mbuf` at least `nb` long.
+    /// AVX2+FMA+F16C; `t` describes R rows and M activation rows as [`Tile`] says, in bounds.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_1<const M: usize>(
-        row: &RowRef<'_>,
-        xs: &[f32],
-        out: &mut [f32],
-        dbuf: &[f32],
-        mbuf: &[f32],
-    ) {
-        let cols = row.nb * BLOCK;
-        debug_assert!(xs.len() == M * cols && out.len() == M);
-        let mut acc0 = [_mm256_setzero_ps(); M];
-        let mut acc1 = [_mm256_setzero_ps(); M];
+    unsafe fn q4_1<const R: usize, const M: usize>(t: &Tile) {
+        let cols = t.g.nb * BLOCK;
+        let mut acc = [[[_mm256_setzero_ps(); 2]; M]; R];
         let low = _mm256_set1_epi32(0x0f);
-        let qp = row.qs.as_ptr();
-        let xp = xs.as_ptr();
-        for b in 0..row.nb {
-            // SAFETY: b < nb, so bytes b*16..b*16+16 lie in qs, floats i*cols + b*32 .. +32
-            // lie in xs for i < M, and b indexes dbuf/mbuf (caller's contract).
-            unsafe {
-                let raw = _mm_loadu_si128(qp.add(b * 16) as *const __m128i);
-                let v0 = _mm256_cvtepu8_epi32(raw);
-                let v1 = _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(raw));
-                let d = _mm256_set1_ps(*dbuf.get_unchecked(b));
-                let mn = _mm256_set1_ps(*mbuf.get_unchecked(b));
-                // Values 0..8, 8..16 (low nibbles), 16..24, 24..32 (high nibbles).
-                let w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), d, mn);
-                let w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), d, mn);
-                let w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)), d, mn);
-                let w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)), d, mn);
-                for i in 0..M {
-                    let xb = xp.add(i * cols + b * BLOCK);
-                    acc0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), acc0[i]);
-                    acc1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb.add(8)), acc1[i]);
-                    acc0[i] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb.add(16)), acc0[i]);
-                    acc1[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb.add(24)), acc1[i]);
+        for b in 0..t.g.nb {
+            for (j, acc_j) in acc.iter_mut().enumerate() {
+                // SAFETY: b < nb and j < R, so the 16 quant bytes, the scale floats and the
+                // activation floats read here lie inside the tile (caller's contract).
+                unsafe {
+                    let qp = t.w.add(j * t.g.stride + t.g.qs_off + b * 16);
+                    let raw = _mm_loadu_si128(qp as *const __m128i);
+                    let v0 = _mm256_cvtepu8_epi32(raw);
+                    let v1 = _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(raw));
+                    let d = _mm256_set1_ps(*t.d.add(j * t.g.sb + b));
+                    let mn = _mm256_set1_ps(*t.mn.add(j * t.g.sb + b));
+                    // Values 0..8, 8..16 (low nibbles), 16..24, 24..32 (high nibbles).
+                    let w = [
+                        _mm256_and_si256(v0, low),
+                        _mm256_and_si256(v1, low),
+                        _mm256_srli_epi32::<4>(v0),
+                        _mm256_srli_epi32::<4>(v1),
+                    ]
+                    .map(|q| _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, mn));
+                    for (i, a) in acc_j.iter_mut().enumerate() {
+                        let xb = t.x.add(i * cols + b * BLOCK);
+                        a[0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a[0]);
+                        a[1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb.add(8)), a[1]);
+                        a[0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb.add(16)), a[0]);
+                        a[1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb.add(24)), a[1]);
+                    }
                 }
             }
         }
-        for i in 0..M {
-            out[i] = hsum(_mm256_add_ps(acc0[i], acc1[i]));
+        for (j, acc_j) in acc.iter().enumerate() {
+            for (i, a) in acc_j.iter().enumerate() {
+                // SAFETY: (j, i) is inside the tile's outputs.
+                unsafe { *t.out.add(j * t.ostride + i) = hsum(_mm256_add_ps(a[0], a[1])) };
+            }
         }
     }
 
     /// # Safety
-    /// AVX2+FMA+F16C; `xs.len() == M * nb * 32`, `out.len() == M`, `qs.len() >= nb * 32`,
-    /// `dbuf` at least `nb` long.
+    /// AVX2+FMA+F16C; `t` describes R rows and M activation rows as [`Tile`] says, in bounds.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_0<const M: usize>(row: &RowRef<'_>, xs: &[f32], out: &mut [f32], dbuf: &[f32]) {
-        let cols = row.nb * BLOCK;
-        debug_assert!(xs.len() == M * cols && out.len() == M);
-        let mut acc0 = [_mm256_setzero_ps(); M];
-        let mut acc1 = [_mm256_setzero_ps(); M];
-        let qp = row.qs.as_ptr();
-        let xp = xs.as_ptr();
-        for b in 0..row.nb {
-            // SAFETY: b < nb, so bytes b*32..b*32+32 lie in qs, floats i*cols + b*32 .. +32
-            // lie in xs for i < M, and b indexes dbuf (caller's contract).
-            unsafe {
-                let d = _mm256_set1_ps(*dbuf.get_unchecked(b));
-                let mut w = [_mm256_setzero_ps(); 4];
-                for (k, wk) in w.iter_mut().enumerate() {
-                    let q = _mm_loadl_epi64(qp.add(b * 32 + k * 8) as *const __m128i);
-                    *wk = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
-                }
-                for i in 0..M {
-                    let xb = xp.add(i * cols + b * BLOCK);
-                    acc0[i] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc0[i]);
-                    acc1[i] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb.add(8)), acc1[i]);
-                    acc0[i] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb.add(16)), acc0[i]);
-                    acc1[i] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb.add(24)), acc1[i]);
+    unsafe fn q8_0<const R: usize, const M: usize>(t: &Tile) {
+        let cols = t.g.nb * BLOCK;
+        let mut acc = [[[_mm256_setzero_ps(); 2]; M]; R];
+        for b in 0..t.g.nb {
+            for (j, acc_j) in acc.iter_mut().enumerate() {
+                // SAFETY: b < nb and j < R, so the 32 quant bytes, the scale and the
+                // activation floats read here lie inside the tile (caller's contract).
+                unsafe {
+                    let qp = t.w.add(j * t.g.stride + t.g.qs_off + b * 32);
+                    let d = _mm256_set1_ps(*t.d.add(j * t.g.sb + b));
+                    let w = [0, 8, 16, 24].map(|k| {
+                        let q = _mm_loadl_epi64(qp.add(k) as *const __m128i);
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d)
+                    });
+                    for (i, a) in acc_j.iter_mut().enumerate() {
+                        let xb = t.x.add(i * cols + b * BLOCK);
+                        a[0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a[0]);
+                        a[1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb.add(8)), a[1]);
+                        a[0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb.add(16)), a[0]);
+                        a[1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb.add(24)), a[1]);
+                    }
                 }
             }
         }
-        for i in 0..M {
-            out[i] = hsum(_mm256_add_ps(acc0[i], acc1[i]));
+        for (j, acc_j) in acc.iter().enumerate() {
+            for (i, a) in acc_j.iter().enumerate() {
+                // SAFETY: (j, i) is inside the tile's outputs.
+                unsafe { *t.out.add(j * t.ostride + i) = hsum(_mm256_add_ps(a[0], a[1])) };
+            }
         }
     }
 }
