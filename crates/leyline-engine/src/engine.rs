@@ -15,11 +15,12 @@ use crate::error::{EngineError, Result};
 use crate::metrics::Metrics;
 use crate::request::{Event, FinishReason, Request, RequestId, Usage};
 use crate::sampling::Sampler;
+use crate::session::{EditReport, Session, SessionId};
 use leyline_kv::radix::{LockReceipt, Namespace, PrefixCache};
 use leyline_kv::slots::Lineage;
 use leyline_kv::{KvDtype, KvError, KvStorage};
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -39,7 +40,12 @@ pub struct EngineConfig {
 impl EngineConfig {
     /// Settings for `model` with a pool of `kv_slots`.
     pub fn new(kv_slots: usize) -> Self {
-        Self { kv_dtype: KvDtype::F32, kv_slots, prefill_chunk: 512, max_running: 64 }
+        Self {
+            kv_dtype: KvDtype::F32,
+            kv_slots,
+            prefill_chunk: 512,
+            max_running: 64,
+        }
     }
 
     /// A pool sized from a byte budget for `model`'s geometry.
@@ -69,6 +75,14 @@ struct Running {
     first_token: Option<Instant>,
     /// Set once the sequence must leave at the end of the step.
     finish: Option<FinishReason>,
+    /// The session the sequence continues, if any.
+    session: Option<SessionId>,
+    /// Lineage of slots past `clean_len`.
+    lineage: Lineage,
+    /// Slots at this index or later get the sequence's lineage; before it, shared.
+    clean_len: usize,
+    /// What the request's edit did.
+    edit: Option<EditReport>,
 }
 
 impl Running {
@@ -100,15 +114,19 @@ pub struct StepReport {
 
 /// The scheduler and everything it owns: model, KV storage, prefix cache, queues.
 pub struct Engine {
-    model: Arc<dyn CausalLm>,
-    model_id: u32,
-    cfg: EngineConfig,
-    kv: KvStorage,
-    cache: PrefixCache,
+    pub(crate) model: Arc<dyn CausalLm>,
+    pub(crate) model_id: u32,
+    pub(crate) cfg: EngineConfig,
+    pub(crate) kv: KvStorage,
+    pub(crate) cache: PrefixCache,
     waiting: VecDeque<Waiting>,
     running: Vec<Running>,
     next_id: RequestId,
-    metrics: Arc<Metrics>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) sessions: HashMap<SessionId, Session>,
+    pub(crate) next_session: u64,
+    /// FORGET targets still to prefill on the explicit channel.
+    pub(crate) forget_pending: HashMap<SessionId, Vec<u32>>,
 }
 
 impl Engine {
@@ -136,6 +154,9 @@ impl Engine {
             running: Vec::new(),
             next_id: 1,
             metrics,
+            sessions: HashMap::new(),
+            next_session: 1,
+            forget_pending: HashMap::new(),
         })
     }
 
@@ -179,21 +200,49 @@ impl Engine {
         let id = self.next_id;
         self.next_id += 1;
         self.metrics.add(&self.metrics.requests_submitted, 1);
-        if let Err(e) = self.validate(&req) {
+        let claimed = self.validate(&req).and_then(|()| self.claim_session(&req));
+        if let Err(e) = claimed {
             self.metrics.add(&self.metrics.requests_failed, 1);
             let _ = (req.sink)(Event::Failed(e.to_string()));
             return id;
         }
-        self.waiting.push_back(Waiting { id, req, submitted: Instant::now() });
+        self.waiting.push_back(Waiting {
+            id,
+            req,
+            submitted: Instant::now(),
+        });
         self.update_gauges();
         id
+    }
+
+    /// Marks the request's session busy until the request ends.
+    fn claim_session(&mut self, req: &Request) -> Result<()> {
+        if let Some(sr) = &req.session {
+            let s = self
+                .sessions
+                .get_mut(&sr.id)
+                .ok_or(EngineError::UnknownSession(sr.id.0))?;
+            if s.busy {
+                return Err(EngineError::SessionBusy(sr.id.0));
+            }
+            s.busy = true;
+        }
+        Ok(())
+    }
+
+    fn unclaim_session(&mut self, id: Option<SessionId>) {
+        if let Some(s) = id.and_then(|id| self.sessions.get_mut(&id)) {
+            s.busy = false;
+        }
     }
 
     fn validate(&self, req: &Request) -> Result<()> {
         if req.prompt.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
         }
-        req.sampling.validate().map_err(EngineError::InvalidRequest)?;
+        req.sampling
+            .validate()
+            .map_err(EngineError::InvalidRequest)?;
         let vocab = self.model.info().vocab_size;
         if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::InvalidRequest(format!(
@@ -218,7 +267,10 @@ impl Engine {
     /// # Errors
     /// Only for engine-internal failures; per-request problems go to that request's sink.
     pub fn step(&mut self) -> Result<StepReport> {
-        let mut report = StepReport { admitted: self.admit()?, ..Default::default() };
+        let mut report = StepReport {
+            admitted: self.admit()?,
+            ..Default::default()
+        };
         if self.running.is_empty() {
             self.update_gauges();
             return Ok(report);
@@ -254,9 +306,14 @@ impl Engine {
             let take: Vec<u32> = r.reserved.drain(..to - from).collect();
             debug_assert_eq!(take.len(), to - from, "reservation covers the sequence");
             for (k, &s) in take.iter().enumerate() {
-                let pos = (from + k) as u32;
-                self.cache.pool_mut().set_position(s, pos)?;
-                self.cache.pool_mut().set_lineage(s, r.ns.lineage)?;
+                let pos = from + k;
+                let lineage = if pos < r.clean_len {
+                    Lineage::SHARED
+                } else {
+                    r.lineage
+                };
+                self.cache.pool_mut().set_position(s, pos as u32)?;
+                self.cache.pool_mut().set_lineage(s, lineage)?;
             }
             positions.push((from as u32..to as u32).collect());
             new_slots.push(take);
@@ -272,7 +329,11 @@ impl Engine {
                         positions: &positions[k],
                         context: &r.slots[..from],
                         new_slots: &new_slots[k],
-                        logits: if to >= r.prompt_len { LogitsFor::Last } else { LogitsFor::None },
+                        logits: if to >= r.prompt_len {
+                            LogitsFor::Last
+                        } else {
+                            LogitsFor::None
+                        },
                     }
                 })
                 .collect();
@@ -338,70 +399,139 @@ impl Engine {
     fn admit(&mut self) -> Result<usize> {
         let mut admitted = 0;
         while self.running.len() < self.cfg.max_running {
-            let Some(w) = self.waiting.pop_front() else { break };
-            let prompt_len = w.req.prompt.len();
-            let ns = Namespace::new(self.model_id, w.req.lineage);
-            // Leave at least the last prompt token to run: its logits pick the first token.
-            let m = if w.req.lineage.is_shared() {
-                self.cache.match_prefix(ns, &w.req.prompt[..prompt_len - 1])
-            } else {
-                self.cache.match_prefix_session(self.model_id, w.req.lineage, &w.req.prompt[..prompt_len - 1])
+            let Some(mut w) = self.waiting.pop_front() else {
+                break;
             };
-            let lock = match m.node {
-                Some(node) => Some(self.cache.lock(node)?),
-                None => None,
-            };
-            let room = self.max_sequence_len() - prompt_len;
-            let need = prompt_len - m.len + w.req.max_tokens.min(room);
-            match self.cache.alloc_evicting(need) {
-                Ok((slots, removed)) => {
-                    self.metrics.add(&self.metrics.evicted_slots, removed.freed.len() as u64);
-                    let cached = m.len;
-                    self.metrics.add(&self.metrics.prompt_tokens, prompt_len as u64);
-                    self.metrics.add(&self.metrics.cached_prompt_tokens, cached as u64);
-                    let sampler = Sampler::new(w.req.sampling);
-                    self.running.push(Running {
-                        id: w.id,
-                        tokens: w.req.prompt.clone(),
-                        req: w.req,
-                        ns,
-                        slots: m.slots,
-                        reserved: slots.into(),
-                        cached,
-                        lock,
-                        sampler,
-                        prompt_len,
-                        generated: 0,
-                        submitted: w.submitted,
-                        admitted: Instant::now(),
-                        first_token: None,
-                        finish: None,
-                    });
-                    admitted += 1;
-                }
-                Err(KvError::PoolExhausted { .. }) => {
-                    if let Some(l) = lock {
-                        self.cache.unlock(l)?;
+            // A session's edits apply once, at its first admission attempt.
+            let mut edit = None;
+            if let Some(sr) = w.req.session.as_mut() {
+                self.forget_pending.remove(&sr.id);
+                let edits = std::mem::take(&mut sr.edits);
+                let (id, mode) = (sr.id, sr.mode);
+                match self.edit_session(id, edits, mode) {
+                    Ok(r) => edit = Some(r),
+                    Err(e) => {
+                        self.fail_waiting(w, &format!("directives refused: {e}"));
+                        continue;
                     }
-                    let freed_later = !self.running.is_empty();
-                    if freed_later {
-                        // Running sequences will free slots; keep the queue order.
-                        self.waiting.push_front(w);
-                        break;
-                    }
-                    // Nothing runs and eviction could not make room: it never fits.
-                    let mut w = w;
-                    self.metrics.add(&self.metrics.requests_failed, 1);
-                    let _ = (w.req.sink)(Event::Failed(format!(
-                        "the request needs {need} KV slots but the pool cannot free that many ({} slots in all)",
-                        self.kv.capacity()
-                    )));
                 }
-                Err(e) => return Err(e.into()),
+            }
+            match self.try_admit(w, edit)? {
+                Some(back) => {
+                    self.waiting.push_front(back);
+                    break;
+                }
+                None => admitted += 1,
             }
         }
         self.update_gauges();
         Ok(admitted)
+    }
+
+    fn fail_waiting(&mut self, mut w: Waiting, msg: &str) {
+        self.unclaim_session(w.req.session.as_ref().map(|s| s.id));
+        self.metrics.add(&self.metrics.requests_failed, 1);
+        let _ = (w.req.sink)(Event::Failed(msg.to_string()));
+    }
+
+    /// Admits `w` or hands it back when the pool must first drain.
+    fn try_admit(&mut self, w: Waiting, edit: Option<EditReport>) -> Result<Option<Waiting>> {
+        let prompt_len = w.req.prompt.len();
+        let ns = Namespace::shared(self.model_id);
+        // Leave at least the last prompt token to run: its logits pick the first token.
+        let probe = &w.req.prompt[..prompt_len - 1];
+        let session = w.req.session.as_ref().map(|s| s.id);
+        let (mut prefix, mut lock, mut lineage, mut clean_len) =
+            (Vec::new(), None, Lineage::SHARED, usize::MAX);
+        let mut from_session = false;
+        if let Some(id) = session {
+            let s = self
+                .sessions
+                .get_mut(&id)
+                .ok_or(EngineError::UnknownSession(id.0))?;
+            lineage = s.lineage;
+            clean_len = s.clean_len;
+            let keep = s
+                .tokens
+                .iter()
+                .zip(probe)
+                .take_while(|(a, b)| a == b)
+                .count();
+            if keep < s.tokens.len() {
+                // The prompt leaves the session here: the rest of its cache is stale.
+                let stale: Vec<u32> = s.slots.split_off(keep);
+                s.tokens.truncate(keep);
+                self.cache.pool_mut().release_all(&stale)?;
+            }
+            let s = &self.sessions[&id];
+            if !s.tokens.is_empty() {
+                prefix = s.slots.clone();
+                from_session = true;
+            }
+        }
+        if !from_session {
+            let m = self.cache.match_prefix(ns, probe);
+            if let Some(node) = m.node {
+                lock = Some(self.cache.lock(node)?);
+            }
+            prefix = m.slots;
+        }
+        let cached = prefix.len();
+        let room = self.max_sequence_len() - prompt_len;
+        let need = prompt_len - cached + w.req.max_tokens.min(room);
+        match self.cache.alloc_evicting(need) {
+            Ok((slots, removed)) => {
+                self.note_evicted(removed.freed.len());
+                self.metrics
+                    .add(&self.metrics.prompt_tokens, prompt_len as u64);
+                self.metrics
+                    .add(&self.metrics.cached_prompt_tokens, cached as u64);
+                let sampler = Sampler::new(w.req.sampling);
+                self.running.push(Running {
+                    id: w.id,
+                    tokens: w.req.prompt.clone(),
+                    req: w.req,
+                    ns,
+                    slots: prefix,
+                    reserved: slots.into(),
+                    cached,
+                    lock,
+                    sampler,
+                    prompt_len,
+                    generated: 0,
+                    submitted: w.submitted,
+                    admitted: Instant::now(),
+                    first_token: None,
+                    finish: None,
+                    session,
+                    lineage,
+                    clean_len,
+                    edit,
+                });
+                Ok(None)
+            }
+            Err(KvError::PoolExhausted { .. }) => {
+                if let Some(l) = lock.take() {
+                    self.cache.unlock(l)?;
+                }
+                if !self.running.is_empty() {
+                    // Running sequences will free slots; keep the queue order.
+                    return Ok(Some(w));
+                }
+                // Nothing runs and eviction could not make room: it never fits.
+                let cap = self.kv.capacity();
+                self.fail_waiting(
+                    w,
+                    &format!("the request needs {need} KV slots but the pool cannot free that many ({cap} slots in all)"),
+                );
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub(crate) fn note_evicted(&self, n: usize) {
+        self.metrics.add(&self.metrics.evicted_slots, n as u64);
     }
 
     /// Removes finished sequences: their KV goes into the tree, their references go away.
@@ -426,12 +556,17 @@ impl Engine {
                 queued: r.admitted - r.submitted,
                 ttft: r.first_token.unwrap_or(now) - r.submitted,
                 total: now - r.submitted,
+                edit: r.edit,
             };
             match outcome {
                 Ok(()) => {
                     self.metrics.add(&self.metrics.requests_finished, 1);
                     let tokens = r.tokens[..computed].to_vec();
-                    let _ = (r.req.sink)(Event::Finished { reason, usage, tokens });
+                    let _ = (r.req.sink)(Event::Finished {
+                        reason,
+                        usage,
+                        tokens,
+                    });
                 }
                 Err(e) => {
                     self.metrics.add(&self.metrics.requests_failed, 1);
@@ -445,18 +580,41 @@ impl Engine {
 
     fn release(&mut self, r: &mut Running) -> Result<()> {
         let computed = r.computed();
-        let ins = self.cache.insert(r.ns, &r.tokens[..computed], &r.slots)?;
-        let _ = ins;
-        // Our own references: every slot we allocated, used or not.
-        let own: Vec<u32> = r.slots[r.cached..].iter().copied().chain(r.reserved.drain(..)).collect();
-        self.cache.pool_mut().release_all(&own)?;
+        let clean = computed.min(r.clean_len);
+        // Lineage-free KV is shared with every later request.
+        self.cache
+            .insert(r.ns, &r.tokens[..clean], &r.slots[..clean])?;
+        let unused: Vec<u32> = r.reserved.drain(..).collect();
+        self.cache.pool_mut().release_all(&unused)?;
+        match r.session.and_then(|id| self.sessions.get_mut(&id)) {
+            Some(s) => {
+                // The session takes over the sequence: it already holds its own prefix, the
+                // request's slots pass to it, and a prefix borrowed from the tree is retained.
+                let borrowed = if s.tokens.is_empty() {
+                    &r.slots[..r.cached]
+                } else {
+                    &[][..]
+                };
+                s.tokens = r.tokens[..computed].to_vec();
+                s.slots = r.slots.clone();
+                s.busy = false;
+                let borrowed = borrowed.to_vec();
+                for slot in borrowed {
+                    self.cache.pool_mut().retain(slot)?;
+                }
+            }
+            None => {
+                let own: Vec<u32> = r.slots[r.cached..].to_vec();
+                self.cache.pool_mut().release_all(&own)?;
+            }
+        }
         if let Some(l) = r.lock.take() {
             self.cache.unlock(l)?;
         }
         Ok(())
     }
 
-    fn update_gauges(&self) {
+    pub(crate) fn update_gauges(&self) {
         let m = &self.metrics;
         m.set(&m.queue_depth, self.waiting.len() as u64);
         m.set(&m.running, self.running.len() as u64);
@@ -479,20 +637,29 @@ impl Engine {
         Namespace::shared(self.model_id)
     }
 
-    /// Checks the pool/tree invariants and that no slot is held by anyone but the tree and
-    /// the running sequences: for tests after a workload.
+    /// Checks the pool/tree invariants and, when nothing runs, that every reference on a
+    /// slot belongs to the tree or a session: for tests after a workload.
     ///
     /// # Errors
     /// A description of the first violated invariant.
     pub fn check_no_leaks(&self) -> std::result::Result<(), String> {
         self.cache.check_invariants()?;
         if self.running.is_empty() {
-            let refs = self.cache.tree_references();
-            for (slot, &tree) in refs.iter().enumerate() {
-                let held = self.cache.pool().refcount(slot as u32).map_err(|e| e.to_string())?;
-                if held != tree {
+            let mut refs = self.cache.tree_references();
+            for s in self.sessions.values() {
+                for &slot in &s.slots {
+                    refs[slot as usize] += 1;
+                }
+            }
+            for (slot, &want) in refs.iter().enumerate() {
+                let held = self
+                    .cache
+                    .pool()
+                    .refcount(slot as u32)
+                    .map_err(|e| e.to_string())?;
+                if held != want {
                     return Err(format!(
-                        "slot {slot}: {held} references but the tree holds {tree}: leaked"
+                        "slot {slot}: {held} references but the tree and sessions hold {want}"
                     ));
                 }
             }

@@ -6,6 +6,15 @@ pub enum EngineError {
     /// The request itself is invalid (empty prompt, too long, bad parameters).
     #[error("{0}")]
     InvalidRequest(String),
+    /// No session with that id.
+    #[error("unknown session {0}")]
+    UnknownSession(u64),
+    /// The session has a request in flight.
+    #[error("session {0} is busy: a request is in flight")]
+    SessionBusy(u64),
+    /// A directive batch is invalid.
+    #[error(transparent)]
+    Directive(#[from] leyline_core::CoreError),
     /// The model failed.
     #[error(transparent)]
     Model(#[from] leyline_model::ModelError),

@@ -23,7 +23,12 @@ pub struct GenerateParams {
 
 impl Default for GenerateParams {
     fn default() -> Self {
-        Self { max_tokens: 128, sampling: SamplingParams::default(), stop_tokens: Vec::new(), prefill_chunk: 512 }
+        Self {
+            max_tokens: 128,
+            sampling: SamplingParams::default(),
+            stop_tokens: Vec::new(),
+            prefill_chunk: 512,
+        }
     }
 }
 
@@ -69,7 +74,10 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(EngineError::InvalidRequest("the prompt is empty".into()));
     }
-    params.sampling.validate().map_err(EngineError::InvalidRequest)?;
+    params
+        .sampling
+        .validate()
+        .map_err(EngineError::InvalidRequest)?;
     let limit = model.info().context_length.min(kv.capacity());
     if prompt.len() >= limit {
         return Err(EngineError::InvalidRequest(format!(
@@ -94,7 +102,11 @@ pub fn generate(
             positions: &slots[done..end],
             context: &slots[..done],
             new_slots: &slots[done..end],
-            logits: if last { LogitsFor::Last } else { LogitsFor::None },
+            logits: if last {
+                LogitsFor::Last
+            } else {
+                LogitsFor::None
+            },
         };
         logits = model.forward(kv, &[seq])?.remove(0);
         done = end;

@@ -43,8 +43,13 @@ impl EngineThread {
         let join = std::thread::Builder::new()
             .name("leyline-engine".into())
             .spawn(move || engine_loop(engine, rx))
-            .map_err(|e| EngineError::InvalidRequest(format!("cannot start the engine thread: {e}")))?;
-        Ok(Self { handle: EngineHandle { tx, metrics }, join: Some(join) })
+            .map_err(|e| {
+                EngineError::InvalidRequest(format!("cannot start the engine thread: {e}"))
+            })?;
+        Ok(Self {
+            handle: EngineHandle { tx, metrics },
+            join: Some(join),
+        })
     }
 
     /// A handle for submitting work.
@@ -86,7 +91,10 @@ impl EngineHandle {
     ///
     /// # Errors
     /// The engine has stopped.
-    pub fn call<T: Send + 'static>(&self, f: impl FnOnce(&mut Engine) -> T + Send + 'static) -> Result<T> {
+    pub fn call<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Engine) -> T + Send + 'static,
+    ) -> Result<T> {
         let (tx, rx) = mpsc::channel();
         let job: Job = Box::new(move |e| {
             let _ = tx.send(f(e));
@@ -94,7 +102,8 @@ impl EngineHandle {
         self.tx
             .send(Command::Run(job))
             .map_err(|_| EngineError::InvalidRequest("the engine has stopped".into()))?;
-        rx.recv().map_err(|_| EngineError::InvalidRequest("the engine has stopped".into()))
+        rx.recv()
+            .map_err(|_| EngineError::InvalidRequest("the engine has stopped".into()))
     }
 
     /// Live counters.

@@ -12,11 +12,13 @@ pub mod handle;
 pub mod metrics;
 pub mod request;
 pub mod sampling;
+pub mod session;
 
 pub use engine::{Engine, EngineConfig, StepReport};
 pub use error::{EngineError, Result};
+pub use generate::{generate, GenerateParams, GenerateStats, StopReason};
 pub use handle::{EngineHandle, EngineThread};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use request::{Event, EventSink, FinishReason, Request, RequestId, Usage};
-pub use generate::{generate, GenerateParams, GenerateStats, StopReason};
 pub use sampling::{argmax, Sampler, SamplingParams};
+pub use session::{EditReport, SessionId, SessionInfo, SessionRequest};

@@ -47,6 +47,12 @@ metrics! {
     prefilled_tokens,
     /// Tokens generated.
     generated_tokens,
+    /// Keys rotated by AMORTIZE splices.
+    rotated_tokens,
+    /// AMORTIZE directives applied.
+    directives_amortize,
+    /// FORGET directives applied.
+    directives_forget,
     /// Slots freed by prefix-cache eviction.
     evicted_slots,
     /// Forward calls.

@@ -1,7 +1,7 @@
 //! Requests as the scheduler sees them, and the events it streams back.
 
 use crate::sampling::SamplingParams;
-use leyline_kv::slots::Lineage;
+use crate::session::{EditReport, SessionRequest};
 use std::ops::ControlFlow;
 use std::time::Duration;
 
@@ -48,6 +48,8 @@ pub struct Usage {
     pub ttft: Duration,
     /// Time from submission to the end.
     pub total: Duration,
+    /// What the request's session edit did, if it carried one.
+    pub edit: Option<EditReport>,
 }
 
 /// What the engine tells a request's receiver.
@@ -81,8 +83,8 @@ pub struct Request {
     pub sampling: SamplingParams,
     /// Tokens that end generation (not emitted).
     pub stop_tokens: Vec<u32>,
-    /// Whose cached prefixes the request may use: [`Lineage::SHARED`] for everyone's.
-    pub lineage: Lineage,
+    /// The session the request continues, with the edits to apply first.
+    pub session: Option<SessionRequest>,
     /// Where events go.
     pub sink: EventSink,
 }
@@ -92,7 +94,7 @@ impl std::fmt::Debug for Request {
         f.debug_struct("Request")
             .field("prompt_len", &self.prompt.len())
             .field("max_tokens", &self.max_tokens)
-            .field("lineage", &self.lineage)
+            .field("session", &self.session)
             .finish_non_exhaustive()
     }
 }

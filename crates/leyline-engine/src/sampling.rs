@@ -19,7 +19,12 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+        }
     }
 }
 
@@ -35,7 +40,10 @@ impl SamplingParams {
     /// A message naming the bad field.
     pub fn validate(&self) -> Result<(), String> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(format!("temperature must be >= 0, got {}", self.temperature));
+            return Err(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -65,7 +73,10 @@ pub fn argmax(logits: &[f32]) -> Option<u32> {
 impl Sampler {
     /// A sampler with its own generator seeded from `params.seed`.
     pub fn new(params: SamplingParams) -> Self {
-        Self { params, rng: StdRng::seed_from_u64(params.seed) }
+        Self {
+            params,
+            rng: StdRng::seed_from_u64(params.seed),
+        }
     }
 
     /// The parameters.
@@ -138,8 +149,16 @@ mod tests {
     #[test]
     fn top_k_one_and_tiny_top_p_are_greedy() {
         let logits = [0.1, 2.0, 1.9, -3.0];
-        let mut k1 = Sampler::new(SamplingParams { temperature: 1.0, top_k: 1, ..Default::default() });
-        let mut p = Sampler::new(SamplingParams { temperature: 1.0, top_p: 1e-6, ..Default::default() });
+        let mut k1 = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            ..Default::default()
+        });
+        let mut p = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 1e-6,
+            ..Default::default()
+        });
         for _ in 0..50 {
             assert_eq!(k1.sample(&logits), 1);
             assert_eq!(p.sample(&logits), 1);
@@ -150,7 +169,11 @@ mod tests {
     fn sampling_follows_the_distribution_and_the_seed() {
         // p = softmax([0, ln 3]) = [0.25, 0.75].
         let logits = [0.0, 3f32.ln()];
-        let params = SamplingParams { temperature: 1.0, seed: 7, ..Default::default() };
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: 7,
+            ..Default::default()
+        };
         let mut s = Sampler::new(params);
         let draws: Vec<u32> = (0..4000).map(|_| s.sample(&logits)).collect();
         let ones = draws.iter().filter(|&&x| x == 1).count() as f64 / 4000.0;
@@ -163,7 +186,12 @@ mod tests {
     #[test]
     fn top_k_excludes_the_tail() {
         let logits = [5.0, 4.9, -1.0, 4.8];
-        let mut s = Sampler::new(SamplingParams { temperature: 2.0, top_k: 2, seed: 1, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 2.0,
+            top_k: 2,
+            seed: 1,
+            ..Default::default()
+        });
         for _ in 0..500 {
             let t = s.sample(&logits);
             assert!(t == 0 || t == 1, "{t}");
@@ -172,9 +200,15 @@ mod tests {
 
     #[test]
     fn validation_names_the_field() {
-        let bad = SamplingParams { temperature: -1.0, ..Default::default() };
+        let bad = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        };
         assert!(bad.validate().unwrap_err().contains("temperature"));
-        let bad = SamplingParams { top_p: 0.0, ..Default::default() };
+        let bad = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        };
         assert!(bad.validate().unwrap_err().contains("top_p"));
     }
 }

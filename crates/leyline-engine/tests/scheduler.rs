@@ -2,7 +2,6 @@
 //! greedy outputs as running alone, and memory pressure neither deadlocks nor leaks.
 
 use leyline_engine::{Engine, EngineConfig, Event, FinishReason, Request, SamplingParams, Usage};
-use leyline_kv::slots::Lineage;
 use leyline_model::LoadedModel;
 use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -33,7 +32,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, Shared) {
         max_tokens,
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
-        lineage: Lineage::SHARED,
+        session: None,
         sink: Box::new(move |e| {
             let mut o = o.lock().unwrap();
             match e {
@@ -48,7 +47,10 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, Shared) {
 }
 
 fn engine(slots: usize) -> Engine {
-    let cfg = EngineConfig { prefill_chunk: 64, ..EngineConfig::new(slots) };
+    let cfg = EngineConfig {
+        prefill_chunk: 64,
+        ..EngineConfig::new(slots)
+    };
     Engine::new(Arc::clone(&lm().model), cfg).unwrap()
 }
 
@@ -106,10 +108,17 @@ fn prefix_reuse_is_exact_and_counted() {
     let (_, usage) = o.finished.clone().expect("finished");
     assert_eq!(o.tokens, cold, "a warm prefix changed the greedy output");
     // The first request cached its prompt and generated tokens; `base` is a prefix of `longer`.
-    assert!(usage.cached_tokens >= base.len() - 1, "cached {}", usage.cached_tokens);
+    assert!(
+        usage.cached_tokens >= base.len() - 1,
+        "cached {}",
+        usage.cached_tokens
+    );
     assert_eq!(usage.prefilled_tokens, longer.len() - usage.cached_tokens);
     let m = e.metrics().snapshot();
-    assert_eq!(m.prefilled_tokens as usize, base.len() + longer.len() - usage.cached_tokens);
+    assert_eq!(
+        m.prefilled_tokens as usize,
+        base.len() + longer.len() - usage.cached_tokens
+    );
     e.check_no_leaks().unwrap();
 }
 
@@ -134,7 +143,10 @@ fn sixteen_concurrent_requests_match_their_solo_runs() {
         assert_eq!(&o.tokens, want, "request {i} differs when batched");
     }
     let m = e.metrics().snapshot();
-    assert!(m.max_batch_seqs > 1, "never more than one sequence per forward");
+    assert!(
+        m.max_batch_seqs > 1,
+        "never more than one sequence per forward"
+    );
     assert!(m.batched_decode_seqs > 0, "decode steps were not batched");
     e.check_no_leaks().unwrap();
 }
@@ -146,7 +158,11 @@ fn pressure_completes_or_fails_clearly_without_leaks() {
     let max_tokens = 4;
     let demand: usize = prompts.iter().map(|p| p.len() + max_tokens).sum();
     let slots = demand / 10;
-    let cfg = EngineConfig { prefill_chunk: 64, max_running: 16, ..EngineConfig::new(slots) };
+    let cfg = EngineConfig {
+        prefill_chunk: 64,
+        max_running: 16,
+        ..EngineConfig::new(slots)
+    };
     let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
     // One request that can never fit.
     let (huge, huge_out) = request(vec![42; slots + 5], 1);
@@ -165,7 +181,12 @@ fn pressure_completes_or_fails_clearly_without_leaks() {
         steps += 1;
         assert!(steps < 10_000, "no progress: deadlock?");
     }
-    let err = huge_out.lock().unwrap().failed.clone().expect("the oversized request fails");
+    let err = huge_out
+        .lock()
+        .unwrap()
+        .failed
+        .clone()
+        .expect("the oversized request fails");
     assert!(err.contains("tokens"), "{err}");
     for (i, o) in outs.iter().enumerate() {
         let o = o.lock().unwrap();
@@ -175,7 +196,10 @@ fn pressure_completes_or_fails_clearly_without_leaks() {
             other => panic!("request {i} neither finished nor failed: {:?}", other.0),
         }
     }
-    let done = outs.iter().filter(|o| o.lock().unwrap().finished.is_some()).count();
+    let done = outs
+        .iter()
+        .filter(|o| o.lock().unwrap().finished.is_some())
+        .count();
     assert_eq!(done, 64, "every request fits alone, so all must complete");
     let m = e.metrics().snapshot();
     assert!(m.evicted_slots > 0, "the pool was never under pressure");
@@ -187,12 +211,30 @@ fn bad_requests_fail_with_a_reason() {
     let mut e = engine(256);
     let (empty, out) = request(Vec::new(), 4);
     e.submit(empty);
-    assert!(out.lock().unwrap().failed.as_deref().unwrap().contains("empty"));
+    assert!(out
+        .lock()
+        .unwrap()
+        .failed
+        .as_deref()
+        .unwrap()
+        .contains("empty"));
     let (long, out) = request(vec![1; 300], 4);
     e.submit(long);
-    assert!(out.lock().unwrap().failed.as_deref().unwrap().contains("300 tokens"));
+    assert!(out
+        .lock()
+        .unwrap()
+        .failed
+        .as_deref()
+        .unwrap()
+        .contains("300 tokens"));
     let (bad, out) = request(vec![1, 999_999], 4);
     e.submit(bad);
-    assert!(out.lock().unwrap().failed.as_deref().unwrap().contains("999999"));
+    assert!(out
+        .lock()
+        .unwrap()
+        .failed
+        .as_deref()
+        .unwrap()
+        .contains("999999"));
     assert!(!e.has_work());
 }
