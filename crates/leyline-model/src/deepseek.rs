@@ -63,6 +63,31 @@ impl Mlp {
         })
     }
 
+    /// Routed experts, saved one by one (`mlp.experts.{e}.gate_proj.weight`, ...) or fused as
+    /// transformers 5 holds them (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`).
+    fn load_experts(w: &mut Weights, p: &str, hidden: usize, m: &MoeConfig) -> Result<Vec<Self>> {
+        let (n, inter) = (m.n_routed_experts, m.moe_intermediate_size);
+        let fused = format!("{p}.mlp.experts.gate_up_proj");
+        if !w.has(&fused) {
+            return (0..n)
+                .map(|e| Self::load(w, &format!("{p}.mlp.experts.{e}"), hidden, inter))
+                .collect();
+        }
+        let gate_up = w.take(&fused, &[n, 2 * inter, hidden])?;
+        let down = w.take(&format!("{p}.mlp.experts.down_proj"), &[n, hidden, inter])?;
+        let lin = |t: Tensor| Linear::from_parts(t.contiguous()?, None, None);
+        (0..n)
+            .map(|e| {
+                let gu = gate_up.get(e)?;
+                Ok(Self {
+                    gate: lin(gu.narrow(0, 0, inter)?)?,
+                    up: lin(gu.narrow(0, inter, inter)?)?,
+                    down: lin(down.get(e)?)?,
+                })
+            })
+            .collect()
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = (self.gate.forward(x)?.silu()? * self.up.forward(x)?)?;
         self.down.forward(&h)
@@ -196,16 +221,7 @@ impl DeepseekV2 {
             };
             let ffn = match (&cfg.moe, cfg.is_moe_layer(i)) {
                 (Some(m), true) => {
-                    let experts = (0..m.n_routed_experts)
-                        .map(|e| {
-                            Mlp::load(
-                                w,
-                                &format!("{p}.mlp.experts.{e}"),
-                                hd,
-                                m.moe_intermediate_size,
-                            )
-                        })
-                        .collect::<Result<Vec<_>>>()?;
+                    let experts = Mlp::load_experts(w, &p, hd, m)?;
                     let shared = if m.n_shared_experts > 0 {
                         let inter = m.moe_intermediate_size * m.n_shared_experts;
                         Some(Mlp::load(w, &format!("{p}.mlp.shared_experts"), hd, inter)?)
@@ -241,6 +257,14 @@ impl DeepseekV2 {
         } else {
             lin(w, "lm_head", &[cfg.vocab_size, hd])?
         };
+        let left = w.remaining();
+        if !left.is_empty() {
+            tracing::warn!(
+                "{name}: {} checkpoint tensors unused, e.g. {:?}",
+                left.len(),
+                &left[..left.len().min(4)]
+            );
+        }
         let info = ModelInfo {
             name: name.to_string(),
             arch: "deepseek_v2".into(),
@@ -474,5 +498,88 @@ impl CausalLm for DeepseekV2 {
             off += c;
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn fixture(name: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/mla")
+            .join(name)
+    }
+
+    fn logits(m: &DeepseekV2, tokens: &[u32]) -> Vec<f32> {
+        let mut kv = KvStorage::new(m.info.geometry, leyline_kv::KvDtype::F32, 16).unwrap();
+        let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+        let s = ForwardSeq {
+            tokens,
+            positions: &pos,
+            context: &[],
+            new_slots: &pos,
+            logits: LogitsFor::All,
+        };
+        m.forward(&mut kv, &[s]).unwrap().remove(0)
+    }
+
+    fn parts(
+        name: &str,
+    ) -> (
+        std::path::PathBuf,
+        DeepseekV2Config,
+        HashMap<String, Tensor>,
+    ) {
+        let dir = fixture(name);
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let cfg = DeepseekV2Config::from_json(&text, &dir).unwrap();
+        let map =
+            candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+        (dir, cfg, map)
+    }
+
+    /// The fused expert layout of transformers 5 loads into the same model as per-expert files.
+    #[test]
+    fn fused_experts_load_like_per_expert_ones() {
+        let (dir, cfg, mut map) = parts("yarn");
+        let per = DeepseekV2::load_dir(&dir).unwrap();
+        for l in 1..3 {
+            let p = format!("model.layers.{l}.mlp.experts");
+            let (mut gu, mut d) = (Vec::new(), Vec::new());
+            for e in 0..4 {
+                let mut take = |n: &str| map.remove(&format!("{p}.{e}.{n}_proj.weight")).unwrap();
+                let (g, u) = (take("gate"), take("up"));
+                d.push(take("down"));
+                gu.push(Tensor::cat(&[g, u], 0).unwrap());
+            }
+            map.insert(format!("{p}.gate_up_proj"), Tensor::stack(&gu, 0).unwrap());
+            map.insert(format!("{p}.down_proj"), Tensor::stack(&d, 0).unwrap());
+        }
+        let mut w = Weights::from_map(&dir, map);
+        let fused = DeepseekV2::from_weights(cfg, &mut w, "fused").unwrap();
+        assert!(w.remaining().is_empty());
+        let tokens = [3, 141, 59, 265, 35, 89, 79, 323];
+        assert_eq!(logits(&per, &tokens), logits(&fused, &tokens));
+    }
+
+    #[test]
+    fn missing_or_misshapen_tensors_are_file_errors() {
+        let (dir, cfg, full) = parts("plain");
+        let mut map = full.clone();
+        map.remove("model.layers.2.self_attn.kv_b_proj.weight");
+        let e = DeepseekV2::from_weights(cfg.clone(), &mut Weights::from_map(&dir, map), "x");
+        let e = e.err().unwrap().to_string();
+        assert!(e.contains("kv_b_proj") && e.contains("missing"), "{e}");
+        let mut map = full;
+        let bad = Tensor::zeros(127, DType::F32, &Device::Cpu).unwrap();
+        map.insert("model.norm.weight".into(), bad);
+        let e = DeepseekV2::from_weights(cfg, &mut Weights::from_map(&dir, map), "x");
+        let e = e.err().unwrap().to_string();
+        assert!(
+            e.contains("model.norm.weight") && e.contains("[127]"),
+            "{e}"
+        );
     }
 }

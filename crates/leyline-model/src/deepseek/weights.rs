@@ -63,6 +63,22 @@ impl Weights {
         })
     }
 
+    /// Wraps tensors already in memory (tests).
+    #[cfg(test)]
+    pub(crate) fn from_map(dir: &Path, map: HashMap<String, Tensor>) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            map,
+        }
+    }
+
+    /// Names not taken yet, sorted.
+    pub(crate) fn remaining(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.map.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Whether the checkpoint has `name`.
     pub(crate) fn has(&self, name: &str) -> bool {
         self.map.contains_key(name)
