@@ -151,7 +151,11 @@ fn probe() {
             .into_iter()
             .filter(|p| p.is_available())
         {
-            for m in [1, 4, 16] {
+            let ms: Vec<usize> = std::env::var("QMATMUL_M")
+                .ok()
+                .map(|v| v.split(',').filter_map(|t| t.parse().ok()).collect())
+                .unwrap_or(vec![1, 4, 16]);
+            for &m in &ms {
                 let xs: Vec<Vec<f32>> = mats.iter().map(|w| activations(m, w.cols())).collect();
                 let mut ys: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.rows()]).collect();
                 let (mut best, mut best_head) = (f64::MAX, f64::MAX);
@@ -217,6 +221,28 @@ fn probe() {
     }
     println!(
         "probe memory read 1 thread: {:.1} GB/s",
+        bytes as f64 / best / 1e9
+    );
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("pool");
+    let mut best = f64::MAX;
+    pool.install(|| {
+        use rayon::prelude::*;
+        for _ in 0..reps {
+            let t = std::time::Instant::now();
+            let chunks = buf.par_chunks(1 << 16);
+            black_box(
+                chunks
+                    .map(|c| c.iter().fold(0u64, |a, &v| a ^ v))
+                    .reduce(|| 0, |a, b| a ^ b),
+            );
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    });
+    println!(
+        "probe memory read 2 threads: {:.1} GB/s",
         bytes as f64 / best / 1e9
     );
 }

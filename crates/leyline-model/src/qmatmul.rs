@@ -124,7 +124,7 @@ impl QMatrix {
     /// # Errors
     /// [`ModelError::Input`] when `cols` is not a multiple of 32 or `raw` has the wrong length.
     pub fn from_ggml(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        if cols == 0 || !cols.is_multiple_of(BLOCK) {
+        if cols == 0 || cols % BLOCK != 0 {
             return Err(ModelError::Input(format!(
                 "quantized matrix: {cols} columns is not a positive multiple of {BLOCK}"
             )));
