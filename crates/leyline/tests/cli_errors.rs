@@ -1,0 +1,103 @@
+//! Bad input to the `leyline` binary: each case is a one-line error and a non-zero exit,
+//! never a panic.
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn leyline(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_leyline"))
+        .args(args)
+        .output()
+        .expect("run the leyline binary")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("leyline-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// Asserts a clean failure: non-zero exit, no panic, one line on stderr containing `want`.
+fn assert_one_line_error(out: &Output, want: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "exit 0; stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got: {stderr}");
+    for w in want {
+        assert!(lines[0].contains(w), "{:?} lacks {w:?}", lines[0]);
+    }
+}
+
+fn default_model() -> PathBuf {
+    leyline_model::registry::default_model_path().expect("fetch the default model")
+}
+
+#[test]
+fn missing_model_file() {
+    let out = leyline(&["run", "--prompt", "hi", "--model", "/nonexistent/model.gguf"]);
+    assert_one_line_error(&out, &["/nonexistent/model.gguf", "cannot open"]);
+}
+
+#[test]
+fn truncated_gguf() {
+    let bytes = std::fs::read(default_model()).unwrap();
+    let path = scratch("truncated.gguf");
+    std::fs::write(&path, &bytes[..bytes.len() / 3]).unwrap();
+    let out = leyline(&["run", "--prompt", "hi", "--model", path.to_str().unwrap()]);
+    assert_one_line_error(&out, &["truncated.gguf", "truncated"]);
+}
+
+#[test]
+fn not_a_gguf() {
+    let path = scratch("garbage.gguf");
+    std::fs::write(&path, b"this is not a model").unwrap();
+    let out = leyline(&["run", "--prompt", "hi", "--model", path.to_str().unwrap()]);
+    assert_one_line_error(&out, &["garbage.gguf", "GGUF"]);
+}
+
+fn write_gguf(path: &Path, arch: &str) {
+    let t = Tensor::zeros((32, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let q = QTensor::quantize(&t, GgmlDType::F32).unwrap();
+    let arch = Value::String(arch.to_string());
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut f, &[("general.architecture", &arch)], &[("token_embd.weight", &q)]).unwrap();
+}
+
+#[test]
+fn unsupported_architecture() {
+    let path = scratch("gpt2.gguf");
+    write_gguf(&path, "gpt2");
+    let out = leyline(&["run", "--prompt", "hi", "--model", path.to_str().unwrap()]);
+    assert_one_line_error(&out, &["gpt2.gguf", "unsupported", "gpt2"]);
+}
+
+#[test]
+fn empty_prompt() {
+    let out = leyline(&["run", "--prompt", ""]);
+    assert_one_line_error(&out, &["prompt is empty"]);
+}
+
+#[test]
+fn prompt_longer_than_the_context() {
+    let long = "word ".repeat(400);
+    let out = leyline(&["run", "--prompt", &long, "--kv-slots", "128"]);
+    assert_one_line_error(&out, &["tokens", "context"]);
+}
+
+#[test]
+fn bad_sampling_values() {
+    let out = leyline(&["run", "--prompt", "hi", "--temperature=-1"]);
+    assert_one_line_error(&out, &["temperature"]);
+}
+
+#[test]
+fn a_good_run_says_paris() {
+    let out = leyline(&["run", "--prompt", "The capital of France is", "--max-tokens", "8"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("Paris"), "{text}");
+}
