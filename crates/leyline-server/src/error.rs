@@ -1,0 +1,216 @@
+//! The one error type of `leyline-server`, and how each error reaches a client: an HTTP
+//! status, a stable OpenAI `type`, and (mid-stream) an SSE `data: {"error": ...}` event.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// Everything a request can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The request is malformed or asks for something impossible (400).
+    #[error("{message}")]
+    InvalidRequest {
+        /// What is wrong, for a human.
+        message: String,
+        /// The offending field, if one.
+        param: Option<String>,
+        /// A stable machine-readable code, if one.
+        code: Option<&'static str>,
+    },
+    /// Missing or wrong API key (401).
+    #[error("{0}")]
+    Unauthorized(String),
+    /// Unknown model, session or route (404). A session of another key is also "unknown".
+    #[error("{message}")]
+    NotFound {
+        /// What was not found.
+        message: String,
+        /// A stable machine-readable code.
+        code: &'static str,
+    },
+    /// The session has a request in flight (409).
+    #[error("{0}")]
+    Busy(String),
+    /// The body exceeds the configured limit (413).
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    /// Too many requests in flight (429).
+    #[error("{0}")]
+    Overloaded(String),
+    /// The feature exists in the API but not in this build (501).
+    #[error("{0}")]
+    NotImplemented(String),
+    /// The server is shutting down (503).
+    #[error("{0}")]
+    ShuttingDown(String),
+    /// The engine failed the request (500).
+    #[error("{0}")]
+    Engine(String),
+    /// The server could not start (bind, runtime, engine thread); never an HTTP answer.
+    #[error("{0}")]
+    Startup(String),
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = ServerError> = std::result::Result<T, E>;
+
+impl ServerError {
+    /// A 400 naming the offending field.
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        Self::InvalidRequest {
+            message: message.into(),
+            param: Some(param.to_string()),
+            code: None,
+        }
+    }
+
+    /// A 400 about the request as a whole.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::InvalidRequest {
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::NotFound { .. } => StatusCode::NOT_FOUND,
+            Self::Busy(_) => StatusCode::CONFLICT,
+            Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
+            Self::ShuttingDown(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Engine(_) | Self::Startup(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The stable OpenAI error `type`.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            Self::InvalidRequest { .. } | Self::NotFound { .. } | Self::PayloadTooLarge(_) => {
+                "invalid_request_error"
+            }
+            Self::Unauthorized(_) => "authentication_error",
+            Self::Busy(_) => "conflict_error",
+            Self::Overloaded(_) => "rate_limit_error",
+            Self::NotImplemented(_) => "not_implemented_error",
+            Self::ShuttingDown(_) | Self::Engine(_) | Self::Startup(_) => "server_error",
+        }
+    }
+
+    fn code(&self) -> Option<&'static str> {
+        match self {
+            Self::InvalidRequest { code, .. } => *code,
+            Self::Unauthorized(_) => Some("invalid_api_key"),
+            Self::NotFound { code, .. } => Some(code),
+            Self::Busy(_) => Some("session_busy"),
+            Self::PayloadTooLarge(_) => Some("body_too_large"),
+            Self::Overloaded(_) => Some("overloaded"),
+            Self::NotImplemented(_) => Some("not_implemented"),
+            Self::ShuttingDown(_) => Some("shutting_down"),
+            Self::Engine(_) | Self::Startup(_) => Some("engine_error"),
+        }
+    }
+
+    fn param(&self) -> Option<&str> {
+        match self {
+            Self::InvalidRequest { param, .. } => param.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// The `{"error": {message, type, param, code}}` body.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.to_string(),
+            "type": self.error_type(),
+            "param": self.param(),
+            "code": self.code(),
+        }})
+    }
+
+    /// The SSE event that ends a stream that fails after its headers were sent.
+    pub fn sse_event(&self) -> axum::response::sse::Event {
+        axum::response::sse::Event::default().data(self.body().to_string())
+    }
+}
+
+impl IntoResponse for ServerError {
+    fn into_response(self) -> Response {
+        if self.status().is_server_error() {
+            tracing::warn!(error_type = self.error_type(), "{self}");
+        }
+        let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        if matches!(self, Self::Unauthorized(_)) {
+            resp.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        resp
+    }
+}
+
+impl From<leyline_model::ModelError> for ServerError {
+    /// Tokenizer and template errors come from the request's content.
+    fn from(e: leyline_model::ModelError) -> Self {
+        Self::bad_request(e.to_string())
+    }
+}
+
+impl From<leyline_engine::EngineError> for ServerError {
+    fn from(e: leyline_engine::EngineError) -> Self {
+        use leyline_engine::EngineError as E;
+        match e {
+            E::InvalidRequest(m) => Self::bad_request(m),
+            E::Directive(d) => Self::invalid("directives", d.to_string()),
+            E::UnknownSession(_) => Self::NotFound {
+                message: e.to_string(),
+                code: "session_not_found",
+            },
+            E::SessionBusy(_) => Self::Busy(e.to_string()),
+            other => Self::Engine(other.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_has_the_openai_shape() {
+        let e = ServerError::invalid("max_tokens", "max_tokens must be at least 1, got -3");
+        let b = e.body();
+        assert_eq!(b["error"]["param"], "max_tokens");
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert!(b["error"]["message"].as_str().unwrap().contains("-3"));
+        assert!(b["error"]["code"].is_null());
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn statuses_are_distinct_per_kind() {
+        let all = [
+            ServerError::bad_request("x"),
+            ServerError::Unauthorized("x".into()),
+            ServerError::NotFound {
+                message: "x".into(),
+                code: "model_not_found",
+            },
+            ServerError::Busy("x".into()),
+            ServerError::PayloadTooLarge("x".into()),
+            ServerError::Overloaded("x".into()),
+            ServerError::NotImplemented("x".into()),
+            ServerError::ShuttingDown("x".into()),
+            ServerError::Engine("x".into()),
+        ];
+        let codes: Vec<u16> = all.iter().map(|e| e.status().as_u16()).collect();
+        assert_eq!(codes, [400, 401, 404, 409, 413, 429, 501, 503, 500]);
+    }
+}

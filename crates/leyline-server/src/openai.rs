@@ -1,0 +1,558 @@
+//! OpenAI wire types (requests, responses, stream chunks) and their conversions into engine
+//! types. Unknown request fields are ignored, as OpenAI-compatible servers do; known fields
+//! with a wrong type or an absurd value are refused with the field named.
+
+use crate::error::{Result, ServerError};
+use leyline_engine::SamplingParams;
+use leyline_model::chat::ChatMessage;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and `usage: null` on the others).
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// `stop`: one string or a list of up to four.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// Leyline's own request options (`extra_body={"leyline": {...}}` in OpenAI clients).
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+pub struct LeylineOptions {
+    /// How an edit of the session's earlier context is applied.
+    #[serde(default)]
+    pub mode: Option<leyline_core::Mode>,
+}
+
+/// Sampling and length fields shared by both completion endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct GenerationFields {
+    /// Most new tokens (legacy name).
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    /// Most new tokens (current name; wins over `max_tokens`).
+    #[serde(default)]
+    pub max_completion_tokens: Option<i64>,
+    /// Softmax temperature in [0, 2]; default 1.
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    /// Nucleus mass in (0, 1]; default 1.
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    /// Sampler seed; random when absent.
+    #[serde(default)]
+    pub seed: Option<i64>,
+    /// Stop strings (not included in the output).
+    #[serde(default)]
+    pub stop: Option<StopSpec>,
+    /// Number of choices; only 1 is served.
+    #[serde(default)]
+    pub n: Option<i64>,
+    /// Stream by SSE.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Stream options.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// Leyline session to run in.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// Leyline options.
+    #[serde(default)]
+    pub leyline: Option<LeylineOptions>,
+}
+
+/// What the server generates with, after validation.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Most new tokens, if the client set it.
+    pub max_tokens: Option<usize>,
+    /// Sampler settings.
+    pub sampling: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Stream by SSE.
+    pub stream: bool,
+    /// Send a usage chunk at the end of a stream.
+    pub include_usage: bool,
+}
+
+impl GenerationFields {
+    /// Validates ranges and converts.
+    ///
+    /// # Errors
+    /// [`ServerError::InvalidRequest`] naming the field.
+    pub fn validate(&self) -> Result<Generation> {
+        let max_tokens = match self
+            .max_completion_tokens
+            .map(|v| ("max_completion_tokens", v))
+            .or(self.max_tokens.map(|v| ("max_tokens", v)))
+        {
+            Some((name, v)) if v < 1 => {
+                return Err(ServerError::invalid(
+                    name,
+                    format!("{name} must be at least 1, got {v}"),
+                ))
+            }
+            Some((_, v)) => Some(usize::try_from(v).unwrap_or(usize::MAX)),
+            None => None,
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !temperature.is_finite() || !(0.0..=2.0).contains(&temperature) {
+            return Err(ServerError::invalid(
+                "temperature",
+                format!("temperature must be between 0 and 2, got {temperature}"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ServerError::invalid(
+                "top_p",
+                format!("top_p must be in (0, 1], got {top_p}"),
+            ));
+        }
+        match self.n {
+            None | Some(1) => {}
+            Some(n) => {
+                return Err(ServerError::invalid(
+                    "n",
+                    format!("only n=1 is supported, got {n}"),
+                ))
+            }
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StopSpec::One(s)) => vec![s.clone()],
+            Some(StopSpec::Many(v)) => v.clone(),
+        };
+        if stop.len() > 4 {
+            return Err(ServerError::invalid(
+                "stop",
+                format!("at most 4 stop strings, got {}", stop.len()),
+            ));
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(ServerError::invalid(
+                "stop",
+                "stop strings must not be empty",
+            ));
+        }
+        let seed = match self.seed {
+            Some(s) => s as u64,
+            None => rand::random(),
+        };
+        let stream = self.stream.unwrap_or(false);
+        let include_usage = self
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        Ok(Generation {
+            max_tokens,
+            sampling: SamplingParams {
+                temperature: temperature as f32,
+                top_p: top_p as f32,
+                top_k: 0,
+                seed,
+            },
+            stop,
+            stream,
+            include_usage,
+        })
+    }
+}
+
+/// A message's `content`: text, or a list of parts of which only text parts are served.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Plain text.
+    Text(String),
+    /// Content parts.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// `text` (others are refused).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// One message of a chat request.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WireMessage {
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// Text or text parts; may be null on an assistant message with tool calls.
+    #[serde(default)]
+    pub content: Option<Content>,
+    /// Author or tool name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Tool calls of an assistant message.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// The call a tool message answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+}
+
+impl WireMessage {
+    /// Converts to the template's message, joining text parts.
+    ///
+    /// # Errors
+    /// A non-text content part.
+    pub fn into_chat(self, index: usize) -> Result<ChatMessage> {
+        let content = match self.content {
+            None => None,
+            Some(Content::Text(t)) => Some(t),
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => text.push_str(&t),
+                        (kind, _) => {
+                            return Err(ServerError::invalid(
+                                &format!("messages[{index}].content"),
+                                format!(
+                                    "only text content parts are supported, got a {kind:?} part"
+                                ),
+                            ))
+                        }
+                    }
+                }
+                Some(text)
+            }
+        };
+        Ok(ChatMessage {
+            role: self.role,
+            content,
+            name: self.name,
+            tool_calls: self.tool_calls,
+            tool_call_id: self.tool_call_id,
+            extra: serde_json::Map::new(),
+        })
+    }
+}
+
+/// `POST /v1/chat/completions` (its sampling, length, streaming and Leyline fields are
+/// read separately as [`GenerationFields`], so errors name the field).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// Model id (see `GET /v1/models`).
+    pub model: String,
+    /// The conversation.
+    pub messages: Vec<WireMessage>,
+    /// Tool schemas, passed to the chat template.
+    #[serde(default)]
+    pub tools: Option<Vec<Value>>,
+}
+
+/// A completion prompt: text, one text in a list, or token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// Texts (only one is served).
+    Texts(Vec<String>),
+}
+
+/// `POST /v1/completions` (with [`GenerationFields`] read separately).
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// Model id.
+    pub model: String,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Echo the prompt (not supported).
+    #[serde(default)]
+    pub echo: Option<bool>,
+    /// Log probabilities (not supported).
+    #[serde(default)]
+    pub logprobs: Option<Value>,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the KV cache.
+    pub cached_tokens: usize,
+}
+
+/// `usage`.
+#[derive(Debug, Clone, Serialize)]
+pub struct WireUsage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Their sum.
+    pub total_tokens: usize,
+    /// Cache details.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+impl From<&leyline_engine::Usage> for WireUsage {
+    fn from(u: &leyline_engine::Usage) -> Self {
+        Self {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_tokens,
+            },
+        }
+    }
+}
+
+/// The `leyline` object of a response: what the cache did for this request.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LeylineReport {
+    /// The session the request ran in, if any.
+    pub session_id: Option<String>,
+    /// The mode edits were applied in, if a session.
+    pub mode: Option<leyline_core::Mode>,
+    /// Directives applied before this request.
+    pub directives_applied: usize,
+    /// Prompt tokens whose KV was reused.
+    pub tokens_reused: usize,
+    /// Reused tokens whose keys were rotated.
+    pub tokens_rotated: usize,
+    /// Prompt tokens prefilled.
+    pub tokens_prefilled: usize,
+}
+
+/// An assistant message in a response.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResponseMessage {
+    /// `assistant`.
+    pub role: &'static str,
+    /// The generated text.
+    pub content: String,
+}
+
+/// One choice of a chat completion.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    /// 0.
+    pub index: usize,
+    /// The reply.
+    pub message: ResponseMessage,
+    /// `stop` or `length`.
+    pub finish_reason: &'static str,
+    /// Always null.
+    pub logprobs: Option<()>,
+}
+
+/// `chat.completion`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletion {
+    /// `chatcmpl-...`.
+    pub id: String,
+    /// `chat.completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model id.
+    pub model: String,
+    /// One choice.
+    pub choices: Vec<ChatChoice>,
+    /// Token counts.
+    pub usage: WireUsage,
+    /// What the cache did.
+    pub leyline: LeylineReport,
+}
+
+/// A stream delta.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Delta {
+    /// `assistant` on the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of a stream chunk.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChunkChoice {
+    /// 0.
+    pub index: usize,
+    /// Chat: the delta.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<Delta>,
+    /// Completions: the new text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    /// Set on the last content chunk.
+    pub finish_reason: Option<&'static str>,
+    /// Always null.
+    pub logprobs: Option<()>,
+}
+
+/// `chat.completion.chunk` or a streamed `text_completion`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Chunk {
+    /// Same for every chunk of a stream.
+    pub id: String,
+    /// `chat.completion.chunk` or `text_completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model id.
+    pub model: String,
+    /// One choice, or none on the usage chunk.
+    pub choices: Vec<ChunkChoice>,
+    /// With `include_usage`: null except on the last chunk. Absent otherwise.
+    #[serde(skip_serializing_if = "UsageField::is_absent")]
+    pub usage: UsageField,
+    /// On the usage chunk (or the last chunk): what the cache did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leyline: Option<LeylineReport>,
+}
+
+/// `usage` of a chunk: absent, `null`, or counts.
+#[derive(Debug, Clone)]
+pub enum UsageField {
+    /// Not written.
+    Absent,
+    /// `null`.
+    Null,
+    /// Counts.
+    Some(WireUsage),
+}
+
+impl UsageField {
+    fn is_absent(&self) -> bool {
+        matches!(self, UsageField::Absent)
+    }
+}
+
+impl Serialize for UsageField {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            UsageField::Some(u) => u.serialize(s),
+            _ => s.serialize_none(),
+        }
+    }
+}
+
+/// One choice of a text completion.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    /// The generated text.
+    pub text: String,
+    /// 0.
+    pub index: usize,
+    /// Always null.
+    pub logprobs: Option<()>,
+    /// `stop` or `length`.
+    pub finish_reason: &'static str,
+}
+
+/// `text_completion`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Completion {
+    /// `cmpl-...`.
+    pub id: String,
+    /// `text_completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model id.
+    pub model: String,
+    /// One choice.
+    pub choices: Vec<CompletionChoice>,
+    /// Token counts.
+    pub usage: WireUsage,
+    /// What the cache did.
+    pub leyline: LeylineReport,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(v: Value) -> GenerationFields {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn max_completion_tokens_wins_and_bad_values_name_the_field() {
+        let g = fields(serde_json::json!({"max_tokens": 5, "max_completion_tokens": 7}))
+            .validate()
+            .unwrap();
+        assert_eq!(g.max_tokens, Some(7));
+        let e = fields(serde_json::json!({"max_tokens": -1}))
+            .validate()
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("max_tokens") && e.to_string().contains("-1"),
+            "{e}"
+        );
+        let e = fields(serde_json::json!({"temperature": 3.5}))
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("temperature"), "{e}");
+        let e = fields(serde_json::json!({"n": 2})).validate().unwrap_err();
+        assert!(e.to_string().contains("n=1"), "{e}");
+        let e = fields(serde_json::json!({"stop": ["a", "b", "c", "d", "e"]}))
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("stop"), "{e}");
+    }
+
+    #[test]
+    fn usage_chunk_field_is_null_or_absent() {
+        let chunk = |usage| Chunk {
+            id: "x".into(),
+            object: "chat.completion.chunk",
+            created: 0,
+            model: "m".into(),
+            choices: vec![],
+            usage,
+            leyline: None,
+        };
+        let absent = serde_json::to_value(chunk(UsageField::Absent)).unwrap();
+        assert!(absent.get("usage").is_none());
+        let null = serde_json::to_value(chunk(UsageField::Null)).unwrap();
+        assert!(null.get("usage").unwrap().is_null());
+    }
+
+    #[test]
+    fn text_parts_join_and_image_parts_are_refused() {
+        let m: WireMessage = serde_json::from_value(serde_json::json!({
+            "role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+        }))
+        .unwrap();
+        assert_eq!(m.into_chat(0).unwrap().content.as_deref(), Some("ab"));
+        let m: WireMessage = serde_json::from_value(serde_json::json!({
+            "role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]
+        }))
+        .unwrap();
+        assert!(m
+            .into_chat(3)
+            .unwrap_err()
+            .to_string()
+            .contains("image_url"));
+    }
+}

@@ -1,0 +1,154 @@
+//! Session routes: create, inspect, delete, and the explicit directive channel.
+
+use crate::auth::Principal;
+use crate::error::{Result, ServerError};
+use crate::routes::{create_engine_session, engine_call, parse, ApiJson, St};
+use crate::AppState;
+use axum::extract::{Path, Query, State};
+use axum::{Extension, Json};
+use leyline_core::{Directive, Mode};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+pub(crate) async fn create_session(
+    State(st): St,
+    Extension(who): Extension<Principal>,
+) -> Result<Json<Value>> {
+    let id = create_engine_session(&st, who).await?;
+    Ok(Json(json!({"id": id, "object": "session", "length": 0})))
+}
+
+#[derive(Deserialize)]
+pub(crate) struct SessionQuery {
+    #[serde(default)]
+    pub(crate) tokens: bool,
+}
+
+pub(crate) async fn get_session(
+    State(st): St,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    q: std::result::Result<Query<SessionQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>> {
+    let Query(q) = q.map_err(|e| ServerError::invalid("tokens", e.body_text()))?;
+    let (state, busy) = st.sessions.get(&id, who)?;
+    let eid = state.engine;
+    let info = engine_call(&st, move |e| e.session_info(eid)).await??;
+    let mut body = json!({
+        "id": id, "object": "session", "length": info.tokens.len(), "turns": state.turns, "busy": busy || info.busy
+    });
+    if q.tokens {
+        body["tokens"] = json!(info.tokens);
+    }
+    Ok(Json(body))
+}
+
+pub(crate) async fn delete_session(
+    State(st): St,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>> {
+    // Holding the lease keeps requests out while the engine drops the session.
+    let lease = st.sessions.acquire(&id, who)?;
+    let eid = lease.state().engine;
+    engine_call(&st, move |e| e.delete_session(eid)).await??;
+    drop(lease);
+    st.sessions.delete(&id, who)?;
+    Ok(Json(
+        json!({"id": id, "object": "session.deleted", "deleted": true}),
+    ))
+}
+
+/// One directive on the wire: a pre-edit range and a replacement given as text or ids.
+#[derive(Deserialize)]
+pub(crate) struct WireDirective {
+    start: usize,
+    end: usize,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    tokens: Option<Vec<u32>>,
+}
+
+/// `POST /v1/sessions/{id}/directives`: one atomic batch in one mode.
+#[derive(Deserialize)]
+pub(crate) struct DirectiveRequest {
+    directives: Vec<WireDirective>,
+    #[serde(default)]
+    mode: Option<Mode>,
+}
+
+pub(crate) async fn apply_directives(
+    State(st): St,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    ApiJson(v): ApiJson,
+) -> Result<Json<Value>> {
+    let req: DirectiveRequest = parse(&v)?;
+    let mode = req.mode.unwrap_or(Mode::Amortize);
+    let mode_name = if mode == Mode::Amortize {
+        "amortize"
+    } else {
+        "forget"
+    };
+    let result = apply_batch(&st, who, &id, req, mode).await;
+    st.metrics.record_directives(
+        mode_name,
+        if result.is_ok() { "applied" } else { "refused" },
+    );
+    result
+}
+
+async fn apply_batch(
+    st: &Arc<AppState>,
+    who: Principal,
+    id: &str,
+    req: DirectiveRequest,
+    mode: Mode,
+) -> Result<Json<Value>> {
+    if req.directives.is_empty() {
+        return Err(ServerError::invalid(
+            "directives",
+            "the batch has no directives",
+        ));
+    }
+    let mut directives = Vec::with_capacity(req.directives.len());
+    for (i, d) in req.directives.into_iter().enumerate() {
+        let replacement = match (d.text, d.tokens) {
+            (Some(t), None) => st.tokenizer.encode(&t, false)?,
+            (None, Some(ids)) => ids,
+            (None, None) => Vec::new(),
+            (Some(_), Some(_)) => {
+                return Err(ServerError::invalid(
+                    &format!("directives[{i}]"),
+                    format!("directive {i}: give the replacement as `text` or `tokens`, not both"),
+                ))
+            }
+        };
+        directives.push(Directive::new(d.start, d.end, replacement, mode));
+    }
+    let mut lease = st.sessions.acquire(id, who)?;
+    let eid = lease.state().engine;
+    let (before, report) = engine_call(st, move |e| {
+        let before = e.session_info(eid).map(|i| i.tokens.len())?;
+        e.apply_directives(eid, directives).map(|r| (before, r))
+    })
+    .await??;
+    // The session's tokens no longer follow the last chat prompt's message layout.
+    let mut state = lease.state().clone();
+    state.bounds = None;
+    lease.commit(state);
+    Ok(Json(json!({
+        "id": id,
+        "object": "session.directives",
+        "mode": mode,
+        "directives_applied": report.directives,
+        "length_before": before,
+        "length": report.new_len,
+        "delta": report.new_len as i64 - before as i64,
+        "tokens_reused": report.reused,
+        "tokens_rotated": report.rotated,
+        "tokens_prefilled": report.prefilled,
+    })))
+}
