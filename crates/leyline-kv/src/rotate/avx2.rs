@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 
 /// `(a*c - b*s, b*c + a*s)` lane-wise: the order of every path.
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn rot(a: __m256, b: __m256, c: __m256, s: __m256) -> (__m256, __m256) {
     (
         _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s)),
@@ -19,7 +19,7 @@ fn rot(a: __m256, b: __m256, c: __m256, s: __m256) -> (__m256, __m256) {
 
 /// 16 bf16 as 8 lanes: (even elements, odd elements) as exact f32.
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn bf16_split(v: __m256i) -> (__m256, __m256) {
     let even = _mm256_slli_epi32::<16>(v);
     let odd = _mm256_and_si256(v, _mm256_set1_epi32(0xffff_0000u32 as i32));
@@ -29,7 +29,7 @@ fn bf16_split(v: __m256i) -> (__m256, __m256) {
 /// f32 to bf16 with round to nearest even (as `f32_to_bf16`), result in each lane's high
 /// 16 bits; the low bits are garbage.
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn bf16_round(x: __m256) -> __m256i {
     let b = _mm256_castps_si256(x);
     let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
@@ -41,7 +41,7 @@ fn bf16_round(x: __m256) -> __m256i {
 
 /// Inverse of [`bf16_split`], rounding each lane once.
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn bf16_join(even: __m256, odd: __m256) -> __m256i {
     let e = _mm256_srli_epi32::<16>(bf16_round(even));
     _mm256_blend_epi16::<0b1010_1010>(e, bf16_round(odd))
@@ -52,7 +52,7 @@ fn bf16_join(even: __m256, odd: __m256) -> __m256i {
 /// # Safety
 /// `x` points to `2 * t.half` writable elements; `t`'s tables are padded (see [`Tables`]).
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn head_bf16_ilv(x: *mut u16, t: &Tables) {
     let (half, c, s) = (t.half, t.c.as_ptr(), t.s.as_ptr());
     let mut i = 0;
@@ -73,7 +73,7 @@ unsafe fn head_bf16_ilv(x: *mut u16, t: &Tables) {
 /// # Safety
 /// As [`head_bf16_ilv`].
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn head_bf16_neox(x: *mut u16, t: &Tables) {
     let half = t.half;
     let mut k = 0;
@@ -98,24 +98,24 @@ unsafe fn head_bf16_neox(x: *mut u16, t: &Tables) {
 // Loads and stores of 8 lanes.
 
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn ld_f32(p: *const f32) -> __m256 {
     _mm256_loadu_ps(p)
 }
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn st_f32(p: *mut f32, v: __m256) {
     _mm256_storeu_ps(p, v)
 }
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn ld_f16(p: *const u16) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 /// Round to nearest even (imm bit 2 clear: the MXCSR mode is not consulted).
 const RNE: i32 = _MM_FROUND_TO_NEAREST_INT;
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn st_f16(p: *mut u16, v: __m256) {
     _mm_storeu_si128(p as *mut __m128i, _mm256_cvtps_ph::<RNE>(v))
 }
@@ -129,7 +129,7 @@ macro_rules! heads8 {
         /// # Safety
         /// `x` points to `2 * t.half` writable elements; `t`'s tables are padded.
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn $ilv(x: *mut $t, t: &Tables) {
             let (n, cd, sa) = (2 * t.half, t.cd.as_ptr(), t.sa.as_ptr());
             let mut j = 0;
@@ -154,7 +154,7 @@ macro_rules! heads8 {
         /// # Safety
         /// As the interleaved kernel.
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn $neox(x: *mut $t, t: &Tables) {
             let (half, c, s) = (t.half, t.c.as_ptr(), t.s.as_ptr());
             let mut k = 0;

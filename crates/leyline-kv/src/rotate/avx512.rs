@@ -34,8 +34,10 @@ fn bf16_split(v: __m512i) -> (__m512, __m512) {
 #[target_feature(enable = "avx512f")]
 fn bf16_round(x: __m512) -> __m512i {
     let b = _mm512_castps_si512(x);
-    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
-    let r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
+    // b + 0x7fff + lsb, the lsb (bit 16) tested into a mask: 3 uops instead of 4.
+    let odd = _mm512_test_epi32_mask(b, _mm512_set1_epi32(0x1_0000));
+    let r = _mm512_add_epi32(b, _mm512_set1_epi32(0x7fff));
+    let r = _mm512_mask_add_epi32(r, odd, b, _mm512_set1_epi32(0x8000));
     let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
     _mm512_mask_or_epi32(r, nan, b, _mm512_set1_epi32(0x0040_0000))
 }
