@@ -1,6 +1,7 @@
 //! `leyline`: the command line of the Leyline serving engine.
 
 mod bench;
+mod replay;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
