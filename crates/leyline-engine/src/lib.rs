@@ -7,6 +7,7 @@
 
 pub mod engine;
 pub mod error;
+pub mod fidelity;
 pub mod generate;
 pub mod handle;
 pub mod metrics;

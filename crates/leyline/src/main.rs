@@ -1,6 +1,8 @@
 //! `leyline`: the command line of the Leyline serving engine.
 
 mod bench;
+mod bench_splice;
+mod verify;
 mod replay;
 
 use anyhow::{bail, Context, Result};
@@ -35,6 +37,8 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Fidelity report: AMORTIZE vs. full context and FORGET, and key drift of chained splices.
+    Verify(verify::VerifyArgs),
 }
 
 #[derive(Subcommand)]
@@ -145,6 +149,7 @@ fn dispatch(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench(b) => bench::run(b),
+        Command::Verify(a) => verify::run(a),
     }
 }
 
