@@ -1,0 +1,172 @@
+"""Drives a running Leyline server with the official `openai` client.
+
+Run by tests/openai_client.rs:
+    python3 openai_client.py BASE_URL MODEL KEY_A KEY_B
+Exits non-zero with a message on the first failed check.
+"""
+
+import sys
+import threading
+
+import openai
+
+BASE, MODEL, KEY_A, KEY_B = sys.argv[1:5]
+A = openai.OpenAI(base_url=BASE, api_key=KEY_A, max_retries=0, timeout=300)
+B = openai.OpenAI(base_url=BASE, api_key=KEY_B, max_retries=0, timeout=300)
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def expect(exc, fn, what):
+    try:
+        fn()
+    except exc as e:
+        return e
+    raise AssertionError(f"{what}: expected {exc.__name__}")
+
+
+def leyline(resp):
+    extra = resp.model_extra or {}
+    check("leyline" in extra, f"response has a leyline object: {resp}")
+    return extra["leyline"]
+
+
+def plain_chat():
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = A.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    c = r.choices[0]
+    check(r.object == "chat.completion", r.object)
+    check(c.message.role == "assistant" and isinstance(c.message.content, str), c)
+    check(c.finish_reason in ("stop", "length"), c.finish_reason)
+    check(1 <= r.usage.completion_tokens <= 8, r.usage)
+    check(isinstance(r.usage.prompt_tokens_details.cached_tokens, int), r.usage)
+
+    stream = A.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finishes, usage = "", [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            if ch.finish_reason:
+                finishes.append(ch.finish_reason)
+    check(text == c.message.content, f"stream text {text!r} == {c.message.content!r}")
+    check(finishes == [c.finish_reason], finishes)
+    check(usage is not None and usage.completion_tokens == r.usage.completion_tokens, usage)
+    # The repeat was served from the prefix cache.
+    check(usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 1, usage)
+
+    comp = A.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    check(comp.object == "text_completion" and isinstance(comp.choices[0].text, str), comp)
+
+
+TOOL_OUTPUT = " ".join(f"file_{i}.txt size={i * 37 % 1000}" for i in range(40))
+
+
+def session_edit(mode):
+    """Turn 1 with a long tool output; turn 2 replaces it by a stub (as a policy would)."""
+    history = [
+        {"role": "system", "content": "You are a helpful assistant with a shell tool."},
+        {"role": "user", "content": "List the files in the project directory."},
+        {"role": "assistant", "content": "I will call the ls tool."},
+        {"role": "tool", "tool_call_id": "call_1", "content": TOOL_OUTPUT},
+        {"role": "user", "content": "Which of these files is the largest one, and how large is it?"},
+    ]
+    r1 = A.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=8, temperature=0,
+        extra_body={"leyline": {"mode": mode}},
+    )
+    sid = leyline(r1)["session_id"]
+    check(isinstance(sid, str) and sid.startswith("sess_"), sid)
+    edited = [dict(m) for m in history]
+    edited[3]["content"] = "[evicted: 1 older tool output]"
+    edited += [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "Thanks. Now summarize."},
+    ]
+    r2 = A.chat.completions.create(
+        model=MODEL, messages=edited, max_tokens=8, temperature=0,
+        extra_body={"session_id": sid, "leyline": {"mode": mode}},
+    )
+    ley = leyline(r2)
+    check(ley["session_id"] == sid and ley["mode"] == mode, ley)
+    # A session of key A does not exist for key B.
+    expect(openai.NotFoundError, lambda: B.chat.completions.create(
+        model=MODEL, messages=edited, max_tokens=2, extra_body={"session_id": sid}), "foreign session")
+    return r1, r2, ley
+
+
+def sessions():
+    # Tokens of the tool output alone (no BOS for this model), measured by the server's
+    # tokenizer through the plain completions endpoint.
+    tool_tokens = A.completions.create(model=MODEL, prompt=TOOL_OUTPUT, max_tokens=1).usage.prompt_tokens
+    a1, a2, la = session_edit("amortize")
+    f1, f2, lf = session_edit("forget")
+    cached_a = a2.usage.prompt_tokens_details.cached_tokens
+    cached_f = f2.usage.prompt_tokens_details.cached_tokens
+    print(f"amortize: cached {cached_a} of {a2.usage.prompt_tokens}, leyline {la}")
+    print(f"forget:   cached {cached_f} of {f2.usage.prompt_tokens}, leyline {lf}")
+    check(a2.usage.prompt_tokens == f2.usage.prompt_tokens, "same prompt in both modes")
+    # Everything after the edited tool output was cached in turn 1: the last user message,
+    # the assistant header and reply. Turn 1's prompt minus the tool output and the prefix
+    # before it (cached_f) bounds it from below.
+    downstream = a1.usage.prompt_tokens - tool_tokens - cached_f
+    check(downstream >= 15, f"downstream span is {downstream} tokens")
+    # FORGET reuses only the prefix before the edit.
+    check(cached_f + tool_tokens <= f1.usage.prompt_tokens, "FORGET reused nothing past the edit")
+    check(lf["tokens_rotated"] == 0, lf)
+    # AMORTIZE keeps the downstream tokens (rotated) on top of that prefix.
+    check(cached_a >= cached_f + downstream, f"AMORTIZE cached {cached_a} >= {cached_f} + {downstream}")
+    check(la["directives_applied"] >= 1 and la["tokens_rotated"] >= downstream, la)
+
+
+def concurrent_streams(n=16):
+    errors = []
+
+    def one(i):
+        try:
+            s = A.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Count from {i} to {i + 5}."}],
+                max_tokens=8, temperature=0, stream=True,
+            )
+            finishes, ids = [], set()
+            for chunk in s:
+                ids.add(chunk.id)
+                finishes += [c.finish_reason for c in chunk.choices if c.finish_reason]
+            check(len(ids) == 1 and finishes in (["stop"], ["length"]), (ids, finishes))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"stream {i}: {e!r}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    check(not any(t.is_alive() for t in threads), "a stream hung")
+    check(not errors, errors)
+
+
+def errors():
+    bad = openai.OpenAI(base_url=BASE, api_key="not-a-key", max_retries=0)
+    expect(openai.AuthenticationError, lambda: bad.models.list(), "wrong key")
+    msgs = [{"role": "user", "content": "hi"}]
+    e = expect(openai.NotFoundError, lambda: A.chat.completions.create(model="no-such-model", messages=msgs), "model")
+    check("no-such-model" in str(e), e)
+    e = expect(openai.BadRequestError, lambda: A.chat.completions.create(model=MODEL, messages=msgs, max_tokens=-1), "-1")
+    check("max_tokens" in str(e), e)
+    check([m.id for m in A.models.list().data] == [MODEL], "models list")
+
+
+for name, fn in [("plain chat", plain_chat), ("sessions", sessions), ("16 streams", concurrent_streams), ("errors", errors)]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test harness reads the message
+        print(f"FAILED {name}: {e!r}")
+        sys.exit(1)
+    print(f"ok {name}")
