@@ -173,7 +173,7 @@ impl Llama {
         let lm_head = if f.has_tensor("output.weight") {
             Linear::load(f, "output")?
         } else {
-            Linear::from_parts(embed.clone(), Some(std::sync::Arc::new(embed_q)), None)?
+            Linear::from_parts(embed.clone(), Some(&embed_q), None)?
         };
         let cfg = LlamaConfig { vocab_size: vocab, ..cfg };
         let info = ModelInfo {
