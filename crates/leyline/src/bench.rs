@@ -12,6 +12,8 @@ use std::time::Instant;
 pub enum BenchCommand {
     /// Prefill and decode tokens/s of one sequence (compare with llama-bench pp/tg).
     Engine(EngineArgs),
+    /// What each context policy does to the cached tokens of recorded agent trajectories.
+    Policy(crate::bench_policy::PolicyArgs),
     /// Latency of an AMORTIZE splice vs. FORGET's re-prefill of the same edit.
     Splice(crate::bench_splice::SpliceArgs),
     /// Replay agent trajectories under a context policy: baseline vs AMORTIZE vs FORGET.
@@ -53,6 +55,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Engine(a) => engine(a),
+        BenchCommand::Policy(a) => crate::bench_policy::run(a),
         BenchCommand::Splice(a) => crate::bench_splice::run(a),
         BenchCommand::Replay(a) => crate::replay::run(a),
     }
