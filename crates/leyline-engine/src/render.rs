@@ -15,8 +15,16 @@ pub struct ChatRenderer<'a> {
 
 impl<'a> ChatRenderer<'a> {
     /// A renderer that appends the generation prompt when `generation_prompt` is set.
-    pub fn new(tokenizer: &'a Tokenizer, template: &'a ChatTemplate, generation_prompt: bool) -> Self {
-        Self { tokenizer, template, generation_prompt }
+    pub fn new(
+        tokenizer: &'a Tokenizer,
+        template: &'a ChatTemplate,
+        generation_prompt: bool,
+    ) -> Self {
+        Self {
+            tokenizer,
+            template,
+            generation_prompt,
+        }
     }
 }
 
@@ -49,10 +57,16 @@ impl Renderer for ChatRenderer<'_> {
     fn render_tokens(&self, messages: &[Message]) -> leyline_policy::Result<Rendered> {
         let render_err = |e: leyline_model::ModelError| PolicyError::Render(e.to_string());
         let chat: Vec<ChatMessage> = messages.iter().map(to_chat_message).collect();
-        let full = self.template.render(&chat, self.generation_prompt).map_err(render_err)?;
+        let full = self
+            .template
+            .render(&chat, self.generation_prompt)
+            .map_err(render_err)?;
         let mut cuts = vec![0usize];
         for k in 1..=chat.len() {
-            let prefix = self.template.render(&chat[..k], false).map_err(render_err)?;
+            let prefix = self
+                .template
+                .render(&chat[..k], false)
+                .map_err(render_err)?;
             if !full.starts_with(&prefix) {
                 return Err(PolicyError::Render(format!(
                     "the template does not render message {} as a stable prefix",
@@ -66,7 +80,10 @@ impl Renderer for ChatRenderer<'_> {
         let mut bounds = Vec::with_capacity(chat.len() + 1);
         for w in cuts.windows(2) {
             bounds.push(tokens.len());
-            let ids = self.tokenizer.encode(&full[w[0]..w[1]], false).map_err(render_err)?;
+            let ids = self
+                .tokenizer
+                .encode(&full[w[0]..w[1]], false)
+                .map_err(render_err)?;
             tokens.extend(ids);
         }
         // `bounds` has n + 1 entries: each message's start and the end of the last one; the

@@ -445,7 +445,6 @@ fn forget_erases_the_span_and_everything_after_it() {
             "a cached path still leads through a forgotten slot"
         );
     }
-    assert!(new.slots[start..].iter().all(|s| !forgotten.contains(s)) || true);
     for &s in &forgotten {
         if e.cache().pool().is_free(s).unwrap() {
             assert!(

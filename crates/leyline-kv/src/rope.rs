@@ -112,7 +112,10 @@ impl RopeSpec {
         if !(self.theta.is_finite() && self.theta > 1.0) {
             return bad(format!("theta {} must be finite and > 1", self.theta));
         }
-        if self.rotary_dim == 0 || self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+        if self.rotary_dim == 0
+            || !self.rotary_dim.is_multiple_of(2)
+            || self.rotary_dim > self.head_dim
+        {
             return bad(format!(
                 "rotary_dim {} must be even, non-zero and <= head_dim {}",
                 self.rotary_dim, self.head_dim

@@ -381,7 +381,7 @@ fn check_rows(
     }
     let width = k_heads * k_head_dim;
     let len = rows_len(rows);
-    if width == 0 || len % width != 0 {
+    if width == 0 || !len.is_multiple_of(width) {
         return Err(KvError::WidthMismatch {
             what: "key rows (buffer length / row width)",
             expected: width,

@@ -23,13 +23,21 @@ impl GgufFile {
     /// # Errors
     /// [`ModelError::File`] when the file is missing, unreadable or not a valid GGUF header.
     pub fn open(path: &Path) -> Result<Self> {
-        let file_err = |reason: String| ModelError::File { path: path.to_path_buf(), reason };
+        let file_err = |reason: String| ModelError::File {
+            path: path.to_path_buf(),
+            reason,
+        };
         let file = File::open(path).map_err(|e| file_err(format!("cannot open: {e}")))?;
         let file_len = file.metadata().map_err(|e| file_err(e.to_string()))?.len();
         let mut reader = BufReader::new(file);
         let content = Content::read(&mut reader)
             .map_err(|e| file_err(format!("not a readable GGUF file: {e}")))?;
-        let this = Self { path: path.to_path_buf(), content, reader, file_len };
+        let this = Self {
+            path: path.to_path_buf(),
+            content,
+            reader,
+            file_len,
+        };
         this.check_tensor_extents()?;
         Ok(this)
     }
@@ -80,11 +88,17 @@ impl GgufFile {
         }
         self.content
             .tensor(&mut self.reader, name, &Device::Cpu)
-            .map_err(|e| ModelError::File { path: self.path.clone(), reason: format!("tensor {name}: {e}") })
+            .map_err(|e| ModelError::File {
+                path: self.path.clone(),
+                reason: format!("tensor {name}: {e}"),
+            })
     }
 
     fn file_error(&self, reason: String) -> ModelError {
-        ModelError::File { path: self.path.clone(), reason }
+        ModelError::File {
+            path: self.path.clone(),
+            reason,
+        }
     }
 
     /// A required string value.
@@ -106,7 +120,8 @@ impl GgufFile {
     /// # Errors
     /// Missing key or wrong type.
     pub fn get_usize(&self, key: &str) -> Result<usize> {
-        self.opt_usize(key)?.ok_or_else(|| self.file_error(format!("missing metadata {key}")))
+        self.opt_usize(key)?
+            .ok_or_else(|| self.file_error(format!("missing metadata {key}")))
     }
 
     /// An optional unsigned integer value.
@@ -114,7 +129,9 @@ impl GgufFile {
     /// # Errors
     /// Wrong type.
     pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
-        let Some(v) = self.metadata().get(key) else { return Ok(None) };
+        let Some(v) = self.metadata().get(key) else {
+            return Ok(None);
+        };
         let n = match v {
             Value::U8(x) => *x as u64,
             Value::U16(x) => *x as u64,
@@ -124,7 +141,9 @@ impl GgufFile {
             Value::I16(x) if *x >= 0 => *x as u64,
             Value::I32(x) if *x >= 0 => *x as u64,
             Value::I64(x) if *x >= 0 => *x as u64,
-            _ => return Err(self.file_error(format!("metadata {key} is not a non-negative integer"))),
+            _ => {
+                return Err(self.file_error(format!("metadata {key} is not a non-negative integer")))
+            }
         };
         Ok(Some(n as usize))
     }
@@ -134,7 +153,9 @@ impl GgufFile {
     /// # Errors
     /// Wrong type.
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
-        let Some(v) = self.metadata().get(key) else { return Ok(None) };
+        let Some(v) = self.metadata().get(key) else {
+            return Ok(None);
+        };
         match v {
             Value::F32(x) => Ok(Some(*x as f64)),
             Value::F64(x) => Ok(Some(*x)),

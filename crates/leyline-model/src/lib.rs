@@ -110,7 +110,12 @@ pub fn check_batch(info: &ModelInfo, kv: &KvStorage, seqs: &[ForwardSeq<'_>]) ->
             )));
         }
         let cap = kv.capacity();
-        if let Some(&bad) = s.context.iter().chain(s.new_slots).find(|&&x| x as usize >= cap) {
+        if let Some(&bad) = s
+            .context
+            .iter()
+            .chain(s.new_slots)
+            .find(|&&x| x as usize >= cap)
+        {
             return Err(ModelError::Input(format!(
                 "sequence {i}: slot {bad} is outside the pool of {cap} slots"
             )));
@@ -139,11 +144,21 @@ pub fn load_gguf(path: &std::path::Path) -> Result<LoadedModel> {
     let mut f = gguf::GgufFile::open(path)?;
     // Check the architecture before reading any weights, so an unsupported file fails fast.
     llama::LlamaConfig::from_gguf(&f)?;
-    let tokenizer = tokenizer::Tokenizer::from_gguf_metadata(f.metadata()).map_err(|e| {
-        ModelError::File { path: path.to_path_buf(), reason: e.to_string() }
-    })?;
+    let tokenizer =
+        tokenizer::Tokenizer::from_gguf_metadata(f.metadata()).map_err(|e| ModelError::File {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
     let chat = chat::ChatTemplate::from_gguf_metadata(f.metadata(), &tokenizer).ok();
-    let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let model = llama::Llama::load(&mut f, &name)?;
-    Ok(LoadedModel { model: std::sync::Arc::new(model), tokenizer, chat, path: path.to_path_buf() })
+    Ok(LoadedModel {
+        model: std::sync::Arc::new(model),
+        tokenizer,
+        chat,
+        path: path.to_path_buf(),
+    })
 }

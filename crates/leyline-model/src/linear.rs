@@ -27,7 +27,11 @@ impl Linear {
         let q = f.tensor(&format!("{prefix}.weight"))?;
         let w = q.dequantize(&Device::Cpu)?;
         let bias = format!("{prefix}.bias");
-        let b = if f.has_tensor(&bias) { Some(f.tensor(&bias)?.dequantize(&Device::Cpu)?) } else { None };
+        let b = if f.has_tensor(&bias) {
+            Some(f.tensor(&bias)?.dequantize(&Device::Cpu)?)
+        } else {
+            None
+        };
         Self::from_parts(w, Some(&q), b)
     }
 

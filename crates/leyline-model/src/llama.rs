@@ -67,10 +67,14 @@ impl LlamaConfig {
         if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || hidden % heads != 0 {
             return Err(ModelError::Unsupported {
                 path: f.path().to_path_buf(),
-                reason: format!("{heads} heads, {kv_heads} kv heads and width {hidden} do not divide"),
+                reason: format!(
+                    "{heads} heads, {kv_heads} kv heads and width {hidden} do not divide"
+                ),
             });
         }
-        let head_dim = f.opt_usize(&k("attention.key_length"))?.unwrap_or(hidden / heads);
+        let head_dim = f
+            .opt_usize(&k("attention.key_length"))?
+            .unwrap_or(hidden / heads);
         let rotary_dim = f.opt_usize(&k("rope.dimension_count"))?.unwrap_or(head_dim);
         let theta = f.opt_f64(&k("rope.freq_base"))?.unwrap_or(10_000.0);
         let scaling = match f.get_str(&k("rope.scaling.type")).ok() {
@@ -100,9 +104,17 @@ impl LlamaConfig {
             kv_heads,
             head_dim,
             ffn: f.get_usize(&k("feed_forward_length"))?,
-            rms_eps: f.opt_f64(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+            rms_eps: f
+                .opt_f64(&k("attention.layer_norm_rms_epsilon"))?
+                .unwrap_or(1e-5),
             context_length: f.opt_usize(&k("context_length"))?.unwrap_or(2048),
-            rope: RopeSpec { theta, head_dim, rotary_dim, layout, scaling },
+            rope: RopeSpec {
+                theta,
+                head_dim,
+                rotary_dim,
+                layout,
+                scaling,
+            },
             arch,
         })
     }
@@ -144,7 +156,10 @@ impl Llama {
         if hidden != cfg.hidden {
             return Err(ModelError::File {
                 path: f.path().to_path_buf(),
-                reason: format!("token_embd has width {hidden}, metadata says {}", cfg.hidden),
+                reason: format!(
+                    "token_embd has width {hidden}, metadata says {}",
+                    cfg.hidden
+                ),
             });
         }
         let mut blocks = Vec::with_capacity(cfg.layers);
@@ -158,8 +173,12 @@ impl Llama {
             let up = lin("ffn_up")?;
             let down = lin("ffn_down")?;
             blocks.push(Block {
-                attn_norm: f.tensor(&format!("blk.{i}.attn_norm.weight"))?.dequantize(&Device::Cpu)?,
-                ffn_norm: f.tensor(&format!("blk.{i}.ffn_norm.weight"))?.dequantize(&Device::Cpu)?,
+                attn_norm: f
+                    .tensor(&format!("blk.{i}.attn_norm.weight"))?
+                    .dequantize(&Device::Cpu)?,
+                ffn_norm: f
+                    .tensor(&format!("blk.{i}.ffn_norm.weight"))?
+                    .dequantize(&Device::Cpu)?,
                 q,
                 k,
                 v,
@@ -175,7 +194,10 @@ impl Llama {
         } else {
             Linear::from_parts(embed.clone(), Some(&embed_q), None)?
         };
-        let cfg = LlamaConfig { vocab_size: vocab, ..cfg };
+        let cfg = LlamaConfig {
+            vocab_size: vocab,
+            ..cfg
+        };
         let info = ModelInfo {
             name: name.to_string(),
             arch: cfg.arch.clone(),
@@ -187,10 +209,18 @@ impl Llama {
                 k_head_dim: cfg.head_dim,
                 v_width: cfg.kv_heads * cfg.head_dim,
             },
-            rope: cfg.rope.clone(),
+            rope: cfg.rope,
         };
         let inv_freq = cfg.rope.inv_freq();
-        Ok(Self { cfg, info, embed, blocks, norm, lm_head, inv_freq })
+        Ok(Self {
+            cfg,
+            info,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            inv_freq,
+        })
     }
 
     /// The model's hyper-parameters.
@@ -218,7 +248,10 @@ impl Llama {
         let half = self.inv_freq.len();
         let row = heads * hd;
         for (t, xr) in x.chunks_exact_mut(row).enumerate() {
-            let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+            let (c, s) = (
+                &cos[t * half..(t + 1) * half],
+                &sin[t * half..(t + 1) * half],
+            );
             for h in xr.chunks_exact_mut(hd) {
                 match self.cfg.rope.layout {
                     RotaryLayout::Interleaved => {
@@ -263,8 +296,12 @@ impl Llama {
             let mut vbuf = vec![0f32; n * kvh * hd];
             kv.gather_k(layer, &slots, &mut kbuf)?;
             kv.gather_v(layer, &slots, &mut vbuf)?;
-            let k = Tensor::from_vec(kbuf, (n, kvh, hd), &Device::Cpu)?.transpose(0, 1)?.contiguous()?;
-            let v = Tensor::from_vec(vbuf, (n, kvh, hd), &Device::Cpu)?.transpose(0, 1)?.contiguous()?;
+            let k = Tensor::from_vec(kbuf, (n, kvh, hd), &Device::Cpu)?
+                .transpose(0, 1)?
+                .contiguous()?;
+            let v = Tensor::from_vec(vbuf, (n, kvh, hd), &Device::Cpu)?
+                .transpose(0, 1)?
+                .contiguous()?;
             // [t, h, hd] -> [kvh, g * t, hd]: query head j uses kv head j / g.
             let qs = q
                 .narrow(0, row, t)?
@@ -281,10 +318,17 @@ impl Llama {
                     })
                     .collect();
                 let mask = Tensor::from_vec(mask, (t, n), &Device::Cpu)?;
-                att = att.reshape((kvh, g, t, n))?.broadcast_add(&mask)?.reshape((kvh, g * t, n))?;
+                att = att
+                    .reshape((kvh, g, t, n))?
+                    .broadcast_add(&mask)?
+                    .reshape((kvh, g * t, n))?;
             }
             let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let o = att.matmul(&v)?.reshape((h, t, hd))?.transpose(0, 1)?.reshape((t, h * hd))?;
+            let o = att
+                .matmul(&v)?
+                .reshape((h, t, hd))?
+                .transpose(0, 1)?
+                .reshape((t, h * hd))?;
             outs.push(o);
             row += t;
         }
@@ -304,8 +348,14 @@ impl CausalLm for Llama {
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
         crate::check_batch(&self.info, kv, seqs)?;
         let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let positions: Vec<u32> = seqs.iter().flat_map(|s| s.positions.iter().copied()).collect();
-        let new_slots: Vec<u32> = seqs.iter().flat_map(|s| s.new_slots.iter().copied()).collect();
+        let positions: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| s.positions.iter().copied())
+            .collect();
+        let new_slots: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| s.new_slots.iter().copied())
+            .collect();
         let n = tokens.len();
         let (cos, sin) = self.rope_tables(&positions);
         let ids = Tensor::from_vec(tokens, n, &Device::Cpu)?;

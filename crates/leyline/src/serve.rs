@@ -1,0 +1,74 @@
+//! `leyline serve`: the OpenAI-compatible HTTP server.
+
+use crate::{load_model, ModelArgs};
+use anyhow::Result;
+use clap::Args;
+use leyline_model::registry;
+
+/// Options of `leyline serve`.
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    addr: std::net::SocketAddr,
+    /// Bearer key guarding every route but /health (repeatable or comma-separated).
+    #[arg(long = "api-key", env = "LEYLINE_API_KEY", value_delimiter = ',')]
+    api_keys: Vec<String>,
+    /// Model id shown by /v1/models (default: the registry name or the file stem).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    /// Most generation requests in flight; more get 429.
+    #[arg(long, default_value_t = 64)]
+    max_concurrent: usize,
+    /// max_tokens when a request sets none.
+    #[arg(long, default_value_t = 512)]
+    default_max_tokens: usize,
+    /// Prompt tokens prefilled per scheduler step (long prompts never stall decodes long).
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Seconds in-flight requests may run after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    shutdown_grace: u64,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+/// Loads the model and serves until SIGINT or SIGTERM.
+pub fn run(a: ServeArgs) -> Result<()> {
+    let lm = load_model(&a.model)?;
+    let slots = a
+        .model
+        .kv_slots
+        .unwrap_or(lm.model.info().context_length * 4);
+    let engine_cfg = leyline_engine::EngineConfig {
+        kv_dtype: a.model.kv_dtype,
+        prefill_chunk: a.prefill_chunk,
+        ..leyline_engine::EngineConfig::new(slots)
+    };
+    let name = a
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| match &a.model.model {
+            None => registry::DEFAULT_MODEL.to_string(),
+            Some(p) => p
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "leyline".into()),
+        });
+    let mut cfg = leyline_server::ServerConfig::new(name);
+    cfg.addr = a.addr;
+    cfg.api_keys = a.api_keys;
+    cfg.max_body_bytes = a.max_body_bytes;
+    cfg.max_concurrent = a.max_concurrent;
+    cfg.default_max_tokens = a.default_max_tokens;
+    cfg.shutdown_grace = std::time::Duration::from_secs(a.shutdown_grace);
+    eprintln!(
+        "leyline: serving {} on http://{} ({} KV slots)",
+        cfg.model_name, a.addr, slots
+    );
+    leyline_server::serve(cfg, lm, engine_cfg)?;
+    Ok(())
+}
