@@ -12,6 +12,8 @@ use std::time::Instant;
 pub enum BenchCommand {
     /// Prefill and decode tokens/s of one sequence (compare with llama-bench pp/tg).
     Engine(EngineArgs),
+    /// Batched decode tokens/s at several batch sizes; TTFT cold vs. with a cached prefix.
+    Batch(crate::bench_batch::BatchArgs),
     /// What each context policy does to the cached tokens of recorded agent trajectories.
     Policy(crate::bench_policy::PolicyArgs),
     /// Latency of an AMORTIZE splice vs. FORGET's re-prefill of the same edit.
@@ -55,6 +57,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Engine(a) => engine(a),
+        BenchCommand::Batch(a) => crate::bench_batch::run(a),
         BenchCommand::Policy(a) => crate::bench_policy::run(a),
         BenchCommand::Splice(a) => crate::bench_splice::run(a),
         BenchCommand::Replay(a) => crate::replay::run(a),

@@ -1,0 +1,182 @@
+//! `leyline bench batch`: decode throughput of the continuous-batching engine at several
+//! batch sizes, and time-to-first-token of a long prompt cold vs. with a cached prefix.
+
+use crate::{load_model, ModelArgs};
+use anyhow::{bail, Result};
+use clap::Args;
+use leyline_engine::{Engine, EngineConfig, Event, Request, SamplingParams, Usage};
+use std::ops::ControlFlow;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Options of `bench batch`.
+#[derive(Args)]
+pub struct BatchArgs {
+    /// Batch sizes (sequences decoding together).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
+    pub batch: Vec<usize>,
+    /// Decode steps measured per batch size.
+    #[arg(long, default_value_t = 32)]
+    pub steps: usize,
+    /// Prompt length of the TTFT measurement.
+    #[arg(long, default_value_t = 2048)]
+    pub ttft_prompt: usize,
+    /// Cached prefix length of the warm TTFT measurement.
+    #[arg(long, default_value_t = 1900)]
+    pub ttft_prefix: usize,
+    /// Repetitions of the TTFT pair; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Deterministic filler token ids of the model's vocabulary (ordinary text tokens).
+fn tokens(lm: &leyline_model::LoadedModel, n: usize, salt: usize) -> Result<Vec<u32>> {
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    let mut i = salt;
+    while ids.len() < n {
+        text.push_str(&format!(
+            "Entry {i}: the ledger records a shipment of {} crates to harbour {}. ",
+            (i * 37) % 1000,
+            (i * 11) % 97
+        ));
+        i += 1;
+        ids = lm.tokenizer.encode(&text, false)?;
+    }
+    ids.truncate(n);
+    Ok(ids)
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize, out: Arc<Mutex<Option<Usage>>>) -> Request {
+    Request {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: Vec::new(),
+        session: None,
+        sink: Box::new(move |e| {
+            if let Event::Finished { usage, .. } = e {
+                if let Ok(mut o) = out.lock() {
+                    *o = Some(usage);
+                }
+            }
+            ControlFlow::Continue(())
+        }),
+    }
+}
+
+/// Runs the benchmark.
+pub fn run(a: BatchArgs) -> Result<()> {
+    if a.batch.is_empty() || a.steps == 0 || a.repeat == 0 || a.ttft_prefix >= a.ttft_prompt {
+        bail!("need batch sizes, --steps >= 1, --repeat >= 1 and --ttft-prefix < --ttft-prompt");
+    }
+    let lm = load_model(&a.model)?;
+    let slots = a.model.kv_slots.unwrap_or(16 * 1024);
+    let cfg = |chunk| EngineConfig {
+        kv_dtype: a.model.kv_dtype,
+        prefill_chunk: chunk,
+        ..EngineConfig::new(slots)
+    };
+    // Decode throughput: all sequences prefilled first, then only decode steps are timed.
+    let mut decode = Vec::new();
+    for &n in &a.batch {
+        let mut e = Engine::new(Arc::clone(&lm.model), cfg(4096))?;
+        for i in 0..n {
+            let prompt = tokens(&lm, 32, i * 1000)?;
+            e.submit(request(prompt, a.steps + 2, Arc::default()));
+        }
+        let mut times = Vec::new();
+        while e.has_work() {
+            let t = Instant::now();
+            let r = e.step()?;
+            if r.decode_seqs == n && r.prefill_tokens == 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        if times.is_empty() {
+            bail!("no pure decode step with {n} sequences was seen");
+        }
+        let step = median(times);
+        decode.push((n, step, n as f64 / step));
+        eprintln!(
+            "batch {n}: {:.1} ms/step, {:.1} tok/s",
+            step * 1e3,
+            n as f64 / step
+        );
+    }
+    // TTFT: a prompt whose first `ttft_prefix` tokens are cached vs. the same prompt cold.
+    let base = tokens(&lm, a.ttft_prompt, 7)?;
+    let tail_len = a.ttft_prompt - a.ttft_prefix;
+    let (mut cold, mut warm) = (Vec::new(), Vec::new());
+    for rep in 0..a.repeat {
+        let mut prompt = base[..a.ttft_prefix].to_vec();
+        prompt.extend(tokens(&lm, tail_len, 50_000 + rep)?);
+        let mut other = base[..a.ttft_prefix].to_vec();
+        other.extend(tokens(&lm, tail_len, 90_000 + rep)?);
+        let cold_usage = Arc::new(Mutex::new(None));
+        let mut e = Engine::new(Arc::clone(&lm.model), cfg(512))?;
+        e.submit(request(prompt.clone(), 1, Arc::clone(&cold_usage)));
+        e.run_to_completion()?;
+        let warm_usage = Arc::new(Mutex::new(None));
+        let mut e = Engine::new(Arc::clone(&lm.model), cfg(512))?;
+        e.submit(request(other, 1, Arc::default()));
+        e.run_to_completion()?;
+        e.submit(request(prompt, 1, Arc::clone(&warm_usage)));
+        e.run_to_completion()?;
+        let get = |u: &Arc<Mutex<Option<Usage>>>| u.lock().ok().and_then(|u| u.clone());
+        let (Some(c), Some(w)) = (get(&cold_usage), get(&warm_usage)) else {
+            bail!("a TTFT request did not finish");
+        };
+        if w.cached_tokens < a.ttft_prefix - 1 {
+            bail!("the warm request reused only {} tokens", w.cached_tokens);
+        }
+        cold.push(c.ttft.as_secs_f64());
+        warm.push(w.ttft.as_secs_f64());
+    }
+    let (cold, warm) = (median(cold), median(warm));
+    if a.json {
+        let d: Vec<_> = decode
+            .iter()
+            .map(|(n, s, t)| serde_json::json!({"batch": n, "step_ms": s * 1e3, "tok_s": t}))
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": lm.model.info().name,
+                "kv_dtype": a.model.kv_dtype.name(),
+                "decode": d,
+                "ttft_prompt": a.ttft_prompt,
+                "ttft_prefix": a.ttft_prefix,
+                "ttft_cold_ms": cold * 1e3,
+                "ttft_warm_ms": warm * 1e3,
+                "ttft_ratio": warm / cold,
+            })
+        );
+    } else {
+        println!("| sequences | ms per decode step | tokens/s |");
+        println!("|---|---|---|");
+        for (n, s, t) in &decode {
+            println!("| {n} | {:.1} | {t:.1} |", s * 1e3);
+        }
+        println!();
+        println!(
+            "| prompt | cached prefix | TTFT cold (ms) | TTFT warm (ms) | warm/cold |\n|---|---|---|---|---|\n| {} | {} | {:.1} | {:.1} | {:.3} |",
+            a.ttft_prompt,
+            a.ttft_prefix,
+            cold * 1e3,
+            warm * 1e3,
+            warm / cold
+        );
+    }
+    Ok(())
+}
