@@ -21,7 +21,7 @@ pub use error::{EngineError, Result};
 pub use generate::{generate, GenerateParams, GenerateStats, StopReason};
 pub use handle::{EngineHandle, EngineThread};
 pub use metrics::{Metrics, MetricsSnapshot};
-pub use render::{to_chat_message, ChatRenderer};
+pub use render::{to_chat_message, ChatRenderer, MemoRenderer};
 pub use request::{Event, EventSink, FinishReason, Request, RequestId, Usage};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use session::{EditReport, SessionId, SessionInfo, SessionRequest};

@@ -5,6 +5,11 @@
 use leyline_model::chat::{ChatMessage, ChatTemplate};
 use leyline_model::tokenizer::Tokenizer;
 use leyline_policy::{Message, PolicyError, Rendered, Renderer};
+use std::cell::RefCell;
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::rc::Rc;
 
 /// Renders with a model's chat template and tokenizer.
 pub struct ChatRenderer<'a> {
@@ -90,5 +95,85 @@ impl Renderer for ChatRenderer<'_> {
         // generation prompt after it is the trailing pseudo-message.
         bounds.truncate(chat.len() + 1);
         Ok(Rendered { tokens, bounds })
+    }
+}
+
+/// [`ChatRenderer`] without the generation prompt (template text cut where each message
+/// starts, each piece tokenized on its own), memoized: the piece of message `k` by a hash
+/// chained over `messages[..=k]`, the tokens by piece text. A replay then tokenizes each
+/// distinct piece once instead of every prompt in full. The policy-trace tests check that both
+/// renderers agree. Not `Sync`: one per thread.
+pub struct MemoRenderer<'a> {
+    tok: &'a Tokenizer,
+    tmpl: &'a ChatTemplate,
+    pieces: RefCell<HashMap<u64, (usize, Rc<str>)>>,
+    tokens: RefCell<HashMap<Rc<str>, Rc<[u32]>>>,
+}
+
+impl<'a> MemoRenderer<'a> {
+    /// An empty memo over `tok` and `tmpl`.
+    pub fn new(tok: &'a Tokenizer, tmpl: &'a ChatTemplate) -> Self {
+        Self {
+            tok,
+            tmpl,
+            pieces: RefCell::default(),
+            tokens: RefCell::default(),
+        }
+    }
+
+    /// Forgets every memoized piece (bounds memory between trajectories).
+    pub fn clear(&self) {
+        self.pieces.borrow_mut().clear();
+        self.tokens.borrow_mut().clear();
+    }
+}
+
+fn chain(h: u64, m: &Message) -> u64 {
+    let mut s = DefaultHasher::new();
+    h.hash(&mut s);
+    m.role.as_str().hash(&mut s);
+    m.content.hash(&mut s);
+    m.name.hash(&mut s);
+    m.tool_call_id.hash(&mut s);
+    for c in &m.tool_calls {
+        (&c.id, &c.name, &c.arguments).hash(&mut s);
+    }
+    s.finish()
+}
+
+impl Renderer for MemoRenderer<'_> {
+    fn render_tokens(&self, messages: &[Message]) -> leyline_policy::Result<Rendered> {
+        let err = |e: leyline_model::ModelError| PolicyError::Render(e.to_string());
+        let (mut h, mut text_len) = (0u64, 0usize);
+        let mut out = Rendered::default();
+        for k in 0..messages.len() {
+            h = chain(h, &messages[k]);
+            let known = self.pieces.borrow().get(&h).cloned();
+            let (len, piece) = match known {
+                Some(x) => x,
+                None => {
+                    let chat: Vec<_> = messages[..=k].iter().map(to_chat_message).collect();
+                    let text = self.tmpl.render(&chat, false).map_err(err)?;
+                    let piece: Rc<str> = text.get(text_len..).unwrap_or_default().into();
+                    let x = (text.len(), piece);
+                    self.pieces.borrow_mut().insert(h, x.clone());
+                    x
+                }
+            };
+            text_len = len;
+            let known = self.tokens.borrow().get(&piece).cloned();
+            let ids = match known {
+                Some(ids) => ids,
+                None => {
+                    let ids: Rc<[u32]> = self.tok.encode(&piece, false).map_err(err)?.into();
+                    self.tokens.borrow_mut().insert(piece, Rc::clone(&ids));
+                    ids
+                }
+            };
+            out.bounds.push(out.tokens.len());
+            out.tokens.extend_from_slice(&ids);
+        }
+        out.bounds.push(out.tokens.len());
+        Ok(out)
     }
 }

@@ -6,19 +6,15 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use leyline_engine::to_chat_message;
+use leyline_engine::MemoRenderer;
 use leyline_model::chat::ChatTemplate;
 use leyline_model::tokenizer::Tokenizer;
 use leyline_policy::{
-    apply_edits, load_traces, replay_turns, replay_turns_stateful, turn_diffs, Message,
-    PolicyConfig, PolicyError, PolicyStats, Rendered, Renderer, Trajectory, Turn,
+    apply_edits, load_traces, replay_turns, replay_turns_stateful, turn_diffs, PolicyConfig,
+    PolicyStats, Trajectory, Turn,
 };
-use std::cell::RefCell;
-use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::rc::Rc;
 use std::time::Instant;
 
 /// Options of `bench policy`.
@@ -40,84 +36,6 @@ pub struct PolicyArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
-}
-
-/// The chat renderer of `leyline_engine::ChatRenderer` (template text cut where each message
-/// starts, each piece tokenized on its own), memoized: the piece of message `k` by a hash
-/// chained over `messages[..=k]`, the tokens by piece text. A replay then tokenizes each
-/// distinct piece once instead of every prompt in full. The engine's tests check that both
-/// renderers agree.
-struct MemoRenderer<'a> {
-    tok: &'a Tokenizer,
-    tmpl: &'a ChatTemplate,
-    pieces: RefCell<HashMap<u64, (usize, Rc<str>)>>,
-    tokens: RefCell<HashMap<Rc<str>, Rc<[u32]>>>,
-}
-
-impl<'a> MemoRenderer<'a> {
-    fn new(tok: &'a Tokenizer, tmpl: &'a ChatTemplate) -> Self {
-        Self {
-            tok,
-            tmpl,
-            pieces: RefCell::default(),
-            tokens: RefCell::default(),
-        }
-    }
-
-    fn clear(&self) {
-        self.pieces.borrow_mut().clear();
-        self.tokens.borrow_mut().clear();
-    }
-}
-
-fn chain(h: u64, m: &Message) -> u64 {
-    let mut s = DefaultHasher::new();
-    h.hash(&mut s);
-    m.role.as_str().hash(&mut s);
-    m.content.hash(&mut s);
-    m.name.hash(&mut s);
-    m.tool_call_id.hash(&mut s);
-    for c in &m.tool_calls {
-        (&c.id, &c.name, &c.arguments).hash(&mut s);
-    }
-    s.finish()
-}
-
-impl Renderer for MemoRenderer<'_> {
-    fn render_tokens(&self, messages: &[Message]) -> leyline_policy::Result<Rendered> {
-        let err = |e: leyline_model::ModelError| PolicyError::Render(e.to_string());
-        let (mut h, mut text_len) = (0u64, 0usize);
-        let mut out = Rendered::default();
-        for k in 0..messages.len() {
-            h = chain(h, &messages[k]);
-            let known = self.pieces.borrow().get(&h).cloned();
-            let (len, piece) = match known {
-                Some(x) => x,
-                None => {
-                    let chat: Vec<_> = messages[..=k].iter().map(to_chat_message).collect();
-                    let text = self.tmpl.render(&chat, false).map_err(err)?;
-                    let piece: Rc<str> = text.get(text_len..).unwrap_or_default().into();
-                    let x = (text.len(), piece);
-                    self.pieces.borrow_mut().insert(h, x.clone());
-                    x
-                }
-            };
-            text_len = len;
-            let known = self.tokens.borrow().get(&piece).cloned();
-            let ids = match known {
-                Some(ids) => ids,
-                None => {
-                    let ids: Rc<[u32]> = self.tok.encode(&piece, false).map_err(err)?.into();
-                    self.tokens.borrow_mut().insert(piece, Rc::clone(&ids));
-                    ids
-                }
-            };
-            out.bounds.push(out.tokens.len());
-            out.tokens.extend_from_slice(&ids);
-        }
-        out.bounds.push(out.tokens.len());
-        Ok(out)
-    }
 }
 
 /// Tokenizer and chat template from the GGUF metadata, without the weights.
