@@ -71,6 +71,9 @@ pub struct ReplayArgs {
     /// Cap on the KV pool when `--kv-slots` is not given, in GiB.
     #[arg(long, default_value_t = 8.0)]
     pub kv_mem_gib: f64,
+    /// Only redraw the plots of an earlier run from `--out`/replay.json (`--traces` ignored).
+    #[arg(long)]
+    pub plot_only: bool,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -97,6 +100,9 @@ struct RunInfo {
 /// # Errors
 /// Bad options, unreadable traces, a model without a chat template, engine failures.
 pub fn run(a: ReplayArgs) -> Result<()> {
+    if a.plot_only {
+        return replot(&a.out);
+    }
     if a.sessions == 0 || a.max_tokens == 0 || a.arms.is_empty() {
         bail!("--sessions, --max-tokens and --arms must not be empty or zero");
     }
@@ -259,4 +265,24 @@ pub fn run(a: ReplayArgs) -> Result<()> {
     println!("{md}");
     eprintln!("replay: wrote {}", a.out.display());
     Ok(())
+}
+
+/// Redraws the plots from `dir/replay.json`.
+fn replot(dir: &std::path::Path) -> Result<()> {
+    let path = dir.join("replay.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let j: serde_json::Value = serde_json::from_str(&text)?;
+    let rows: Vec<report::Summary> = serde_json::from_value(j["summary"].clone())
+        .with_context(|| format!("{}: no summary list", path.display()))?;
+    let mut sources: Vec<String> = j["sessions"]
+        .as_array()
+        .map(|s| {
+            s.iter()
+                .filter_map(|n| n.as_str()?.split('/').next().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    sources.dedup();
+    plot::plots(dir, &rows, &sources.join(" + "))
 }

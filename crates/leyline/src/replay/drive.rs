@@ -15,14 +15,14 @@ use leyline_engine::{
 };
 use leyline_model::CausalLm;
 use leyline_policy::{diff_rendered, Rendered};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::ops::{ControlFlow, Range};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How a session's cache meets the policy's edits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arm {
     /// Plain requests over the radix prefix cache: an edit re-prefills from its first token.

@@ -48,8 +48,12 @@ where
     let mut cs: Vec<usize> = rows.iter().map(|r| r.concurrency).collect();
     cs.sort_unstable();
     cs.dedup();
-    let mut arms: Vec<Arm> = rows.iter().map(|r| r.arm).collect();
-    arms.dedup();
+    let mut arms: Vec<Arm> = Vec::new();
+    for r in rows {
+        if !arms.contains(&r.arm) {
+            arms.push(r.arm);
+        }
+    }
     let ys: Vec<f64> = rows.iter().map(panel.y).filter(|v| v.is_finite()).collect();
     let top = ys.iter().copied().fold(0.0_f64, f64::max) * 1.15 + 1e-9;
     let n = cs.len() as i32;

@@ -2,11 +2,11 @@
 //! Markdown table.
 
 use super::drive::{Arm, RequestRecord, RunOutcome};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
 /// One row of `replay.json`'s `summary`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
     /// The arm.
     pub arm: Arm,
