@@ -125,6 +125,10 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         let o = run_probe(&mut engine, p).with_context(|| format!("probe {}", p.label))?;
         outcomes.push(o);
         bar.inc(1);
+        if bar.is_hidden() && outcomes.len() % 10 == 0 {
+            // No terminal for the bar: a line now and then.
+            eprintln!("leyline verify: {}/{} probes", outcomes.len(), probes.len());
+        }
     }
     bar.finish_and_clear();
     let probe_secs = started.elapsed().as_secs_f64();
