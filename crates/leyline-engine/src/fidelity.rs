@@ -395,7 +395,7 @@ pub fn chained_shift_drift(
     math: RotationMath,
 ) -> Result<f64> {
     let width = k_heads * head_dim;
-    if width == 0 || keys.len() % width != 0 {
+    if width == 0 || !keys.len().is_multiple_of(width) {
         return Err(EngineError::InvalidRequest(format!(
             "{} key values are not whole rows of {width}",
             keys.len()
