@@ -14,7 +14,7 @@ pub use config::{DeepseekV2Config, MoeConfig};
 
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
-use crate::{CausalLm, ForwardSeq, LogitsFor, ModelInfo};
+use crate::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ops::{rms_norm, softmax_last_dim};
 use leyline_kv::rope::Rotation;
@@ -438,15 +438,11 @@ impl CausalLm for DeepseekV2 {
 
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
         crate::check_batch(&self.info, kv, seqs)?;
-        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let positions: Vec<u32> = seqs
-            .iter()
-            .flat_map(|s| s.positions.iter().copied())
-            .collect();
-        let new_slots: Vec<u32> = seqs
-            .iter()
-            .flat_map(|s| s.new_slots.iter().copied())
-            .collect();
+        let crate::FlatBatch {
+            tokens,
+            positions,
+            new_slots,
+        } = crate::FlatBatch::new(seqs);
         let n = tokens.len();
         let rot = self.rotations(&positions);
         let eps = self.cfg.rms_norm_eps as f32;
@@ -468,20 +464,7 @@ impl CausalLm for DeepseekV2 {
             x = (x + y)?;
         }
         // Only the rows whose logits are wanted go through the head.
-        let mut rows = Vec::new();
-        let mut counts = Vec::with_capacity(seqs.len());
-        let mut start = 0u32;
-        for s in seqs {
-            let t = s.tokens.len() as u32;
-            let c = match s.logits {
-                LogitsFor::None => 0,
-                LogitsFor::Last => 1,
-                LogitsFor::All => t,
-            };
-            rows.extend(start + t - c..start + t);
-            counts.push(c as usize);
-            start += t;
-        }
+        let (rows, counts) = crate::logit_rows(seqs);
         if rows.is_empty() {
             return Ok(vec![Vec::new(); seqs.len()]);
         }
@@ -490,20 +473,14 @@ impl CausalLm for DeepseekV2 {
         let xs = rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
         let logits = self.lm_head.forward(&xs)?.to_dtype(DType::F32)?;
         let logits = logits.flatten_all()?.to_vec1::<f32>()?;
-        let vocab = self.info.vocab_size;
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut off = 0;
-        for c in counts {
-            out.push(logits[off * vocab..(off + c) * vocab].to_vec());
-            off += c;
-        }
-        Ok(out)
+        Ok(crate::split_logits(&logits, &counts, self.info.vocab_size))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::LogitsFor;
     use std::collections::HashMap;
 
     fn fixture(name: &str) -> std::path::PathBuf {

@@ -162,3 +162,55 @@ pub fn load_gguf(path: &std::path::Path) -> Result<LoadedModel> {
         path: path.to_path_buf(),
     })
 }
+
+/// A forward batch flattened to one entry per new token, in batch order.
+pub(crate) struct FlatBatch {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) positions: Vec<u32>,
+    pub(crate) new_slots: Vec<u32>,
+}
+
+impl FlatBatch {
+    pub(crate) fn new(seqs: &[ForwardSeq<'_>]) -> Self {
+        fn cat<'a>(seqs: &[ForwardSeq<'a>], f: fn(&ForwardSeq<'a>) -> &'a [u32]) -> Vec<u32> {
+            seqs.iter().flat_map(|s| f(s).iter().copied()).collect()
+        }
+        Self {
+            tokens: cat(seqs, |s| s.tokens),
+            positions: cat(seqs, |s| s.positions),
+            new_slots: cat(seqs, |s| s.new_slots),
+        }
+    }
+}
+
+/// The flattened rows whose logits the batch wants, and how many belong to each sequence.
+pub(crate) fn logit_rows(seqs: &[ForwardSeq<'_>]) -> (Vec<u32>, Vec<usize>) {
+    let mut rows = Vec::new();
+    let mut counts = Vec::with_capacity(seqs.len());
+    let mut start = 0u32;
+    for s in seqs {
+        let t = s.tokens.len() as u32;
+        let c = match s.logits {
+            LogitsFor::None => 0,
+            LogitsFor::Last => 1,
+            LogitsFor::All => t,
+        };
+        rows.extend(start + t - c..start + t);
+        counts.push(c as usize);
+        start += t;
+    }
+    (rows, counts)
+}
+
+/// Splits the head's output `[rows, vocab]` back into one block per sequence.
+pub(crate) fn split_logits(logits: &[f32], counts: &[usize], vocab: usize) -> Vec<Vec<f32>> {
+    let mut off = 0;
+    counts
+        .iter()
+        .map(|&c| {
+            let block = logits[off * vocab..(off + c) * vocab].to_vec();
+            off += c;
+            block
+        })
+        .collect()
+}

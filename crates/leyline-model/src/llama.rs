@@ -8,7 +8,7 @@
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::linear::Linear;
-use crate::{CausalLm, ForwardSeq, LogitsFor, ModelInfo};
+use crate::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{DType, Device, Tensor};
 use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
 use leyline_kv::{KvGeometry, KvStorage};
@@ -347,15 +347,11 @@ impl CausalLm for Llama {
 
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
         crate::check_batch(&self.info, kv, seqs)?;
-        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let positions: Vec<u32> = seqs
-            .iter()
-            .flat_map(|s| s.positions.iter().copied())
-            .collect();
-        let new_slots: Vec<u32> = seqs
-            .iter()
-            .flat_map(|s| s.new_slots.iter().copied())
-            .collect();
+        let crate::FlatBatch {
+            tokens,
+            positions,
+            new_slots,
+        } = crate::FlatBatch::new(seqs);
         let n = tokens.len();
         let (cos, sin) = self.rope_tables(&positions);
         let ids = Tensor::from_vec(tokens, n, &Device::Cpu)?;
@@ -382,39 +378,14 @@ impl CausalLm for Llama {
             x = (x + b.down.forward(&(gate * up)?)?)?;
         }
         // Only the rows whose logits are wanted go through the head.
-        let mut rows = Vec::new();
-        let mut start = 0u32;
-        let mut counts = Vec::with_capacity(seqs.len());
-        for s in seqs {
-            let t = s.tokens.len() as u32;
-            match s.logits {
-                LogitsFor::None => counts.push(0),
-                LogitsFor::Last => {
-                    rows.push(start + t - 1);
-                    counts.push(1);
-                }
-                LogitsFor::All => {
-                    rows.extend(start..start + t);
-                    counts.push(t as usize);
-                }
-            }
-            start += t;
-        }
-        let mut out = Vec::with_capacity(seqs.len());
+        let (rows, counts) = crate::logit_rows(seqs);
         if rows.is_empty() {
-            out.resize(seqs.len(), Vec::new());
-            return Ok(out);
+            return Ok(vec![Vec::new(); seqs.len()]);
         }
         let nrows = rows.len();
         let idx = Tensor::from_vec(rows, nrows, &Device::Cpu)?;
         let xs = candle_nn::ops::rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
         let logits = to_rows(&self.lm_head.forward(&xs)?.to_dtype(DType::F32)?)?;
-        let vocab = self.info.vocab_size;
-        let mut off = 0;
-        for c in counts {
-            out.push(logits[off * vocab..(off + c) * vocab].to_vec());
-            off += c;
-        }
-        Ok(out)
+        Ok(crate::split_logits(&logits, &counts, self.info.vocab_size))
     }
 }
