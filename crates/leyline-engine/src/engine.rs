@@ -632,11 +632,6 @@ impl Engine {
         Ok(())
     }
 
-    /// The lineage-free namespace of this engine's model.
-    pub fn shared_namespace(&self) -> Namespace {
-        Namespace::shared(self.model_id)
-    }
-
     /// Checks the pool/tree invariants and, when nothing runs, that every reference on a
     /// slot belongs to the tree or a session: for tests after a workload.
     ///
@@ -665,10 +660,5 @@ impl Engine {
             }
         }
         Ok(())
-    }
-
-    /// Lineage of plain requests.
-    pub fn shared_lineage() -> Lineage {
-        Lineage::SHARED
     }
 }
