@@ -108,7 +108,26 @@ pub enum RowsMut<'a> {
     Bf16(&'a mut [u16]),
 }
 
+/// Read-only view of a row buffer, for kernels that read the pool in place (attention).
+#[derive(Debug, Clone, Copy)]
+pub enum RowsRef<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// f16 bit patterns.
+    F16(&'a [u16]),
+    /// bf16 bit patterns.
+    Bf16(&'a [u16]),
+}
+
 impl Rows {
+    fn as_ref(&self) -> RowsRef<'_> {
+        match self {
+            Rows::F32(b) => RowsRef::F32(b),
+            Rows::F16(b) => RowsRef::F16(b),
+            Rows::Bf16(b) => RowsRef::Bf16(b),
+        }
+    }
+
     fn zeros(dtype: KvDtype, n: usize) -> Self {
         match dtype {
             KvDtype::F32 => Rows::F32(vec![0.0; n]),
@@ -377,6 +396,16 @@ impl KvStorage {
     /// Mutable key-part rows of `layer` (`[capacity, k_width]`) for rotation kernels.
     pub fn k_rows_mut(&mut self, layer: usize) -> RowsMut<'_> {
         self.layers[layer].k.as_mut()
+    }
+
+    /// Key-part rows of `layer` (`[capacity, k_width]`), read in place.
+    pub fn k_rows(&self, layer: usize) -> RowsRef<'_> {
+        self.layers[layer].k.as_ref()
+    }
+
+    /// Value-part rows of `layer` (`[capacity, v_width]`), read in place.
+    pub fn v_rows(&self, layer: usize) -> RowsRef<'_> {
+        self.layers[layer].v.as_ref()
     }
 }
 
