@@ -13,6 +13,7 @@ pub mod error;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
+pub mod pool;
 pub mod qmatmul;
 pub mod registry;
 pub mod tokenizer;
