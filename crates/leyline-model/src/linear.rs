@@ -2,8 +2,9 @@
 //! (prefill, where compute dominates and candle's f32 GEMM is fast), and the quantized form
 //! for products with few rows (decode), where reading fewer bytes is what counts.
 
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::pool::SpinPool;
 use crate::qmatmul::QMatrix;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -13,6 +14,8 @@ pub struct Linear {
     w: Tensor,
     q: Option<QMatrix>,
     b: Option<Tensor>,
+    /// The bias as plain values, for the quantized path.
+    b_vals: Option<Vec<f32>>,
 }
 
 /// Rows at or below this count use the quantized weights when they exist.
@@ -46,7 +49,50 @@ impl Linear {
             }
             _ => None,
         };
-        Ok(Self { w, q, b })
+        let b_vals = match &b {
+            Some(b) => Some(b.flatten_all()?.to_vec1::<f32>()?),
+            None => None,
+        };
+        Ok(Self { w, q, b, b_vals })
+    }
+
+    /// Whether the layer keeps a quantized form (so [`Self::forward_quantized`] applies).
+    pub fn is_quantized(&self) -> bool {
+        self.q.is_some()
+    }
+
+    /// `y_i = x W_i^T + b_i` for layers sharing the input `x: [m, in]`, on the quantized
+    /// weights, in one region of `pool`.
+    ///
+    /// # Errors
+    /// [`ModelError::Input`] when a layer has no quantized form.
+    ///
+    /// # Panics
+    /// When `x` or a `y_i` has the wrong length.
+    pub fn forward_quantized(
+        pool: &SpinPool,
+        x: &[f32],
+        m: usize,
+        layers: &mut [(&Linear, &mut [f32])],
+    ) -> Result<()> {
+        let mut jobs = Vec::with_capacity(layers.len());
+        for (l, y) in layers.iter_mut() {
+            let q = l.q.as_ref().ok_or_else(|| {
+                ModelError::Input("layer has no quantized weights for the decode path".into())
+            })?;
+            jobs.push((q, &mut **y));
+        }
+        QMatrix::matmul_many(pool, x, m, &mut jobs);
+        for (l, y) in layers.iter_mut() {
+            if let Some(b) = &l.b_vals {
+                for row in y.chunks_exact_mut(b.len()) {
+                    for (o, bi) in row.iter_mut().zip(b) {
+                        *o += bi;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `x: [rows, in]` to `[rows, out]`.

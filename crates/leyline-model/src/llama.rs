@@ -5,6 +5,8 @@
 //! in the layout of its weights, and the [`RopeSpec`] it reports says which layout that is,
 //! so a later shift rotates the same pairs.
 
+mod decode;
+
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::linear::Linear;
@@ -122,6 +124,8 @@ impl LlamaConfig {
 
 struct Block {
     attn_norm: Tensor,
+    attn_norm_vals: Vec<f32>,
+    ffn_norm_vals: Vec<f32>,
     q: Linear,
     k: Linear,
     v: Linear,
@@ -139,8 +143,11 @@ pub struct Llama {
     embed: Tensor,
     blocks: Vec<Block>,
     norm: Tensor,
+    norm_vals: Vec<f32>,
     lm_head: Linear,
     inv_freq: Vec<f64>,
+    /// Every projection is quantized, so small batches take [`decode`]'s path.
+    decode_ok: bool,
 }
 
 impl Llama {
@@ -172,13 +179,17 @@ impl Llama {
             let gate = lin("ffn_gate")?;
             let up = lin("ffn_up")?;
             let down = lin("ffn_down")?;
+            let attn_norm = f
+                .tensor(&format!("blk.{i}.attn_norm.weight"))?
+                .dequantize(&Device::Cpu)?;
+            let ffn_norm = f
+                .tensor(&format!("blk.{i}.ffn_norm.weight"))?
+                .dequantize(&Device::Cpu)?;
             blocks.push(Block {
-                attn_norm: f
-                    .tensor(&format!("blk.{i}.attn_norm.weight"))?
-                    .dequantize(&Device::Cpu)?,
-                ffn_norm: f
-                    .tensor(&format!("blk.{i}.ffn_norm.weight"))?
-                    .dequantize(&Device::Cpu)?,
+                attn_norm_vals: to_rows(&attn_norm)?,
+                ffn_norm_vals: to_rows(&ffn_norm)?,
+                attn_norm,
+                ffn_norm,
                 q,
                 k,
                 v,
@@ -212,15 +223,19 @@ impl Llama {
             rope: cfg.rope,
         };
         let inv_freq = cfg.rope.inv_freq();
-        Ok(Self {
+        let mut m = Self {
             cfg,
             info,
             embed,
             blocks,
+            norm_vals: to_rows(&norm)?,
             norm,
             lm_head,
             inv_freq,
-        })
+            decode_ok: false,
+        };
+        m.decode_ok = m.decode_path_ok();
+        Ok(m)
     }
 
     /// The model's hyper-parameters.
@@ -347,6 +362,10 @@ impl CausalLm for Llama {
 
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
         crate::check_batch(&self.info, kv, seqs)?;
+        let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        if self.decode_ok && n <= decode::MAX_TOKENS {
+            return self.forward_small(kv, seqs);
+        }
         let crate::FlatBatch {
             tokens,
             positions,

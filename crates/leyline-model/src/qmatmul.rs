@@ -8,10 +8,11 @@
 //! AVX2+FMA+F16C, scalar) is chosen at run time.
 
 use crate::error::{ModelError, Result};
+use crate::pool::{split, SpinPool};
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 use rayon::prelude::*;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 /// Values per GGML block (both supported kinds).
 const BLOCK: usize = 32;
@@ -278,6 +279,66 @@ impl QMatrix {
         for (r, ys) in yt.chunks_exact(m).enumerate() {
             for (i, &v) in ys.iter().enumerate() {
                 y[i * self.rows + r] = v;
+            }
+        }
+    }
+
+    /// Several products `y_i = x W_i^T` (same `x: [m, cols]`, `y_i: [m, rows_i]`) in one
+    /// region of `pool`: every thread computes its share of the rows of every matrix, so a
+    /// decode step pays one dispatch for, e.g., the Q, K and V projections together.
+    ///
+    /// # Panics
+    /// On the length mismatches of [`Self::matmul`].
+    pub fn matmul_many(pool: &SpinPool, x: &[f32], m: usize, jobs: &mut [(&QMatrix, &mut [f32])]) {
+        let parts = pool.threads();
+        for (w, y) in jobs.iter() {
+            assert_eq!(x.len(), m * w.cols, "x must be [m, cols]");
+            assert_eq!(y.len(), m * w.rows, "y must be [m, rows]");
+        }
+        // Feature-major scratch for m > 1 (the kernels write [rows, m]); y itself for m == 1.
+        let mut scratch: Vec<Vec<f32>> = if m > 1 {
+            jobs.iter().map(|(w, _)| vec![0f32; w.rows * m]).collect()
+        } else {
+            Vec::new()
+        };
+        {
+            let mut pieces: Vec<Vec<Mutex<&mut [f32]>>> = Vec::with_capacity(jobs.len());
+            let targets: Vec<(&QMatrix, &mut [f32])> = if m > 1 {
+                jobs.iter()
+                    .zip(scratch.iter_mut())
+                    .map(|((w, _), s)| (*w, s.as_mut_slice()))
+                    .collect()
+            } else {
+                jobs.iter_mut().map(|(w, y)| (*w, &mut **y)).collect()
+            };
+            let mats: Vec<&QMatrix> = targets.iter().map(|(w, _)| *w).collect();
+            for (w, mut out) in targets {
+                let mut v = Vec::with_capacity(parts);
+                for p in 0..parts {
+                    let r = split(w.rows, p, parts, 4);
+                    let (head, tail) = out.split_at_mut(r.len() * m);
+                    v.push(Mutex::new(head));
+                    out = tail;
+                }
+                pieces.push(v);
+            }
+            let path = KernelPath::best();
+            pool.run(&|tid, n| {
+                for (w, piece) in mats.iter().zip(&pieces) {
+                    let r = split(w.rows, tid, n, 4);
+                    if r.is_empty() {
+                        continue;
+                    }
+                    let mut out = piece[tid].lock().unwrap_or_else(|e| e.into_inner());
+                    w.rows_into(path, r.start, x, m, &mut out);
+                }
+            });
+        }
+        for ((w, y), yt) in jobs.iter_mut().zip(&scratch) {
+            for (r, ys) in yt.chunks_exact(m).enumerate() {
+                for (i, &v) in ys.iter().enumerate() {
+                    y[i * w.rows + r] = v;
+                }
             }
         }
     }

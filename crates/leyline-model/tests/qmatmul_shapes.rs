@@ -53,3 +53,63 @@ fn all_paths_all_row_counts_match_candle() {
         }
     }
 }
+
+/// `matmul_many` (several matrices, one pool region, rows split across threads) against
+/// candle on the dequantized weights, for pools of 1-3 threads and odd row counts that do
+/// not split evenly.
+#[test]
+fn matmul_many_splits_rows_across_threads_correctly() {
+    use leyline_model::pool::SpinPool;
+    let shapes = [(192usize, 576usize), (4099, 576), (13, 64)];
+    let mats: Vec<(QMatrix, Tensor)> = shapes
+        .iter()
+        .zip([GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4_1])
+        .map(|(&(r, c), dt)| {
+            let w = Tensor::randn(0f32, 1.0, (r, c), &Device::Cpu).unwrap();
+            let q = QTensor::quantize(&w, dt).unwrap();
+            (
+                QMatrix::from_qtensor(&q).unwrap(),
+                q.dequantize(&Device::Cpu).unwrap(),
+            )
+        })
+        .collect();
+    for threads in 1..=3 {
+        let pool = SpinPool::new(threads);
+        for m in [1usize, 2, 5, 16] {
+            // The first two share an input width; the third runs alone.
+            let x = Tensor::randn(0f32, 1.0, (m, 576), &Device::Cpu).unwrap();
+            let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let mut y0 = vec![f32::NAN; m * 192];
+            let mut y1 = vec![f32::NAN; m * 4099];
+            QMatrix::matmul_many(
+                &pool,
+                &xs,
+                m,
+                &mut [(&mats[0].0, &mut y0), (&mats[1].0, &mut y1)],
+            );
+            let x2 = Tensor::randn(0f32, 1.0, (m, 64), &Device::Cpu).unwrap();
+            let xs2: Vec<f32> = x2.flatten_all().unwrap().to_vec1().unwrap();
+            let mut y2 = vec![f32::NAN; m * 13];
+            QMatrix::matmul_many(&pool, &xs2, m, &mut [(&mats[2].0, &mut y2)]);
+            for (got, (input, wd)) in [
+                (&y0, (&x, &mats[0].1)),
+                (&y1, (&x, &mats[1].1)),
+                (&y2, (&x2, &mats[2].1)),
+            ] {
+                let want: Vec<f32> = input
+                    .matmul(&wd.t().unwrap())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let d = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(d < 5e-3, "threads={threads} m={m}: max |diff| {d}");
+            }
+        }
+    }
+}

@@ -227,3 +227,99 @@ fn batched_sequences_do_not_mix() {
         assert!(max < 1e-3, "batched differs by {max}");
     }
 }
+
+/// Checks `rows` (logits of positions `p0..`) of fixture `name` against transformers, as
+/// the whole-prompt test does; returns the worst top-10 |diff|.
+fn check_positions(name: &str, p0: usize, rows: &[f32], vocab: usize, tol: f32) -> f32 {
+    let pp = &load_case(name)["per_position"];
+    let mut worst = 0f32;
+    for (i, row) in rows.chunks_exact(vocab).enumerate() {
+        let p = p0 + i;
+        let top_ids = ids(&pp["top10_ids"][p]);
+        for (j, id) in top_ids.iter().enumerate() {
+            let want = pp["top10_logits"][p][j].as_f64().unwrap() as f32;
+            worst = worst.max((row[*id as usize] - want).abs());
+        }
+        let gap = pp["top1_minus_top2"][p].as_f64().unwrap() as f32;
+        if gap >= 2.0 * tol {
+            assert_eq!(
+                argmax(row),
+                top_ids[0],
+                "{name}: top-1 differs at position {p}"
+            );
+        }
+    }
+    assert!(worst <= tol, "{name}: max |diff| {worst} > {tol}");
+    worst
+}
+
+/// Batches of at most 16 tokens take the decode path (quantized projections, attention
+/// reading the pool in place). Two prompts advance together in uneven chunks, down to one
+/// token per call, and every position is checked against transformers, for each dtype.
+#[test]
+fn decode_path_matches_transformers_in_small_interleaved_batches() {
+    let m = model();
+    let vocab = m.info().vocab_size;
+    let names = ["p2_prose", "p4_agent_chat"];
+    let prompts: Vec<Vec<u32>> = names
+        .iter()
+        .map(|n| ids(&load_case(n)["input_ids"]))
+        .collect();
+    let total: usize = prompts.iter().map(Vec::len).sum();
+    // Chunk sizes cycle so both sequences together stay within 16 tokens per call.
+    let chunks = [1usize, 7, 2, 8, 1, 3, 5];
+    // 16-bit storage rounds every key and value once (bf16 keeps 8 mantissa bits); measured
+    // worst cases were 0.19 (bf16) and 0.014 (f16), a wrong conversion is off by whole logits.
+    let dtypes = [
+        (KvDtype::F32, LOGIT_TOL),
+        (KvDtype::Bf16, 0.4),
+        (KvDtype::F16, 0.05),
+    ];
+    for (dtype, tol) in dtypes {
+        let mut kv = KvStorage::new(m.info().geometry, dtype, 2 * total + 40).unwrap();
+        // Interleaved slots: the two sequences' KV rows alternate in the pool.
+        let mut slots: Vec<Vec<u32>> = vec![Vec::new(), Vec::new()];
+        let mut next_slot = 3u32;
+        let mut done = [0usize; 2];
+        let mut worst = 0f32;
+        let mut step = 0;
+        while done.iter().zip(&prompts).any(|(d, p)| d < &p.len()) {
+            let mut plan = Vec::new();
+            for s in 0..2 {
+                let want = chunks[(step + 3 * s) % chunks.len()];
+                let take = want.min(prompts[s].len() - done[s]);
+                if take > 0 {
+                    let new: Vec<u32> = (0..take as u32)
+                        .map(|i| next_slot + 2 * i + s as u32)
+                        .collect();
+                    plan.push((s, take, new));
+                }
+            }
+            next_slot += 2 * plan.iter().map(|p| p.1).max().unwrap_or(0) as u32;
+            let pos: Vec<Vec<u32>> = plan
+                .iter()
+                .map(|(s, take, _)| (done[*s] as u32..(done[*s] + take) as u32).collect())
+                .collect();
+            let seqs: Vec<ForwardSeq> = plan
+                .iter()
+                .zip(&pos)
+                .map(|((s, take, new), p)| ForwardSeq {
+                    tokens: &prompts[*s][done[*s]..done[*s] + take],
+                    positions: p,
+                    context: &slots[*s],
+                    new_slots: new,
+                    logits: LogitsFor::All,
+                })
+                .collect();
+            assert!(seqs.iter().map(|s| s.tokens.len()).sum::<usize>() <= 16);
+            let out = m.forward(&mut kv, &seqs).unwrap();
+            for ((s, _, new), rows) in plan.iter().zip(&out) {
+                worst = worst.max(check_positions(names[*s], done[*s], rows, vocab, tol));
+                slots[*s].extend_from_slice(new);
+                done[*s] += new.len();
+            }
+            step += 1;
+        }
+        eprintln!("{dtype}: small-batch path, top-10 max |diff| {worst:.2e} over {step} calls");
+    }
+}
