@@ -4,7 +4,8 @@
 //!   tool output by a stub. [`run_probe`] compares the next-token argmax of AMORTIZE with the
 //!   unedited full-context reference and with FORGET (an exact re-prefill of the edit).
 //! - Drift: [`chained_shift_drift`] moves real keys through `n` chained shifts in a storage
-//!   dtype and measures their rel-L2 distance from one f64 rotation by the total delta.
+//!   dtype and measures, over the rotary dims, their rel-L2 distance from one f64 rotation by
+//!   the total delta.
 //!
 //! Design decision: a probe's last prompt token is kept out of the session and scored with
 //! [`Engine::peek_logits`] after the edit, so every arm's logits come from a forward pass
@@ -383,8 +384,15 @@ pub fn rotate_reference(keys: &[f32], head_dim: usize, spec: &RopeSpec, total: i
 /// returns the rel-L2 distance `|got - want| / |want|` from [`rotate_reference`] by the sum
 /// of the deltas. Storage rounding of the original keys counts as drift too.
 ///
+/// The distance is taken over the first `spec.rotary_dim` dims of every head only: those are
+/// what a shift rewrites. A position-free tail (`rotary_dim < head_dim`) is never touched
+/// after its one storage rounding and would only dilute the figure. For MLA the pool's key
+/// row is `k_pe` alone (one head of `qk_rope_head_dim`, all rotary; the position-free
+/// `k_nope` is decompressed from the latent on the value side), so the whole row counts.
+///
 /// # Errors
-/// [`EngineError::InvalidRequest`] if `keys` is not whole rows; kernel errors.
+/// [`EngineError::InvalidRequest`] if `keys` is not whole rows or `spec` was made for another
+/// head width; kernel errors.
 pub fn chained_shift_drift(
     keys: &[f32],
     k_heads: usize,
@@ -399,6 +407,12 @@ pub fn chained_shift_drift(
         return Err(EngineError::InvalidRequest(format!(
             "{} key values are not whole rows of {width}",
             keys.len()
+        )));
+    }
+    if spec.head_dim != head_dim || spec.rotary_dim > head_dim {
+        return Err(EngineError::InvalidRequest(format!(
+            "RoPE spec for head_dim {} (rotary {}), keys have head_dim {head_dim}",
+            spec.head_dim, spec.rotary_dim
         )));
     }
     let slots: Vec<u32> = (0..(keys.len() / width) as u32).collect();
@@ -440,9 +454,12 @@ pub fn chained_shift_drift(
     };
     let want = rotate_reference(keys, head_dim, spec, deltas.iter().sum());
     let (mut err, mut norm) = (0.0f64, 0.0f64);
-    for (&g, &w) in got.iter().zip(&want) {
-        err += (f64::from(g) - w).powi(2);
-        norm += w * w;
+    let rotary = spec.rotary_dim;
+    for (g, w) in got.chunks_exact(head_dim).zip(want.chunks_exact(head_dim)) {
+        for (&g, &w) in g[..rotary].iter().zip(&w[..rotary]) {
+            err += (f64::from(g) - w).powi(2);
+            norm += w * w;
+        }
     }
     Ok(if norm > 0.0 {
         (err / norm).sqrt()
@@ -522,6 +539,69 @@ mod tests {
             "bf16 math {low_100} vs f32 math {bf_100}"
         );
         assert!(bf_100.is_finite() && low_100.is_finite());
+    }
+
+    #[test]
+    fn drift_counts_only_the_rotary_dims() {
+        // Heads of 64 with 32 rotary dims and a huge position-free tail: the figure must
+        // equal that of the rotary halves alone (a tail in the norm would shrink it ~1000x).
+        let mut partial = RopeSpec::plain(10_000.0, 64, RotaryLayout::Neox);
+        partial.rotary_dim = 32;
+        let rotary_only = RopeSpec::plain(10_000.0, 32, RotaryLayout::Neox);
+        let mut k = keys(16, 2 * 64, 5);
+        let halves: Vec<f32> = k
+            .chunks_exact(64)
+            .flat_map(|h| h[..32].iter().copied())
+            .collect();
+        for h in k.chunks_exact_mut(64) {
+            h[32..].iter_mut().for_each(|x| *x *= 1000.0);
+        }
+        let d = splice_deltas(10, 9, 512);
+        for (storage, math) in [
+            (KvDtype::Bf16, RotationMath::F32),
+            (KvDtype::Bf16, RotationMath::Storage),
+        ] {
+            let got = chained_shift_drift(&k, 2, 64, &partial, &d, storage, math).unwrap();
+            let want =
+                chained_shift_drift(&halves, 2, 32, &rotary_only, &d, storage, math).unwrap();
+            assert!(
+                (got - want).abs() <= 1e-9 * want,
+                "{storage:?} {math:?}: {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn drift_of_mla_k_pe_rows_with_yarn() {
+        // MLA's key row: one interleaved rotary head of 8 (k_pe), YaRN frequencies as the
+        // tiny fixture's: f32 stays tiny, bf16 math drifts further than f32 math.
+        let s = RopeSpec {
+            theta: 10_000.0,
+            head_dim: 8,
+            rotary_dim: 8,
+            layout: RotaryLayout::Interleaved,
+            scaling: leyline_kv::rope::RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position: 128.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: 0.707,
+                mscale_all_dim: 0.707,
+            },
+        };
+        let k = keys(256, 8, 13);
+        let d = splice_deltas(100, 3, 512);
+        let f = chained_shift_drift(&k, 1, 8, &s, &d, KvDtype::F32, RotationMath::F32).unwrap();
+        assert!(f < 1e-5, "f32 {f}");
+        let b = chained_shift_drift(&k, 1, 8, &s, &d, KvDtype::Bf16, RotationMath::F32).unwrap();
+        let low =
+            chained_shift_drift(&k, 1, 8, &s, &d, KvDtype::Bf16, RotationMath::Storage).unwrap();
+        assert!(b > f && low > b, "f32 {f}, bf16/f32 {b}, bf16/bf16 {low}");
+        // A spec for another head width is refused, not silently mis-chunked.
+        let wide = RopeSpec::plain(10_000.0, 16, RotaryLayout::Interleaved);
+        assert!(
+            chained_shift_drift(&k, 1, 8, &wide, &[], KvDtype::F32, RotationMath::F32).is_err()
+        );
     }
 
     #[test]
