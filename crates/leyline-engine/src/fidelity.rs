@@ -1,8 +1,11 @@
 //! Fidelity measurements (DESIGN.md §8), shared by `leyline verify` and `leyline bench splice`.
 //!
 //! - Probes: a prompt rendered from a recorded trajectory and one edit that replaces an old
-//!   tool output by a stub. [`run_probe`] compares the next-token argmax of AMORTIZE with the
-//!   unedited full-context reference and with FORGET (an exact re-prefill of the edit).
+//!   tool output by a stub ([`build_probes`]), or, for a model without tokenizer or chat
+//!   template, a seeded random token sequence with a random span in its older part replaced
+//!   by a short random stub ([`synthetic_probes`]). [`run_probe`] compares the next-token
+//!   argmax of AMORTIZE with the unedited full-context reference and with FORGET (an exact
+//!   re-prefill of the edit).
 //! - Drift: [`chained_shift_drift`] moves real keys through `n` chained shifts in a storage
 //!   dtype and measures, over the rotary dims, their rel-L2 distance from one f64 rotation by
 //!   the total delta.
@@ -136,6 +139,91 @@ fn probe_at(
         prompt: old.tokens,
         edit: edit.clone(),
     }))
+}
+
+/// Shortest prompt budget [`synthetic_probes`] accepts.
+pub const SYNTHETIC_MIN_TOKENS: usize = 32;
+
+/// How synthetic probes are drawn.
+#[derive(Debug, Clone)]
+pub struct SyntheticOptions {
+    /// Number of probes.
+    pub probes: usize,
+    /// Token ids are drawn uniformly from `0..vocab_size`.
+    pub vocab_size: usize,
+    /// Longest prompt, in tokens (at least [`SYNTHETIC_MIN_TOKENS`]).
+    pub max_tokens: usize,
+    /// Seed of the generator; the same options give the same probes.
+    pub seed: u64,
+}
+
+/// splitmix64: small, seeded, and the same everywhere.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi` (`lo` when `hi <= lo`; the modulo bias is irrelevant here).
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        if hi <= lo {
+            return lo;
+        }
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+}
+
+/// Probes for a model without tokenizer or chat template: seeded random token ids in
+/// `0..vocab_size`. Each prompt has `max_tokens / 2 ..= max_tokens` tokens; its "tool output"
+/// is a span of `len / 8 ..= len / 4` tokens starting in `len / 16 ..= len / 8` (so it lies
+/// in the older part, before `3 * len / 8`), replaced by a stub of 1 to 8 random tokens that
+/// is shorter than the span (an eviction: every later token moves left). Labels are
+/// `synthetic#i`.
+///
+/// # Errors
+/// [`EngineError::InvalidRequest`] for `max_tokens` below [`SYNTHETIC_MIN_TOKENS`] or a
+/// vocabulary of fewer than 2 ids.
+pub fn synthetic_probes(opts: &SyntheticOptions) -> Result<Vec<Probe>> {
+    if opts.max_tokens < SYNTHETIC_MIN_TOKENS {
+        return Err(EngineError::InvalidRequest(format!(
+            "synthetic probes need at least {SYNTHETIC_MIN_TOKENS} tokens, the budget is {}",
+            opts.max_tokens
+        )));
+    }
+    if opts.vocab_size < 2 || opts.vocab_size > u32::MAX as usize {
+        return Err(EngineError::InvalidRequest(format!(
+            "vocabulary of {} ids",
+            opts.vocab_size
+        )));
+    }
+    let mut rng = SplitMix64(opts.seed);
+    let vocab = opts.vocab_size as u64;
+    let ids = |rng: &mut SplitMix64, n: usize| -> Vec<u32> {
+        (0..n).map(|_| (rng.next() % vocab) as u32).collect()
+    };
+    Ok((0..opts.probes)
+        .map(|i| {
+            let len = rng.range(opts.max_tokens.div_ceil(2), opts.max_tokens);
+            let prompt = ids(&mut rng, len);
+            let start = rng.range((len / 16).max(1), len / 8);
+            let removed = rng.range((len / 8).max(2), len / 4);
+            let stub = rng.range(1, 8.min(removed - 1));
+            Probe {
+                label: format!("synthetic#{i}"),
+                prompt,
+                edit: Edit {
+                    start,
+                    end: start + removed,
+                    replacement: ids(&mut rng, stub),
+                },
+            }
+        })
+        .collect())
 }
 
 /// Index of the largest logit and its lead over the second largest (0 for fewer than two).
@@ -338,17 +426,10 @@ pub enum RotationMath {
 
 /// Deterministic splice deltas: magnitudes in `[1, max_abs]`, random signs (splitmix64).
 pub fn splice_deltas(n: usize, seed: u64, max_abs: u64) -> Vec<i64> {
-    let mut s = seed;
-    let mut next = || {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    let mut rng = SplitMix64(seed);
     (0..n)
         .map(|_| {
-            let r = next();
+            let r = rng.next();
             let mag = 1 + (r >> 1) % max_abs.max(1);
             if r & 1 == 0 {
                 mag as i64
@@ -602,6 +683,58 @@ mod tests {
         assert!(
             chained_shift_drift(&k, 1, 8, &wide, &[], KvDtype::F32, RotationMath::F32).is_err()
         );
+    }
+
+    #[test]
+    fn synthetic_probes_are_seeded_bounded_and_evict_an_older_span() {
+        let opts = SyntheticOptions {
+            probes: 50,
+            vocab_size: 512,
+            max_tokens: 300,
+            seed: 7,
+        };
+        let probes = synthetic_probes(&opts).unwrap();
+        assert_eq!(probes.len(), 50);
+        assert_eq!(probes, synthetic_probes(&opts).unwrap());
+        let other = synthetic_probes(&SyntheticOptions {
+            seed: 8,
+            ..opts.clone()
+        })
+        .unwrap();
+        assert_ne!(probes, other);
+        for (i, p) in probes.iter().enumerate() {
+            let n = p.prompt.len();
+            assert_eq!(p.label, format!("synthetic#{i}"));
+            assert!((150..=300).contains(&n), "{n}");
+            let e = &p.edit;
+            assert!(e.start >= 1 && e.end <= 3 * n / 8, "{e:?} of {n}");
+            assert!(e.end - e.start >= 2 && e.end - e.start >= n / 8 - 1);
+            assert!(!e.replacement.is_empty() && e.replacement.len() < e.end - e.start);
+            assert!(e.replacement.len() <= 8);
+            assert!(p.prompt.iter().chain(&e.replacement).all(|&t| t < 512));
+        }
+        // The smallest budget still gives valid edits; below it is an error.
+        for p in synthetic_probes(&SyntheticOptions {
+            max_tokens: SYNTHETIC_MIN_TOKENS,
+            ..opts.clone()
+        })
+        .unwrap()
+        {
+            assert!(
+                p.edit.end < p.prompt.len() - 1 && p.edit.delta() < 0,
+                "{p:?}"
+            );
+        }
+        assert!(synthetic_probes(&SyntheticOptions {
+            max_tokens: SYNTHETIC_MIN_TOKENS - 1,
+            ..opts.clone()
+        })
+        .is_err());
+        assert!(synthetic_probes(&SyntheticOptions {
+            vocab_size: 1,
+            ..opts
+        })
+        .is_err());
     }
 
     #[test]
