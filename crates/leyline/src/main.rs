@@ -15,7 +15,7 @@ use leyline_engine::{generate, GenerateParams, SamplingParams};
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::chat::ChatMessage;
 use leyline_model::registry::{self, FetchEvent};
-use leyline_model::LoadedModel;
+use leyline_model::{AnyModel, LoadedModel};
 use std::io::{BufRead, Write};
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -197,6 +197,12 @@ fn fetch_with_progress(m: &registry::KnownModel) -> Result<PathBuf> {
 /// tokenizer; a checkpoint directory (no tokenizer) is a one-line error.
 pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
     Ok(leyline_model::load_with_tokenizer(&model_path(args)?)?)
+}
+
+/// Resolves `--model` like [`load_model`] and loads whatever it names: a GGUF file with its
+/// tokenizer, or a DeepSeek-V2 checkpoint directory without one.
+pub fn load_any_model(args: &ModelArgs) -> Result<AnyModel> {
+    Ok(leyline_model::load_model_path(&model_path(args)?)?)
 }
 
 /// `--model`, or the default model's cached file (fetched on first use).
