@@ -1,10 +1,14 @@
 //! Fidelity measurements (DESIGN.md §8), shared by `leyline verify` and `leyline bench splice`.
 //!
 //! - Probes: a prompt rendered from a recorded trajectory and one edit that replaces an old
-//!   tool output by a stub. [`run_probe`] compares the next-token argmax of AMORTIZE with the
-//!   unedited full-context reference and with FORGET (an exact re-prefill of the edit).
+//!   tool output by a stub ([`build_probes`]), or, for a model without tokenizer or chat
+//!   template, a seeded random token sequence with a random span in its older part replaced
+//!   by a short random stub ([`synthetic_probes`]). [`run_probe`] compares the next-token
+//!   argmax of AMORTIZE with the unedited full-context reference and with FORGET (an exact
+//!   re-prefill of the edit).
 //! - Drift: [`chained_shift_drift`] moves real keys through `n` chained shifts in a storage
-//!   dtype and measures their rel-L2 distance from one f64 rotation by the total delta.
+//!   dtype and measures, over the rotary dims, their rel-L2 distance from one f64 rotation by
+//!   the total delta.
 //!
 //! Design decision: a probe's last prompt token is kept out of the session and scored with
 //! [`Engine::peek_logits`] after the edit, so every arm's logits come from a forward pass
@@ -135,6 +139,91 @@ fn probe_at(
         prompt: old.tokens,
         edit: edit.clone(),
     }))
+}
+
+/// Shortest prompt budget [`synthetic_probes`] accepts.
+pub const SYNTHETIC_MIN_TOKENS: usize = 32;
+
+/// How synthetic probes are drawn.
+#[derive(Debug, Clone)]
+pub struct SyntheticOptions {
+    /// Number of probes.
+    pub probes: usize,
+    /// Token ids are drawn uniformly from `0..vocab_size`.
+    pub vocab_size: usize,
+    /// Longest prompt, in tokens (at least [`SYNTHETIC_MIN_TOKENS`]).
+    pub max_tokens: usize,
+    /// Seed of the generator; the same options give the same probes.
+    pub seed: u64,
+}
+
+/// splitmix64: small, seeded, and the same everywhere.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi` (`lo` when `hi <= lo`; the modulo bias is irrelevant here).
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        if hi <= lo {
+            return lo;
+        }
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+}
+
+/// Probes for a model without tokenizer or chat template: seeded random token ids in
+/// `0..vocab_size`. Each prompt has `max_tokens / 2 ..= max_tokens` tokens; its "tool output"
+/// is a span of `len / 8 ..= len / 4` tokens starting in `len / 16 ..= len / 8` (so it lies
+/// in the older part, before `3 * len / 8`), replaced by a stub of 1 to 8 random tokens that
+/// is shorter than the span (an eviction: every later token moves left). Labels are
+/// `synthetic#i`.
+///
+/// # Errors
+/// [`EngineError::InvalidRequest`] for `max_tokens` below [`SYNTHETIC_MIN_TOKENS`] or a
+/// vocabulary of fewer than 2 ids.
+pub fn synthetic_probes(opts: &SyntheticOptions) -> Result<Vec<Probe>> {
+    if opts.max_tokens < SYNTHETIC_MIN_TOKENS {
+        return Err(EngineError::InvalidRequest(format!(
+            "synthetic probes need at least {SYNTHETIC_MIN_TOKENS} tokens, the budget is {}",
+            opts.max_tokens
+        )));
+    }
+    if opts.vocab_size < 2 || opts.vocab_size > u32::MAX as usize {
+        return Err(EngineError::InvalidRequest(format!(
+            "vocabulary of {} ids",
+            opts.vocab_size
+        )));
+    }
+    let mut rng = SplitMix64(opts.seed);
+    let vocab = opts.vocab_size as u64;
+    let ids = |rng: &mut SplitMix64, n: usize| -> Vec<u32> {
+        (0..n).map(|_| (rng.next() % vocab) as u32).collect()
+    };
+    Ok((0..opts.probes)
+        .map(|i| {
+            let len = rng.range(opts.max_tokens.div_ceil(2), opts.max_tokens);
+            let prompt = ids(&mut rng, len);
+            let start = rng.range((len / 16).max(1), len / 8);
+            let removed = rng.range((len / 8).max(2), len / 4);
+            let stub = rng.range(1, 8.min(removed - 1));
+            Probe {
+                label: format!("synthetic#{i}"),
+                prompt,
+                edit: Edit {
+                    start,
+                    end: start + removed,
+                    replacement: ids(&mut rng, stub),
+                },
+            }
+        })
+        .collect())
 }
 
 /// Index of the largest logit and its lead over the second largest (0 for fewer than two).
@@ -337,17 +426,10 @@ pub enum RotationMath {
 
 /// Deterministic splice deltas: magnitudes in `[1, max_abs]`, random signs (splitmix64).
 pub fn splice_deltas(n: usize, seed: u64, max_abs: u64) -> Vec<i64> {
-    let mut s = seed;
-    let mut next = || {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    let mut rng = SplitMix64(seed);
     (0..n)
         .map(|_| {
-            let r = next();
+            let r = rng.next();
             let mag = 1 + (r >> 1) % max_abs.max(1);
             if r & 1 == 0 {
                 mag as i64
@@ -383,8 +465,15 @@ pub fn rotate_reference(keys: &[f32], head_dim: usize, spec: &RopeSpec, total: i
 /// returns the rel-L2 distance `|got - want| / |want|` from [`rotate_reference`] by the sum
 /// of the deltas. Storage rounding of the original keys counts as drift too.
 ///
+/// The distance is taken over the first `spec.rotary_dim` dims of every head only: those are
+/// what a shift rewrites. A position-free tail (`rotary_dim < head_dim`) is never touched
+/// after its one storage rounding and would only dilute the figure. For MLA the pool's key
+/// row is `k_pe` alone (one head of `qk_rope_head_dim`, all rotary; the position-free
+/// `k_nope` is decompressed from the latent on the value side), so the whole row counts.
+///
 /// # Errors
-/// [`EngineError::InvalidRequest`] if `keys` is not whole rows; kernel errors.
+/// [`EngineError::InvalidRequest`] if `keys` is not whole rows or `spec` was made for another
+/// head width; kernel errors.
 pub fn chained_shift_drift(
     keys: &[f32],
     k_heads: usize,
@@ -399,6 +488,12 @@ pub fn chained_shift_drift(
         return Err(EngineError::InvalidRequest(format!(
             "{} key values are not whole rows of {width}",
             keys.len()
+        )));
+    }
+    if spec.head_dim != head_dim || spec.rotary_dim > head_dim {
+        return Err(EngineError::InvalidRequest(format!(
+            "RoPE spec for head_dim {} (rotary {}), keys have head_dim {head_dim}",
+            spec.head_dim, spec.rotary_dim
         )));
     }
     let slots: Vec<u32> = (0..(keys.len() / width) as u32).collect();
@@ -440,9 +535,12 @@ pub fn chained_shift_drift(
     };
     let want = rotate_reference(keys, head_dim, spec, deltas.iter().sum());
     let (mut err, mut norm) = (0.0f64, 0.0f64);
-    for (&g, &w) in got.iter().zip(&want) {
-        err += (f64::from(g) - w).powi(2);
-        norm += w * w;
+    let rotary = spec.rotary_dim;
+    for (g, w) in got.chunks_exact(head_dim).zip(want.chunks_exact(head_dim)) {
+        for (&g, &w) in g[..rotary].iter().zip(&w[..rotary]) {
+            err += (f64::from(g) - w).powi(2);
+            norm += w * w;
+        }
     }
     Ok(if norm > 0.0 {
         (err / norm).sqrt()
@@ -522,6 +620,121 @@ mod tests {
             "bf16 math {low_100} vs f32 math {bf_100}"
         );
         assert!(bf_100.is_finite() && low_100.is_finite());
+    }
+
+    #[test]
+    fn drift_counts_only_the_rotary_dims() {
+        // Heads of 64 with 32 rotary dims and a huge position-free tail: the figure must
+        // equal that of the rotary halves alone (a tail in the norm would shrink it ~1000x).
+        let mut partial = RopeSpec::plain(10_000.0, 64, RotaryLayout::Neox);
+        partial.rotary_dim = 32;
+        let rotary_only = RopeSpec::plain(10_000.0, 32, RotaryLayout::Neox);
+        let mut k = keys(16, 2 * 64, 5);
+        let halves: Vec<f32> = k
+            .chunks_exact(64)
+            .flat_map(|h| h[..32].iter().copied())
+            .collect();
+        for h in k.chunks_exact_mut(64) {
+            h[32..].iter_mut().for_each(|x| *x *= 1000.0);
+        }
+        let d = splice_deltas(10, 9, 512);
+        for (storage, math) in [
+            (KvDtype::Bf16, RotationMath::F32),
+            (KvDtype::Bf16, RotationMath::Storage),
+        ] {
+            let got = chained_shift_drift(&k, 2, 64, &partial, &d, storage, math).unwrap();
+            let want =
+                chained_shift_drift(&halves, 2, 32, &rotary_only, &d, storage, math).unwrap();
+            assert!(
+                (got - want).abs() <= 1e-9 * want,
+                "{storage:?} {math:?}: {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn drift_of_mla_k_pe_rows_with_yarn() {
+        // MLA's key row: one interleaved rotary head of 8 (k_pe), YaRN frequencies as the
+        // tiny fixture's: f32 stays tiny, bf16 math drifts further than f32 math.
+        let s = RopeSpec {
+            theta: 10_000.0,
+            head_dim: 8,
+            rotary_dim: 8,
+            layout: RotaryLayout::Interleaved,
+            scaling: leyline_kv::rope::RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position: 128.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: 0.707,
+                mscale_all_dim: 0.707,
+            },
+        };
+        let k = keys(256, 8, 13);
+        let d = splice_deltas(100, 3, 512);
+        let f = chained_shift_drift(&k, 1, 8, &s, &d, KvDtype::F32, RotationMath::F32).unwrap();
+        assert!(f < 1e-5, "f32 {f}");
+        let b = chained_shift_drift(&k, 1, 8, &s, &d, KvDtype::Bf16, RotationMath::F32).unwrap();
+        let low =
+            chained_shift_drift(&k, 1, 8, &s, &d, KvDtype::Bf16, RotationMath::Storage).unwrap();
+        assert!(b > f && low > b, "f32 {f}, bf16/f32 {b}, bf16/bf16 {low}");
+        // A spec for another head width is refused, not silently mis-chunked.
+        let wide = RopeSpec::plain(10_000.0, 16, RotaryLayout::Interleaved);
+        assert!(
+            chained_shift_drift(&k, 1, 8, &wide, &[], KvDtype::F32, RotationMath::F32).is_err()
+        );
+    }
+
+    #[test]
+    fn synthetic_probes_are_seeded_bounded_and_evict_an_older_span() {
+        let opts = SyntheticOptions {
+            probes: 50,
+            vocab_size: 512,
+            max_tokens: 300,
+            seed: 7,
+        };
+        let probes = synthetic_probes(&opts).unwrap();
+        assert_eq!(probes.len(), 50);
+        assert_eq!(probes, synthetic_probes(&opts).unwrap());
+        let other = synthetic_probes(&SyntheticOptions {
+            seed: 8,
+            ..opts.clone()
+        })
+        .unwrap();
+        assert_ne!(probes, other);
+        for (i, p) in probes.iter().enumerate() {
+            let n = p.prompt.len();
+            assert_eq!(p.label, format!("synthetic#{i}"));
+            assert!((150..=300).contains(&n), "{n}");
+            let e = &p.edit;
+            assert!(e.start >= 1 && e.end <= 3 * n / 8, "{e:?} of {n}");
+            assert!(e.end - e.start >= 2 && e.end - e.start >= n / 8 - 1);
+            assert!(!e.replacement.is_empty() && e.replacement.len() < e.end - e.start);
+            assert!(e.replacement.len() <= 8);
+            assert!(p.prompt.iter().chain(&e.replacement).all(|&t| t < 512));
+        }
+        // The smallest budget still gives valid edits; below it is an error.
+        for p in synthetic_probes(&SyntheticOptions {
+            max_tokens: SYNTHETIC_MIN_TOKENS,
+            ..opts.clone()
+        })
+        .unwrap()
+        {
+            assert!(
+                p.edit.end < p.prompt.len() - 1 && p.edit.delta() < 0,
+                "{p:?}"
+            );
+        }
+        assert!(synthetic_probes(&SyntheticOptions {
+            max_tokens: SYNTHETIC_MIN_TOKENS - 1,
+            ..opts.clone()
+        })
+        .is_err());
+        assert!(synthetic_probes(&SyntheticOptions {
+            vocab_size: 1,
+            ..opts
+        })
+        .is_err());
     }
 
     #[test]

@@ -32,6 +32,37 @@ pub fn load_dir(dir: &Path) -> Result<Arc<dyn CausalLm>> {
     Ok(Arc::new(DeepseekV2::load_dir(dir)?))
 }
 
+/// Reads and checks `dir/config.json` without touching the weights, so a directory that is
+/// not a checkpoint Leyline can run fails fast.
+///
+/// # Errors
+/// [`ModelError::File`] naming `dir` when it is not a directory or holds no `config.json`,
+/// naming `config.json` when it cannot be read or parsed; [`ModelError::Unsupported`] as
+/// [`DeepseekV2Config::from_json`].
+pub fn read_config(dir: &Path) -> Result<DeepseekV2Config> {
+    if !dir.is_dir() {
+        return Err(ModelError::File {
+            path: dir.to_path_buf(),
+            reason: "not a directory (a checkpoint directory holds config.json and safetensors)"
+                .into(),
+        });
+    }
+    let cfg_path = dir.join("config.json");
+    if !cfg_path.is_file() {
+        return Err(ModelError::File {
+            path: dir.to_path_buf(),
+            reason: "no config.json: not a DeepSeek-V2 checkpoint directory (config.json + \
+                     safetensors)"
+                .into(),
+        });
+    }
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::File {
+        path: cfg_path.clone(),
+        reason: e.to_string(),
+    })?;
+    DeepseekV2Config::from_json(&text, &cfg_path)
+}
+
 enum QProj {
     Full(Linear),
     Lora { a: Linear, norm: Tensor, b: Linear },
@@ -174,12 +205,7 @@ impl DeepseekV2 {
     /// [`ModelError::File`] for a missing or malformed config or tensor (with its expected
     /// shape), [`ModelError::Unsupported`] for a config Leyline cannot run.
     pub fn load_dir(dir: &Path) -> Result<Self> {
-        let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::File {
-            path: cfg_path.clone(),
-            reason: e.to_string(),
-        })?;
-        let cfg = DeepseekV2Config::from_json(&text, &cfg_path)?;
+        let cfg = read_config(dir)?;
         let mut w = Weights::load_dir(dir)?;
         let name = dir
             .canonicalize()

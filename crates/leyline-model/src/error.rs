@@ -21,6 +21,13 @@ pub enum ModelError {
         /// Why it is not supported.
         reason: String,
     },
+    /// The model was loaded without a tokenizer (a checkpoint directory) but the caller
+    /// needs one.
+    #[error("{path} has no tokenizer; this command needs one")]
+    NoTokenizer {
+        /// Where the model was loaded from.
+        path: PathBuf,
+    },
     /// Tokenizer construction or use failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

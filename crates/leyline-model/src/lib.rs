@@ -1,6 +1,7 @@
-//! leyline-model: loading llama-family GGUF files (and, later, DeepSeek-V2 safetensors), the
-//! tokenizer and chat template from the file's metadata, and forward passes whose attention
-//! reads and writes Leyline's KV slot pool at explicit positions.
+//! leyline-model: loading llama-family GGUF files (with the tokenizer and chat template from
+//! the file's metadata) and DeepSeek-V2 checkpoint directories (safetensors, no tokenizer),
+//! and forward passes whose attention reads and writes Leyline's KV slot pool at explicit
+//! positions.
 //!
 //! Design decision: a model never owns a cache. Each forward call is handed the pool storage,
 //! the slots to read (the sequence's context) and the slots to write (the new tokens), so
@@ -162,6 +163,94 @@ pub fn load_gguf(path: &std::path::Path) -> Result<LoadedModel> {
         chat,
         path: path.to_path_buf(),
     })
+}
+
+/// A network loaded without a tokenizer or chat template (a checkpoint directory holds
+/// weights and config only).
+pub struct BareModel {
+    /// The network.
+    pub model: std::sync::Arc<dyn CausalLm>,
+    /// Where it was loaded from.
+    pub path: std::path::PathBuf,
+}
+
+/// What [`load_model_path`] loaded: a model ready to serve, or a bare network.
+pub enum AnyModel {
+    /// A GGUF file: the network with its tokenizer and (maybe) chat template.
+    Served(Box<LoadedModel>),
+    /// A DeepSeek-V2 checkpoint directory: the network alone.
+    Bare(BareModel),
+}
+
+impl AnyModel {
+    /// The network.
+    pub fn model(&self) -> &std::sync::Arc<dyn CausalLm> {
+        match self {
+            Self::Served(m) => &m.model,
+            Self::Bare(m) => &m.model,
+        }
+    }
+
+    /// Where it was loaded from.
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            Self::Served(m) => &m.path,
+            Self::Bare(m) => &m.path,
+        }
+    }
+
+    /// The tokenizer, if the model came with one.
+    pub fn tokenizer(&self) -> Option<&tokenizer::Tokenizer> {
+        match self {
+            Self::Served(m) => Some(&m.tokenizer),
+            Self::Bare(_) => None,
+        }
+    }
+
+    /// The model with its tokenizer.
+    ///
+    /// # Errors
+    /// [`ModelError::NoTokenizer`] for a bare network.
+    pub fn into_served(self) -> Result<LoadedModel> {
+        match self {
+            Self::Served(m) => Ok(*m),
+            Self::Bare(m) => Err(ModelError::NoTokenizer { path: m.path }),
+        }
+    }
+}
+
+/// Loads `path`: a directory as a DeepSeek-V2 checkpoint (`config.json` + safetensors, no
+/// tokenizer), anything else as a llama-family GGUF file.
+///
+/// # Errors
+/// As [`load_gguf`] and [`deepseek::load_dir`]: a one-line error naming the path and the
+/// reason (a directory without `config.json`, an unsupported config, a bad tensor ...).
+pub fn load_model_path(path: &std::path::Path) -> Result<AnyModel> {
+    if path.is_dir() {
+        let model = deepseek::load_dir(path)?;
+        Ok(AnyModel::Bare(BareModel {
+            model,
+            path: path.to_path_buf(),
+        }))
+    } else {
+        Ok(AnyModel::Served(Box::new(load_gguf(path)?)))
+    }
+}
+
+/// Loads `path` for a caller that needs a tokenizer. A directory is refused with
+/// [`ModelError::NoTokenizer`] after only its `config.json` was checked (so a directory that
+/// is no checkpoint at all names that problem instead), without reading any weight.
+///
+/// # Errors
+/// As [`load_gguf`] and [`deepseek::read_config`]; [`ModelError::NoTokenizer`].
+pub fn load_with_tokenizer(path: &std::path::Path) -> Result<LoadedModel> {
+    if path.is_dir() {
+        deepseek::read_config(path)?;
+        return Err(ModelError::NoTokenizer {
+            path: path.to_path_buf(),
+        });
+    }
+    load_gguf(path)
 }
 
 /// A forward batch flattened to one entry per new token, in batch order.

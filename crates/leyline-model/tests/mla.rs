@@ -553,3 +553,33 @@ fn bad_input_and_files_are_errors() {
         .unwrap();
     assert!(matches!(e, ModelError::File { .. }), "{e}");
 }
+
+#[test]
+fn a_checkpoint_directory_loads_bare_and_refuses_tokenizer_callers() {
+    let d = dir("plain");
+    let m = leyline_model::load_model_path(&d).unwrap();
+    assert!(matches!(m, leyline_model::AnyModel::Bare(_)));
+    assert!(m.tokenizer().is_none());
+    assert_eq!(m.path(), d.as_path());
+    assert_eq!(m.model().info().arch, "deepseek_v2");
+    let e = m.into_served().err().unwrap();
+    assert!(matches!(e, ModelError::NoTokenizer { .. }), "{e}");
+    assert!(e
+        .to_string()
+        .ends_with("has no tokenizer; this command needs one"));
+    let e = leyline_model::load_with_tokenizer(&d).err().unwrap();
+    assert!(matches!(e, ModelError::NoTokenizer { .. }), "{e}");
+    // A directory that is no checkpoint names that problem, not the tokenizer.
+    let empty = std::env::temp_dir().join(format!("leyline-mla-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    for e in [
+        leyline_model::load_with_tokenizer(&empty).err().unwrap(),
+        leyline_model::load_model_path(&empty).err().unwrap(),
+    ] {
+        assert!(
+            matches!(&e, ModelError::File { path, .. } if path == &empty),
+            "{e}"
+        );
+        assert!(e.to_string().contains("no config.json"), "{e}");
+    }
+}

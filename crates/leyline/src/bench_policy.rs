@@ -44,6 +44,9 @@ fn tokenizer_and_template(model: Option<PathBuf>) -> Result<(Tokenizer, ChatTemp
         Some(p) => p,
         None => leyline_model::registry::default_model_path()?,
     };
+    if path.is_dir() {
+        return Err(leyline_model::ModelError::NoTokenizer { path }.into());
+    }
     let f = leyline_model::gguf::GgufFile::open(&path)?;
     let tok = Tokenizer::from_gguf_metadata(f.metadata())?;
     let tmpl = ChatTemplate::from_gguf_metadata(f.metadata(), &tok)

@@ -15,7 +15,7 @@ use leyline_engine::{generate, GenerateParams, SamplingParams};
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::chat::ChatMessage;
 use leyline_model::registry::{self, FetchEvent};
-use leyline_model::LoadedModel;
+use leyline_model::{AnyModel, LoadedModel};
 use std::io::{BufRead, Write};
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -64,7 +64,9 @@ enum ModelCommand {
 /// Options shared by every command that loads a model.
 #[derive(Args, Clone)]
 pub struct ModelArgs {
-    /// A local llama-family GGUF file (default: the smollm2-135m model, fetched on first use).
+    /// A local llama-family GGUF file, or a DeepSeek-V2 checkpoint directory (config.json +
+    /// safetensors; it has no tokenizer, so only `verify` takes it). Default: the smollm2-135m
+    /// model, fetched on first use.
     #[arg(long, short = 'm', env = "LEYLINE_MODEL")]
     pub model: Option<PathBuf>,
     /// KV cache storage type: f32, f16 or bf16.
@@ -191,9 +193,21 @@ fn fetch_with_progress(m: &registry::KnownModel) -> Result<PathBuf> {
     Ok(path?)
 }
 
-/// Resolves `--model` or the default model (fetching it on first use) and loads it.
+/// Resolves `--model` or the default model (fetching it on first use) and loads it with its
+/// tokenizer; a checkpoint directory (no tokenizer) is a one-line error.
 pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
-    let path = match &args.model {
+    Ok(leyline_model::load_with_tokenizer(&model_path(args)?)?)
+}
+
+/// Resolves `--model` like [`load_model`] and loads whatever it names: a GGUF file with its
+/// tokenizer, or a DeepSeek-V2 checkpoint directory without one.
+pub fn load_any_model(args: &ModelArgs) -> Result<AnyModel> {
+    Ok(leyline_model::load_model_path(&model_path(args)?)?)
+}
+
+/// `--model`, or the default model's cached file (fetched on first use).
+fn model_path(args: &ModelArgs) -> Result<PathBuf> {
+    Ok(match &args.model {
         Some(p) => p.clone(),
         None => {
             let m = registry::known_model(registry::DEFAULT_MODEL)?;
@@ -205,8 +219,7 @@ pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
                 fetch_with_progress(m)?
             }
         }
-    };
-    Ok(leyline_model::load_gguf(&path)?)
+    })
 }
 
 /// Storage for one sequence of the loaded model.

@@ -1,31 +1,55 @@
 //! `leyline verify`: the fidelity report of DESIGN.md §8 — first-token agreement of
 //! AMORTIZE with the unedited full context and with FORGET over probes from recorded
 //! trajectories, and the key drift of chained splices per storage dtype and rotation math.
+//!
+//! A model without tokenizer or chat template (a DeepSeek-V2 checkpoint directory) cannot
+//! render trajectories; it gets seeded synthetic probes instead (random token ids with a
+//! random older span evicted), and the report says which source it used.
 
-use crate::{load_model, ModelArgs};
+use crate::{load_any_model, ModelArgs};
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use leyline_engine::fidelity::{
-    build_probes, chained_shift_drift, run_probe, splice_deltas, ProbeOptions, ProbeOutcome,
-    RotationMath, PROBE_STUB,
+    build_probes, chained_shift_drift, run_probe, splice_deltas, synthetic_probes, Probe,
+    ProbeOptions, ProbeOutcome, RotationMath, SyntheticOptions, PROBE_STUB, SYNTHETIC_MIN_TOKENS,
 };
 use leyline_engine::{ChatRenderer, Engine, EngineConfig};
 use leyline_kv::{KvDtype, KvStorage};
-use leyline_model::{ForwardSeq, LoadedModel, LogitsFor};
-use std::path::{Path, PathBuf};
+use leyline_model::{AnyModel, ForwardSeq, LogitsFor};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Where `leyline verify` takes its probes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ProbeSource {
+    /// Trajectories when the model has a tokenizer and chat template, else synthetic.
+    Auto,
+    /// Assistant turns of recorded trajectories (needs a tokenizer and chat template).
+    Traces,
+    /// Seeded random token ids with an older span replaced by a short random stub.
+    Synthetic,
+}
 
 /// Options of `leyline verify`.
 #[derive(Args)]
 pub struct VerifyArgs {
-    /// Number of probes (assistant turns with an older tool output to evict).
+    /// Number of probes (assistant turns with an older tool output to evict, or synthetic
+    /// sequences).
     #[arg(long, default_value_t = 50)]
     pub probes: usize,
-    /// Longest probe prompt, in tokens.
+    /// Longest probe prompt, in tokens (synthetic probes have between half of this, or of
+    /// the model's context, and all of it).
     #[arg(long, default_value_t = 3072)]
     pub max_tokens_per_probe: usize,
+    /// Probe source: `traces` needs the model's tokenizer and chat template; `auto` falls back
+    /// to `synthetic` for a model without them (a DeepSeek-V2 checkpoint directory).
+    #[arg(long, value_enum, default_value_t = ProbeSource::Auto)]
+    pub probe_source: ProbeSource,
+    /// Seed of synthetic probes.
+    #[arg(long, default_value_t = 0x5EED)]
+    pub seed: u64,
     /// Trajectory file (JSONL); default: shared/data/traces/tau-bench.jsonl found from the
     /// current directory upward.
     #[arg(long, env = "LEYLINE_TRACES")]
@@ -52,6 +76,28 @@ pub struct VerifyArgs {
     pub model: ModelArgs,
 }
 
+/// Where the probes came from, for the report.
+enum Source {
+    Traces(PathBuf),
+    Synthetic { seed: u64 },
+}
+
+impl Source {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Traces(_) => "traces",
+            Self::Synthetic { .. } => "synthetic",
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Self::Traces(p) => p.display().to_string(),
+            Self::Synthetic { seed } => format!("synthetic token ids (seed {seed})"),
+        }
+    }
+}
+
 /// One drift figure.
 struct Drift {
     splices: usize,
@@ -66,34 +112,9 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         bail!("--probes must be at least 1");
     }
     std::env::set_var("RAYON_NUM_THREADS", a.threads.to_string());
-    let traces_path = match &a.traces {
-        Some(p) => p.clone(),
-        None => find_traces()?,
-    };
-    let trajectories = leyline_policy::load_traces(&traces_path)
-        .with_context(|| format!("reading {}", traces_path.display()))?;
-    let lm = load_model(&a.model)?;
-    let template = lm
-        .chat
-        .as_ref()
-        .with_context(|| format!("{} has no chat template", lm.path.display()))?;
-    let info = lm.model.info().clone();
-    let max_tokens = a
-        .max_tokens_per_probe
-        .min(info.context_length.saturating_sub(2));
-    let renderer = ChatRenderer::new(&lm.tokenizer, template, true);
-    let opts = ProbeOptions {
-        max_probes: a.probes,
-        max_tokens,
-        stub: PROBE_STUB.to_string(),
-    };
-    let probes = build_probes(&trajectories, &renderer, &opts)?;
-    if probes.is_empty() {
-        bail!(
-            "no probe in {} fits {max_tokens} tokens with an older tool output to evict",
-            traces_path.display()
-        );
-    }
+    let lm = load_any_model(&a.model)?;
+    let max_tokens = probe_budget(&a, lm.model().info());
+    let (probes, source) = probes(&a, &lm, max_tokens)?;
     if probes.len() < a.probes {
         eprintln!(
             "leyline verify: only {} probes fit (asked for {})",
@@ -113,7 +134,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         kv_dtype: a.model.kv_dtype,
         ..EngineConfig::new(slots)
     };
-    let mut engine = Engine::new(Arc::clone(&lm.model), cfg)?;
+    let mut engine = Engine::new(Arc::clone(lm.model()), cfg)?;
     let bar = ProgressBar::new(probes.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("probes [{bar:30}] {pos}/{len} {elapsed} (eta {eta})")
@@ -142,16 +163,94 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         print_json(
             &a,
             &lm,
-            &traces_path,
+            &source,
             &outcomes,
             &drift,
             (probe_secs, drift_secs),
             prefilled,
         );
     } else {
-        print_tables(&a, &lm, &traces_path, &outcomes, &drift, probe_secs);
+        print_tables(&a, &lm, &source, &outcomes, &drift, probe_secs);
     }
     Ok(())
+}
+
+/// Longest probe prompt: `--max-tokens-per-probe` within the model's context (the scored
+/// last token and one generated token must fit too).
+fn probe_budget(a: &VerifyArgs, info: &leyline_model::ModelInfo) -> usize {
+    a.max_tokens_per_probe
+        .min(info.context_length.saturating_sub(2))
+}
+
+/// The probes `a.probe_source` asks for, each at most `max_tokens` long.
+fn probes(a: &VerifyArgs, lm: &AnyModel, max_tokens: usize) -> Result<(Vec<Probe>, Source)> {
+    let renderable = match lm {
+        AnyModel::Served(m) => m.chat.is_some(),
+        AnyModel::Bare(_) => false,
+    };
+    let synthetic = match a.probe_source {
+        ProbeSource::Synthetic => true,
+        ProbeSource::Traces => false,
+        ProbeSource::Auto => {
+            if !renderable {
+                eprintln!(
+                    "leyline verify: {} has no tokenizer and chat template; using synthetic probes",
+                    lm.path().display()
+                );
+            }
+            !renderable
+        }
+    };
+    if synthetic {
+        if max_tokens < SYNTHETIC_MIN_TOKENS {
+            bail!(
+                "synthetic probes need at least {SYNTHETIC_MIN_TOKENS} tokens; the budget is \
+                 {max_tokens} (--max-tokens-per-probe and the model's context)"
+            );
+        }
+        let opts = SyntheticOptions {
+            probes: a.probes,
+            vocab_size: lm.model().info().vocab_size,
+            max_tokens,
+            seed: a.seed,
+        };
+        return Ok((synthetic_probes(&opts)?, Source::Synthetic { seed: a.seed }));
+    }
+    let lm = match lm {
+        AnyModel::Served(m) => m,
+        AnyModel::Bare(m) => {
+            return Err(leyline_model::ModelError::NoTokenizer {
+                path: m.path.clone(),
+            }
+            .into())
+        }
+    };
+    let template = lm.chat.as_ref().with_context(|| {
+        format!(
+            "{} has no chat template; use --probe-source synthetic",
+            lm.path.display()
+        )
+    })?;
+    let traces_path = match &a.traces {
+        Some(p) => p.clone(),
+        None => find_traces()?,
+    };
+    let trajectories = leyline_policy::load_traces(&traces_path)
+        .with_context(|| format!("reading {}", traces_path.display()))?;
+    let renderer = ChatRenderer::new(&lm.tokenizer, template, true);
+    let opts = ProbeOptions {
+        max_probes: a.probes,
+        max_tokens,
+        stub: PROBE_STUB.to_string(),
+    };
+    let probes = build_probes(&trajectories, &renderer, &opts)?;
+    if probes.is_empty() {
+        bail!(
+            "no probe in {} fits {max_tokens} tokens with an older tool output to evict",
+            traces_path.display()
+        );
+    }
+    Ok((probes, Source::Traces(traces_path)))
 }
 
 /// `shared/data/traces/tau-bench.jsonl` in the current directory or one above it.
@@ -165,17 +264,20 @@ fn find_traces() -> Result<PathBuf> {
             }
         }
     }
-    bail!("no shared/data/traces/tau-bench.jsonl above the current directory; pass --traces")
+    bail!(
+        "no shared/data/traces/tau-bench.jsonl above the current directory; pass --traces (or \
+         --probe-source synthetic)"
+    )
 }
 
 /// Real keys: `drift_tokens` tokens of `prompt` prefilled at positions 0.. into f32 storage,
 /// every layer's key rows.
-fn model_keys(lm: &LoadedModel, prompt: &[u32], n: usize) -> Result<Vec<f32>> {
+fn model_keys(lm: &AnyModel, prompt: &[u32], n: usize) -> Result<Vec<f32>> {
     let n = n.min(prompt.len()).max(1);
-    let g = lm.model.info().geometry;
+    let g = lm.model().info().geometry;
     let mut kv = KvStorage::new(g, KvDtype::F32, n)?;
     let slots: Vec<u32> = (0..n as u32).collect();
-    lm.model.forward(
+    lm.model().forward(
         &mut kv,
         &[ForwardSeq {
             tokens: &prompt[..n],
@@ -192,8 +294,11 @@ fn model_keys(lm: &LoadedModel, prompt: &[u32], n: usize) -> Result<Vec<f32>> {
     Ok(keys)
 }
 
-fn drift(lm: &LoadedModel, prompt: &[u32], a: &VerifyArgs) -> Result<Vec<Drift>> {
-    let info = lm.model.info();
+/// Drift of the model's cached key rows: for MLA those are `k_pe` alone (one rotary head),
+/// for llama-family models every KV head; [`chained_shift_drift`] counts the rotary dims of
+/// each head as the model's [`leyline_kv::rope::RopeSpec`] gives them.
+fn drift(lm: &AnyModel, prompt: &[u32], a: &VerifyArgs) -> Result<Vec<Drift>> {
+    let info = lm.model().info();
     let g = info.geometry;
     let keys = model_keys(lm, prompt, a.drift_tokens)?;
     let cases = [
@@ -240,8 +345,8 @@ fn median(mut v: Vec<usize>) -> usize {
 
 fn print_json(
     a: &VerifyArgs,
-    lm: &LoadedModel,
-    traces: &Path,
+    lm: &AnyModel,
+    source: &Source,
     o: &[ProbeOutcome],
     drift: &[Drift],
     (probe_secs, drift_secs): (f64, f64),
@@ -283,13 +388,22 @@ fn print_json(
             })
         })
         .collect();
+    let info = lm.model().info();
+    let (traces, seed) = match source {
+        Source::Traces(p) => (Some(p.display().to_string()), None),
+        Source::Synthetic { seed } => (None, Some(*seed)),
+    };
     println!(
         "{}",
         serde_json::json!({
-            "model": lm.model.info().name,
+            "model": info.name,
+            "arch": info.arch,
             "kv_dtype": a.model.kv_dtype.name(),
-            "traces": traces.display().to_string(),
+            "probe_source": source.name(),
+            "traces": traces,
+            "synthetic_seed": seed,
             "max_tokens_per_probe": a.max_tokens_per_probe,
+            "probe_token_budget": probe_budget(a, info),
             "probes": o.len(),
             "agree_full": count(o, ProbeOutcome::agree_full),
             "agree_forget": count(o, ProbeOutcome::agree_forget),
@@ -298,6 +412,8 @@ fn print_json(
             "median_downstream": median(o.iter().map(|p| p.downstream).collect()),
             "drift_tokens": a.drift_tokens,
             "drift_max_delta": a.drift_max_delta,
+            "drift_key_width": info.geometry.k_width(),
+            "drift_rotary_dim": info.rope.rotary_dim,
             "drift": drift,
             "per_probe": per_probe,
             "prefilled_tokens": prefilled,
@@ -307,18 +423,17 @@ fn print_json(
     );
 }
 
-fn token_text(lm: &LoadedModel, t: u32) -> String {
-    let s = lm
-        .tokenizer
-        .decode(&[t], false)
-        .unwrap_or_else(|_| format!("#{t}"));
-    format!("{s:?}").replace('|', "\\|")
+fn token_text(lm: &AnyModel, t: u32) -> String {
+    match lm.tokenizer().and_then(|tok| tok.decode(&[t], false).ok()) {
+        Some(s) => format!("{s:?}").replace('|', "\\|"),
+        None => format!("#{t}"),
+    }
 }
 
 fn print_tables(
     a: &VerifyArgs,
-    lm: &LoadedModel,
-    traces: &Path,
+    lm: &AnyModel,
+    source: &Source,
     o: &[ProbeOutcome],
     drift: &[Drift],
     probe_secs: f64,
@@ -326,9 +441,9 @@ fn print_tables(
     let n = o.len();
     println!(
         "## Fidelity: {} (kv {}), {n} probes from {} in {probe_secs:.0} s\n",
-        lm.model.info().name,
+        lm.model().info().name,
         a.model.kv_dtype,
-        traces.display()
+        source.describe()
     );
     println!("| probes | AMORTIZE = full context | AMORTIZE = FORGET | FORGET = full context | median tokens | median downstream |");
     println!("|---|---|---|---|---|---|");
@@ -368,9 +483,14 @@ fn print_tables(
             p.amortize_forget_max_diff,
         );
     }
+    let info = lm.model().info();
     println!(
-        "\nKey drift after n chained splices ({} tokens x every layer, |delta| <= {}), rel-L2 against one f64 rotation of the f32 keys by the total:\n",
-        a.drift_tokens, a.drift_max_delta
+        "\nKey drift after n chained splices ({} tokens x every layer, key rows of {} with {} rotary dims per head of {}, |delta| <= {}), rel-L2 over the rotary dims against one f64 rotation of the f32 keys by the total:\n",
+        a.drift_tokens,
+        info.geometry.k_width(),
+        info.rope.rotary_dim,
+        info.geometry.k_head_dim,
+        a.drift_max_delta
     );
     println!("| splices | storage | rotation math | rel-L2 |");
     println!("|---|---|---|---|");

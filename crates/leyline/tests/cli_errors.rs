@@ -122,3 +122,42 @@ fn a_good_run_says_paris() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("Paris"), "{text}");
 }
+
+fn mla_fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../leyline-model/tests/fixtures/mla")
+        .join(name)
+}
+
+#[test]
+fn checkpoint_directory_has_no_tokenizer() {
+    let dir = mla_fixture("plain");
+    let d = dir.to_str().unwrap();
+    let out = leyline(&["run", "--model", d, "--prompt", "hi"]);
+    assert_one_line_error(&out, &[d, "has no tokenizer; this command needs one"]);
+    let out = leyline(&["bench", "splice", "--model", d]);
+    assert_one_line_error(&out, &[d, "has no tokenizer"]);
+    // verify takes the directory, but not with probes that need a chat template.
+    let out = leyline(&["verify", "--model", d, "--probe-source", "traces"]);
+    assert_one_line_error(&out, &[d, "has no tokenizer"]);
+}
+
+#[test]
+fn directory_that_is_not_a_checkpoint() {
+    let empty = scratch("empty-dir");
+    std::fs::create_dir_all(&empty).unwrap();
+    let e = empty.to_str().unwrap();
+    for args in [&["run", "--prompt", "hi"][..], &["verify"]] {
+        let out = leyline(&[args, &["--model", e]].concat());
+        assert_one_line_error(&out, &[e, "no config.json"]);
+    }
+    let llama = scratch("llama-dir");
+    std::fs::create_dir_all(&llama).unwrap();
+    std::fs::write(
+        llama.join("config.json"),
+        r#"{"model_type": "llama", "num_hidden_layers": 2}"#,
+    )
+    .unwrap();
+    let out = leyline(&["verify", "--model", llama.to_str().unwrap()]);
+    assert_one_line_error(&out, &["llama-dir", "config.json", "unsupported", "llama"]);
+}
