@@ -1,5 +1,7 @@
 //! Single-sequence generation: chunked prefill, then one token per step, streaming each
-//! token to a callback. The sequence's KV lives in slots `0..n` of a storage the caller owns.
+//! token to a callback. The sequence's KV lives in slots `0..n` of a storage the caller owns,
+//! so a caller that keeps the storage (an interactive chat) can reuse the KV of a prompt's
+//! leading tokens on the next call ([`generate_after`]).
 
 use crate::error::{EngineError, Result};
 use crate::sampling::{Sampler, SamplingParams};
@@ -50,6 +52,11 @@ pub enum StopReason {
 pub struct GenerateStats {
     /// Prompt tokens.
     pub prompt_tokens: usize,
+    /// Of which served from the KV already in the storage.
+    pub cached_tokens: usize,
+    /// Tokens whose KV the storage holds afterwards, in slots `0..kv_tokens`: the prompt,
+    /// then the generated tokens that were run (all but a final one that ended generation).
+    pub kv_tokens: usize,
     /// Generated tokens (emitted).
     pub generated_tokens: usize,
     /// Time from start to the first generated token's logits.
@@ -69,6 +76,31 @@ pub fn generate(
     kv: &mut KvStorage,
     prompt: &[u32],
     params: &GenerateParams,
+    on_token: impl FnMut(u32) -> ControlFlow<()>,
+) -> Result<GenerateStats> {
+    generate_after(model, kv, prompt, 0, params, on_token)
+}
+
+/// Length of the longest common prefix of `held` (tokens whose KV is in slots `0..`) and
+/// `prompt`, leaving at least the prompt's last token to run (its logits pick the first new
+/// token): what [`generate_after`] may take as cached.
+pub fn reusable_prefix(held: &[u32], prompt: &[u32]) -> usize {
+    let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+    common.min(prompt.len().saturating_sub(1))
+}
+
+/// [`generate`] when slots `0..cached` of `kv` already hold the KV of `prompt[..cached]`
+/// at positions `0..cached` (from an earlier call on the same storage); only the rest of
+/// the prompt is prefilled.
+///
+/// # Errors
+/// As [`generate`], and `cached` not below the prompt length.
+pub fn generate_after(
+    model: &dyn CausalLm,
+    kv: &mut KvStorage,
+    prompt: &[u32],
+    cached: usize,
+    params: &GenerateParams,
     mut on_token: impl FnMut(u32) -> ControlFlow<()>,
 ) -> Result<GenerateStats> {
     if prompt.is_empty() {
@@ -87,12 +119,18 @@ pub fn generate(
             kv.capacity()
         )));
     }
+    if cached >= prompt.len() {
+        return Err(EngineError::InvalidRequest(format!(
+            "{cached} cached tokens leave nothing of the {}-token prompt to run",
+            prompt.len()
+        )));
+    }
     let start = Instant::now();
     let mut sampler = Sampler::new(params.sampling);
     let mut tokens: Vec<u32> = prompt.to_vec();
     let slots: Vec<u32> = (0..limit as u32).collect();
     let chunk = params.prefill_chunk.max(1);
-    let mut done = 0;
+    let mut done = cached;
     let mut logits = Vec::new();
     while done < prompt.len() {
         let end = (done + chunk).min(prompt.len());
@@ -145,6 +183,8 @@ pub fn generate(
     };
     Ok(GenerateStats {
         prompt_tokens: prompt.len(),
+        cached_tokens: cached,
+        kv_tokens: tokens.len(),
         generated_tokens: generated,
         prefill_time,
         decode_time: decode_start.elapsed(),

@@ -18,7 +18,9 @@ pub mod session;
 
 pub use engine::{Engine, EngineConfig, StepReport};
 pub use error::{EngineError, Result};
-pub use generate::{generate, GenerateParams, GenerateStats, StopReason};
+pub use generate::{
+    generate, generate_after, reusable_prefix, GenerateParams, GenerateStats, StopReason,
+};
 pub use handle::{EngineHandle, EngineThread};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use render::{to_chat_message, ChatRenderer, MemoRenderer};

@@ -11,7 +11,7 @@ mod verify;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use leyline_engine::{generate, GenerateParams, SamplingParams};
+use leyline_engine::{generate, generate_after, reusable_prefix, GenerateParams, SamplingParams};
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::chat::ChatMessage;
 use leyline_model::registry::{self, FetchEvent};
@@ -320,6 +320,9 @@ fn chat(a: ChatArgs) -> Result<()> {
         messages.push(ChatMessage::new("system", s.clone()));
     }
     let mut kv = storage_for(&lm, &a.model)?;
+    // Tokens whose KV is in the storage: each turn prefills only what follows their common
+    // prefix with the newly rendered conversation.
+    let mut held: Vec<u32> = Vec::new();
     let stdin = std::io::stdin();
     let interactive = std::io::IsTerminal::is_terminal(&stdin);
     loop {
@@ -336,7 +339,8 @@ fn chat(a: ChatArgs) -> Result<()> {
         let mut reply = Vec::new();
         let mut dec = lm.tokenizer.decode_stream(true);
         let mut out = std::io::stdout().lock();
-        generate(lm.model.as_ref(), &mut kv, &prompt, &params, |t| {
+        let cached = reusable_prefix(&held, &prompt);
+        let stats = generate_after(lm.model.as_ref(), &mut kv, &prompt, cached, &params, |t| {
             reply.push(t);
             if let Ok(s) = dec.push(&lm.tokenizer, &[t]) {
                 let _ = out.write_all(s.as_bytes());
@@ -344,6 +348,12 @@ fn chat(a: ChatArgs) -> Result<()> {
             }
             ControlFlow::Continue(())
         })?;
+        held = prompt
+            .iter()
+            .chain(&reply)
+            .take(stats.kv_tokens)
+            .copied()
+            .collect();
         let _ = writeln!(out, "{}", dec.finish());
         messages.push(ChatMessage::new(
             "assistant",
