@@ -238,3 +238,67 @@ fn bad_requests_fail_with_a_reason() {
         .contains("999999"));
     assert!(!e.has_work());
 }
+
+/// Requests that arrive together with a long common prefix (C agents sharing one system
+/// prompt) prefill it once: the later ones wait for the first one's prefill to reach the
+/// tree, then match it. Outputs equal the solo runs and the counts are exact.
+#[test]
+fn concurrent_requests_prefill_a_shared_prefix_once() {
+    let system = encode(&"You are a helpful airline agent. Follow the policy exactly. ".repeat(12));
+    assert!(
+        system.len() > 100,
+        "the shared prefix must be long ({})",
+        system.len()
+    );
+    let prompts: Vec<Vec<u32>> = TEXTS[..4]
+        .iter()
+        .map(|t| system.iter().copied().chain(encode(t)).collect())
+        .collect();
+    let max_tokens = 4;
+    let solo: Vec<Vec<u32>> = prompts.iter().map(|p| run_alone(p, max_tokens)).collect();
+    let mut e = engine(4096);
+    let outs: Vec<Shared> = prompts
+        .iter()
+        .map(|p| {
+            let (req, out) = request(p.clone(), max_tokens);
+            e.submit(req);
+            out
+        })
+        .collect();
+    e.run_to_completion().unwrap();
+    let mut prefilled = 0;
+    for (i, (o, want)) in outs.iter().zip(&solo).enumerate() {
+        let o = o.lock().unwrap();
+        assert!(o.failed.is_none(), "request {i}: {:?}", o.failed);
+        assert_eq!(&o.tokens, want, "request {i} differs from its solo run");
+        let (_, usage) = o.finished.clone().expect("finished");
+        if i > 0 {
+            // The tree held the first prompt when this one was admitted.
+            let common = prompts[0]
+                .iter()
+                .zip(&prompts[i])
+                .take_while(|(a, b)| a == b)
+                .count();
+            assert!(
+                usage.cached_tokens >= system.len() && usage.cached_tokens <= common,
+                "request {i}: cached {} of a {}-token shared prefix",
+                usage.cached_tokens,
+                system.len()
+            );
+        }
+        prefilled += usage.prefilled_tokens;
+    }
+    let m = e.metrics().snapshot();
+    assert!(
+        m.deferred_admissions >= 3,
+        "{} deferrals",
+        m.deferred_admissions
+    );
+    assert_eq!(m.prefilled_tokens as usize, prefilled);
+    let total: usize = prompts.iter().map(Vec::len).sum();
+    assert!(
+        prefilled <= total - 3 * system.len(),
+        "the shared prefix was prefilled more than once ({prefilled} of {total})"
+    );
+    e.check_no_leaks().unwrap();
+}
