@@ -24,10 +24,6 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// A waiting request whose prompt shares at least this many more tokens with a sequence
-/// still prefilling than with the prefix tree waits for that prefill to land in the tree.
-const INFLIGHT_SHARE_MIN: usize = 64;
-
 /// Engine settings.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -87,8 +83,6 @@ struct Running {
     clean_len: usize,
     /// What the request's edit did.
     edit: Option<EditReport>,
-    /// The prompt's KV is in the prefix tree already (published when its prefill ended).
-    published: bool,
 }
 
 impl Running {
@@ -373,14 +367,11 @@ impl Engine {
         let now = Instant::now();
         for (k, &(i, _, to)) in plan.iter().enumerate() {
             let max_len = self.max_sequence_len();
-            self.running[i].slots.extend_from_slice(&new_slots[k]);
-            if to < self.running[i].prompt_len {
+            let r = &mut self.running[i];
+            r.slots.extend_from_slice(&new_slots[k]);
+            if to < r.prompt_len {
                 continue;
             }
-            if !self.running[i].published {
-                self.publish_prompt(i);
-            }
-            let r = &mut self.running[i];
             let next = r.sampler.sample(&logits[k]);
             if r.first_token.is_none() {
                 r.first_token = Some(now);
@@ -407,16 +398,10 @@ impl Engine {
     /// Admits waiting requests in order while slots allow.
     fn admit(&mut self) -> Result<usize> {
         let mut admitted = 0;
-        let mut held_back = Vec::new();
         while self.running.len() < self.cfg.max_running {
             let Some(mut w) = self.waiting.pop_front() else {
                 break;
             };
-            if self.shares_inflight_prefix(&w) {
-                self.metrics.add(&self.metrics.deferred_admissions, 1);
-                held_back.push(w);
-                continue;
-            }
             // A session's edits apply once, at its first admission attempt.
             let mut edit = None;
             if let Some(sr) = w.req.session.as_mut() {
@@ -439,62 +424,8 @@ impl Engine {
                 None => admitted += 1,
             }
         }
-        // Held-back requests keep their place at the head of the queue, in order.
-        for w in held_back.into_iter().rev() {
-            self.waiting.push_front(w);
-        }
         self.update_gauges();
         Ok(admitted)
-    }
-
-    /// Whether `w` should wait because a running sequence is still prefilling a longer
-    /// prefix of its prompt than the prefix tree holds: admitted now, it would prefill those
-    /// tokens a second time (C agents starting together all prefill one system prompt).
-    /// A session that already holds its own prefix never waits.
-    fn shares_inflight_prefix(&self, w: &Waiting) -> bool {
-        if let Some(sr) = &w.req.session {
-            if self
-                .sessions
-                .get(&sr.id)
-                .is_some_and(|s| !s.tokens.is_empty())
-            {
-                return false;
-            }
-        }
-        let probe = &w.req.prompt[..w.req.prompt.len().saturating_sub(1)];
-        let ns = Namespace::shared(self.model_id);
-        let inflight = self
-            .running
-            .iter()
-            .filter(|r| !r.published && r.ns == ns)
-            .map(|r| {
-                let shareable = &r.tokens[..r.prompt_len.min(r.clean_len)];
-                shareable
-                    .iter()
-                    .zip(probe)
-                    .take_while(|(a, b)| a == b)
-                    .count()
-            })
-            .max()
-            .unwrap_or(0);
-        inflight >= INFLIGHT_SHARE_MIN
-            && inflight >= self.cache.cached_len(ns, probe) + INFLIGHT_SHARE_MIN
-    }
-
-    /// Puts a sequence's prompt KV into the prefix tree as soon as its prefill ends, so that
-    /// requests held back by [`Self::shares_inflight_prefix`] can match it. The sequence
-    /// keeps its own slot references; `release` inserts the same slots again (a no-op there)
-    /// plus what it generated.
-    fn publish_prompt(&mut self, i: usize) {
-        let r = &mut self.running[i];
-        r.published = true;
-        let clean = r.prompt_len.min(r.clean_len).min(r.slots.len());
-        if let Err(e) = self
-            .cache
-            .insert(r.ns, &r.tokens[..clean], &r.slots[..clean])
-        {
-            tracing::warn!(request = r.id, "publishing the prompt's KV failed: {e}");
-        }
     }
 
     fn fail_waiting(&mut self, mut w: Waiting, msg: &str) {
@@ -576,7 +507,6 @@ impl Engine {
                     lineage,
                     clean_len,
                     edit,
-                    published: false,
                 });
                 Ok(None)
             }

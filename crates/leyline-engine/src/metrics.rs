@@ -55,9 +55,6 @@ metrics! {
     directives_forget,
     /// Slots freed by prefix-cache eviction.
     evicted_slots,
-    /// Admissions put off for a step because a running sequence was still prefilling a
-    /// shared prefix of the prompt.
-    deferred_admissions,
     /// Forward calls.
     forward_calls,
     /// Sequences decoded in forward calls that decoded more than one (batching at work).
