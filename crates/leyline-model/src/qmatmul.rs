@@ -276,11 +276,7 @@ impl QMatrix {
                     self.rows_into(path, t * tile, x, m, out);
                 });
         }
-        for (r, ys) in yt.chunks_exact(m).enumerate() {
-            for (i, &v) in ys.iter().enumerate() {
-                y[i * self.rows + r] = v;
-            }
-        }
+        feature_major_to_rows(&yt, m, y);
     }
 
     /// Several products `y_i = x W_i^T` (same `x: [m, cols]`, `y_i: [m, rows_i]`) in one
@@ -334,12 +330,8 @@ impl QMatrix {
                 }
             });
         }
-        for ((w, y), yt) in jobs.iter_mut().zip(&scratch) {
-            for (r, ys) in yt.chunks_exact(m).enumerate() {
-                for (i, &v) in ys.iter().enumerate() {
-                    y[i * w.rows + r] = v;
-                }
-            }
+        for ((_, y), yt) in jobs.iter_mut().zip(&scratch) {
+            feature_major_to_rows(yt, m, y);
         }
     }
 
@@ -364,6 +356,16 @@ impl QMatrix {
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("only the scalar path is available off x86-64"),
+        }
+    }
+}
+
+/// Transposes the kernels' feature-major output `yt: [rows, m]` into `y: [m, rows]`.
+fn feature_major_to_rows(yt: &[f32], m: usize, y: &mut [f32]) {
+    let rows = yt.len() / m;
+    for (r, ys) in yt.chunks_exact(m).enumerate() {
+        for (i, &v) in ys.iter().enumerate() {
+            y[i * rows + r] = v;
         }
     }
 }
