@@ -5,11 +5,13 @@
 //! in the layout of its weights, and the [`RopeSpec`] it reports says which layout that is,
 //! so a later shift rotates the same pairs.
 
+mod attend;
 mod decode;
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::linear::Linear;
+use crate::pool::SpinPool;
 use crate::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{DType, Device, Tensor};
 use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
@@ -287,68 +289,6 @@ impl Llama {
             }
         }
     }
-
-    fn attention(
-        &self,
-        kv: &KvStorage,
-        layer: usize,
-        q: &Tensor,
-        seqs: &[ForwardSeq<'_>],
-    ) -> Result<Tensor> {
-        let (h, kvh, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
-        let g = h / kvh;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let mut outs = Vec::with_capacity(seqs.len());
-        let mut row = 0;
-        let mut slots = Vec::new();
-        for s in seqs {
-            let t = s.tokens.len();
-            slots.clear();
-            slots.extend_from_slice(s.context);
-            slots.extend_from_slice(s.new_slots);
-            let n = slots.len();
-            let mut kbuf = vec![0f32; n * kvh * hd];
-            let mut vbuf = vec![0f32; n * kvh * hd];
-            kv.gather_k(layer, &slots, &mut kbuf)?;
-            kv.gather_v(layer, &slots, &mut vbuf)?;
-            let k = Tensor::from_vec(kbuf, (n, kvh, hd), &Device::Cpu)?
-                .transpose(0, 1)?
-                .contiguous()?;
-            let v = Tensor::from_vec(vbuf, (n, kvh, hd), &Device::Cpu)?
-                .transpose(0, 1)?
-                .contiguous()?;
-            // [t, h, hd] -> [kvh, g * t, hd]: query head j uses kv head j / g.
-            let qs = q
-                .narrow(0, row, t)?
-                .reshape((t, h, hd))?
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((kvh, g * t, hd))?;
-            let mut att = (qs.matmul(&k.t()?)? * scale)?;
-            if t > 1 {
-                let ctx = s.context.len();
-                let mask: Vec<f32> = (0..t)
-                    .flat_map(|i| {
-                        (0..n).map(move |j| if j <= ctx + i { 0.0 } else { f32::NEG_INFINITY })
-                    })
-                    .collect();
-                let mask = Tensor::from_vec(mask, (t, n), &Device::Cpu)?;
-                att = att
-                    .reshape((kvh, g, t, n))?
-                    .broadcast_add(&mask)?
-                    .reshape((kvh, g * t, n))?;
-            }
-            let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let o = att
-                .matmul(&v)?
-                .reshape((h, t, hd))?
-                .transpose(0, 1)?
-                .reshape((t, h * hd))?;
-            outs.push(o);
-            row += t;
-        }
-        Ok(Tensor::cat(&outs, 0)?)
-    }
 }
 
 fn to_rows(t: &Tensor) -> Result<Vec<f32>> {
@@ -377,6 +317,12 @@ impl CausalLm for Llama {
         let mut x = self.embed.index_select(&ids, 0)?;
         let (h, kvh, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
         let eps = self.cfg.rms_eps as f32;
+        let pool = SpinPool::global();
+        let shape = attend::Heads {
+            heads: h,
+            kv_heads: kvh,
+            head_dim: hd,
+        };
         for (li, b) in self.blocks.iter().enumerate() {
             let xn = candle_nn::ops::rms_norm(&x, &b.attn_norm, eps)?;
             let mut q = to_rows(&b.q.forward(&xn)?)?;
@@ -388,8 +334,9 @@ impl CausalLm for Llama {
             for (i, &slot) in new_slots.iter().enumerate() {
                 kv.write(li, slot, &k[i * w..(i + 1) * w], &v[i * w..(i + 1) * w])?;
             }
-            let q = Tensor::from_vec(q, (n, h * hd), &Device::Cpu)?;
-            let att = self.attention(kv, li, &q, seqs)?;
+            let mut att = vec![0f32; n * h * hd];
+            attend::attend(pool, kv, li, shape, &q, seqs, &mut att);
+            let att = Tensor::from_vec(att, (n, h * hd), &Device::Cpu)?;
             x = (x + b.o.forward(&att)?)?;
             let xn = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
             let gate = b.gate.forward(&xn)?.silu()?;
