@@ -3,9 +3,9 @@
 //! Each [`Engine::step`] admits waiting requests (longest cached prefix first reused, the
 //! rest of the prompt reserved in the pool, evicting unlocked prefixes when short), then runs
 //! ONE forward over every running sequence: a decode token for each sequence that has one,
-//! and prefill chunks for the others within the `prefill_chunk` token budget, so a long
-//! prompt never stalls decodes for long. Finished sequences leave their KV in the prefix
-//! tree for later hits.
+//! and prefill chunks for the others within a token budget (`prefill_chunk`, or the smaller
+//! `decode_prefill_chunk` when the step also decodes), so a long prompt never stalls decodes
+//! for long. Finished sequences leave their KV in the prefix tree for later hits.
 //!
 //! Slot ownership: a running sequence owns one reference on each slot it allocated; the
 //! cached prefix it started from is pinned by a lock on the tree node instead. On finish the
@@ -33,6 +33,9 @@ pub struct EngineConfig {
     pub kv_slots: usize,
     /// Most prompt tokens prefilled per step, over all sequences.
     pub prefill_chunk: usize,
+    /// The same limit for steps that also decode: it bounds the time between two tokens of a
+    /// running generation while others prefill (values above `prefill_chunk` change nothing).
+    pub decode_prefill_chunk: usize,
     /// Most sequences running at once.
     pub max_running: usize,
 }
@@ -44,6 +47,7 @@ impl EngineConfig {
             kv_dtype: KvDtype::F32,
             kv_slots,
             prefill_chunk: 512,
+            decode_prefill_chunk: 128,
             max_running: 64,
         }
     }
@@ -135,9 +139,9 @@ impl Engine {
     /// # Errors
     /// A zero-sized pool or bad settings.
     pub fn new(model: Arc<dyn CausalLm>, cfg: EngineConfig) -> Result<Self> {
-        if cfg.prefill_chunk == 0 || cfg.max_running == 0 {
+        if cfg.prefill_chunk == 0 || cfg.decode_prefill_chunk == 0 || cfg.max_running == 0 {
             return Err(EngineError::InvalidRequest(
-                "prefill_chunk and max_running must be at least 1".into(),
+                "prefill_chunk, decode_prefill_chunk and max_running must be at least 1".into(),
             ));
         }
         let kv = KvStorage::new(model.info().geometry, cfg.kv_dtype, cfg.kv_slots)?;
@@ -277,7 +281,6 @@ impl Engine {
         }
         // Plan the batch: decodes first, then prefill chunks within the budget.
         let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, from, to)
-        let mut budget = self.cfg.prefill_chunk;
         for (i, r) in self.running.iter().enumerate() {
             let c = r.computed();
             if c >= r.prompt_len && c < r.tokens.len() {
@@ -285,6 +288,11 @@ impl Engine {
                 report.decode_seqs += 1;
             }
         }
+        let mut budget = if report.decode_seqs > 0 {
+            self.cfg.prefill_chunk.min(self.cfg.decode_prefill_chunk)
+        } else {
+            self.cfg.prefill_chunk
+        };
         for (i, r) in self.running.iter().enumerate() {
             let c = r.computed();
             if c < r.prompt_len && budget > 0 {

@@ -238,3 +238,42 @@ fn bad_requests_fail_with_a_reason() {
         .contains("999999"));
     assert!(!e.has_work());
 }
+
+#[test]
+fn steps_that_decode_prefill_within_the_smaller_budget() {
+    let cfg = EngineConfig {
+        prefill_chunk: 64,
+        decode_prefill_chunk: 8,
+        ..EngineConfig::new(2048)
+    };
+    let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+    let (a, out_a) = request(encode(TEXTS[3]), 10);
+    e.submit(a);
+    while e.step().unwrap().decode_seqs == 0 {}
+    let long: Vec<u32> = TEXTS.iter().flat_map(|t| encode(t)).collect();
+    assert!(long.len() > 100, "prompt of {} tokens", long.len());
+    let (b, out_b) = request(long.clone(), 3);
+    e.submit(b);
+    let (mut shared_steps, mut full_steps) = (0, 0);
+    while out_b.lock().unwrap().finished.is_none() {
+        let r = e.step().unwrap();
+        if r.prefill_tokens == 0 {
+            continue;
+        }
+        if r.decode_seqs > 0 {
+            assert!(r.prefill_tokens <= 8, "{r:?}");
+            shared_steps += 1;
+        } else {
+            assert!(r.prefill_tokens <= 64, "{r:?}");
+            full_steps += usize::from(r.prefill_tokens > 8);
+        }
+    }
+    assert!(
+        shared_steps > 0 && full_steps > 0,
+        "{shared_steps} steps prefilled beside a decode, {full_steps} alone"
+    );
+    assert!(out_a.lock().unwrap().finished.is_some());
+    // Small chunks change nothing in what is computed.
+    assert_eq!(out_b.lock().unwrap().tokens, run_alone(&long, 3));
+    e.check_no_leaks().unwrap();
+}

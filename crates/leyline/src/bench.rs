@@ -19,7 +19,7 @@ pub enum BenchCommand {
     /// Latency of an AMORTIZE splice vs. FORGET's re-prefill of the same edit.
     Splice(crate::bench_splice::SpliceArgs),
     /// Replay agent trajectories under a context policy: baseline vs AMORTIZE vs FORGET.
-    Replay(crate::replay::ReplayArgs),
+    Replay(Box<crate::replay::ReplayArgs>),
 }
 
 /// Options of `bench engine`.
@@ -60,7 +60,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Batch(a) => crate::bench_batch::run(a),
         BenchCommand::Policy(a) => crate::bench_policy::run(a),
         BenchCommand::Splice(a) => crate::bench_splice::run(a),
-        BenchCommand::Replay(a) => crate::replay::run(a),
+        BenchCommand::Replay(a) => crate::replay::run(*a),
     }
 }
 

@@ -68,6 +68,9 @@ pub struct ReplayArgs {
     /// Most prompt tokens prefilled per engine step.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
+    /// Most prompt tokens prefilled in a step that also decodes.
+    #[arg(long, default_value_t = 128)]
+    pub decode_prefill_chunk: usize,
     /// Cap on the KV pool when `--kv-slots` is not given, in GiB.
     #[arg(long, default_value_t = 8.0)]
     pub kv_mem_gib: f64,
@@ -187,6 +190,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
                 engine: EngineConfig {
                     kv_dtype: a.model.kv_dtype,
                     prefill_chunk: a.prefill_chunk,
+                    decode_prefill_chunk: a.decode_prefill_chunk,
                     max_running: live.max(1),
                     ..EngineConfig::new(kv_slots)
                 },

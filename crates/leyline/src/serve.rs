@@ -29,6 +29,10 @@ pub struct ServeArgs {
     /// Prompt tokens prefilled per scheduler step (long prompts never stall decodes long).
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    /// Prompt tokens prefilled per step while other requests decode: bounds the gap between
+    /// two streamed tokens when long prompts arrive.
+    #[arg(long, default_value_t = 128)]
+    decode_prefill_chunk: usize,
     /// Seconds in-flight requests may run after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
@@ -46,6 +50,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let engine_cfg = leyline_engine::EngineConfig {
         kv_dtype: a.model.kv_dtype,
         prefill_chunk: a.prefill_chunk,
+        decode_prefill_chunk: a.decode_prefill_chunk,
         ..leyline_engine::EngineConfig::new(slots)
     };
     let name = a
