@@ -54,6 +54,8 @@ pub struct ServerConfig {
     pub default_max_tokens: usize,
     /// On shutdown, how long in-flight requests may run before they are answered with an error.
     pub shutdown_grace: Duration,
+    /// Bounds on open sessions (each pins its KV).
+    pub sessions: sessions::SessionLimits,
 }
 
 impl ServerConfig {
@@ -67,6 +69,7 @@ impl ServerConfig {
             max_concurrent: 64,
             default_max_tokens: 512,
             shutdown_grace: Duration::from_secs(30),
+            sessions: sessions::SessionLimits::default(),
         }
     }
 }
@@ -154,6 +157,7 @@ pub struct Server {
     state: Arc<AppState>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
+    reaper: tokio::task::JoinHandle<()>,
 }
 
 impl Server {
@@ -180,11 +184,13 @@ impl Server {
                 .await
         });
         tracing::info!("listening on http://{addr}");
+        let reaper = tokio::spawn(session_routes::reap_periodically(Arc::downgrade(&state)));
         Ok(Self {
             addr,
             state,
             stop: Some(stop),
             task,
+            reaper,
         })
     }
 
@@ -202,6 +208,7 @@ impl Server {
     /// `shutdown_grace` to finish, then are answered with an error. Returns when every
     /// connection is closed (at most a few seconds after the grace period).
     pub async fn shutdown(mut self) {
+        self.reaper.abort();
         self.state.begin_drain();
         if let Some(s) = self.stop.take() {
             let _ = s.send(());

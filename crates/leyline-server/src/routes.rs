@@ -316,8 +316,14 @@ pub(crate) async fn engine_call<T: Send + 'static>(
 }
 
 pub(crate) async fn create_engine_session(st: &AppState, who: Principal) -> Result<String> {
+    let limits = st.config.sessions;
+    crate::session_routes::reap(st, 1).await;
     let eid = engine_call(st, |e| e.create_session()).await?;
-    Ok(st.sessions.create(who, eid))
+    st.sessions.create(who, eid, limits.max).inspect_err(|_| {
+        // Lost a race for the last place: the engine session must not outlive this.
+        let engine = st.engine.clone();
+        tokio::task::spawn_blocking(move || engine.call(move |e| e.delete_session(eid)));
+    })
 }
 
 async fn open_session(

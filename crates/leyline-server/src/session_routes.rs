@@ -11,6 +11,46 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
+/// Drops expired sessions (and, for `room > 0`, the least recently used idle ones until
+/// `room` more fit) from the table and the engine.
+pub(crate) async fn reap(st: &AppState, room: usize) {
+    let gone = st
+        .sessions
+        .reap(std::time::Instant::now(), st.config.sessions, room);
+    if gone.is_empty() {
+        return;
+    }
+    let n = gone.len();
+    let failed = engine_call(st, move |e| {
+        gone.into_iter()
+            .filter_map(|id| e.delete_session(id).err().map(|err| err.to_string()))
+            .collect::<Vec<_>>()
+    })
+    .await;
+    match failed {
+        Ok(f) if f.is_empty() => tracing::info!("dropped {n} idle sessions"),
+        Ok(f) => tracing::warn!("dropping idle sessions: {}", f.join("; ")),
+        Err(e) => tracing::warn!("dropping idle sessions: {e}"),
+    }
+}
+
+/// Reaps expired sessions every quarter of the idle timeout (at most every minute) until
+/// the state is gone.
+pub(crate) async fn reap_periodically(st: std::sync::Weak<AppState>) {
+    let every = match st.upgrade() {
+        Some(s) => (s.config.sessions.idle_timeout / 4).clamp(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_secs(60),
+        ),
+        None => return,
+    };
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(s) = st.upgrade() else { return };
+        reap(&s, 0).await;
+    }
+}
+
 pub(crate) async fn create_session(
     State(st): St,
     Extension(who): Extension<Principal>,

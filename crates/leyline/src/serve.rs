@@ -33,6 +33,13 @@ pub struct ServeArgs {
     /// two streamed tokens when long prompts arrive.
     #[arg(long, default_value_t = 128)]
     decode_prefill_chunk: usize,
+    /// Most sessions open at once (each pins its KV); when full, the least recently used
+    /// idle session is dropped for a new one.
+    #[arg(long, default_value_t = 1024)]
+    max_sessions: usize,
+    /// Seconds after which an idle session is dropped (its id then answers 404).
+    #[arg(long, default_value_t = 1800)]
+    session_idle_timeout: u64,
     /// Seconds in-flight requests may run after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
@@ -70,6 +77,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.max_concurrent = a.max_concurrent;
     cfg.default_max_tokens = a.default_max_tokens;
     cfg.shutdown_grace = std::time::Duration::from_secs(a.shutdown_grace);
+    cfg.sessions = leyline_server::sessions::SessionLimits {
+        max: a.max_sessions.max(1),
+        idle_timeout: std::time::Duration::from_secs(a.session_idle_timeout),
+    };
     eprintln!(
         "leyline: serving {} on http://{} ({} KV slots)",
         cfg.model_name, a.addr, slots

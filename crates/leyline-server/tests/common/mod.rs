@@ -98,9 +98,19 @@ impl Resp {
     }
 }
 
-/// Sends one request; `key` becomes a Bearer header.
+/// Sends one request to the shared test server; `key` becomes a Bearer header.
 pub fn request(method: &str, path: &str, key: Option<&str>, body: Option<&[u8]>) -> Resp {
-    let addr = server();
+    request_to(server(), method, path, key, body)
+}
+
+/// Sends one request to the server at `addr`.
+pub fn request_to(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: Option<&[u8]>,
+) -> Resp {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(300))).ok();
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");

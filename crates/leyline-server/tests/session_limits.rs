@@ -1,0 +1,110 @@
+//! Session limits: the table is bounded, idle sessions expire, and a dropped session's KV
+//! goes back to the pool, so a stream of abandoned sessions never exhausts it.
+
+mod common;
+
+use common::{metric, request_to, Resp};
+use leyline_engine::{Engine, EngineConfig, EngineThread};
+use leyline_server::sessions::SessionLimits;
+use leyline_server::{AppState, Server, ServerConfig};
+use serde_json::json;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A server over a `kv_slots` pool with `limits`, serving until the test process exits.
+fn start(kv_slots: usize, limits: SessionLimits) -> SocketAddr {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let path = leyline_model::registry::default_model_path()
+            .expect("the default model is needed: fetching it failed");
+        let lm = leyline_model::load_gguf(&path).expect("load the default model");
+        let engine = Engine::new(Arc::clone(&lm.model), EngineConfig::new(kv_slots)).unwrap();
+        let thread = EngineThread::spawn(engine).expect("engine thread");
+        let mut sc = ServerConfig::new("m");
+        sc.addr = SocketAddr::from(([127, 0, 0, 1], 0));
+        sc.sessions = limits;
+        let state = AppState::new(sc, thread.handle(), lm).expect("state");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let server = Server::start(state).await.expect("bind");
+            tx.send(server.local_addr()).expect("report address");
+            std::future::pending::<()>().await;
+            drop((server, thread));
+        });
+    });
+    rx.recv_timeout(Duration::from_secs(300))
+        .expect("the server started")
+}
+
+fn call(addr: SocketAddr, method: &str, path: &str, body: Option<serde_json::Value>) -> Resp {
+    let body = body.map(|b| b.to_string());
+    request_to(addr, method, path, None, body.as_deref().map(str::as_bytes))
+}
+
+fn new_session(addr: SocketAddr) -> String {
+    let r = call(addr, "POST", "/v1/sessions", Some(json!({})));
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["id"].as_str().expect("an id").to_string()
+}
+
+fn sessions_gauge(addr: SocketAddr) -> u64 {
+    metric(
+        &call(addr, "GET", "/metrics", None).body,
+        "leyline_sessions",
+    )
+}
+
+#[test]
+fn sessions_over_the_limit_push_out_the_least_recently_used_and_free_its_kv() {
+    let limits = SessionLimits {
+        max: 2,
+        idle_timeout: Duration::from_secs(3600),
+    };
+    // Eight sessions of about 200 tokens each would pin more than this pool if a dropped
+    // session kept its KV.
+    let addr = start(1024, limits);
+    let filler = "The archive lists every ship that entered the harbour, its cargo and its crew. "
+        .repeat(12);
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        let id = new_session(addr);
+        let body = json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": format!("Session {i}. {filler} Summarize.")}],
+            "max_tokens": 2,
+            "temperature": 0,
+            "session_id": id,
+        });
+        let r = call(addr, "POST", "/v1/chat/completions", Some(body));
+        assert_eq!(r.status, 200, "session {i}: {}", r.body);
+        let prompt = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(prompt > 150, "prompt of {prompt} tokens");
+        ids.push(id);
+    }
+    for (i, id) in ids.iter().enumerate() {
+        let r = call(addr, "GET", &format!("/v1/sessions/{id}"), None);
+        let want = if i >= 6 { 200 } else { 404 };
+        assert_eq!(r.status, want, "session {i}: {}", r.body);
+    }
+    assert_eq!(sessions_gauge(addr), 2);
+}
+
+#[test]
+fn idle_sessions_expire() {
+    let limits = SessionLimits {
+        max: 16,
+        idle_timeout: Duration::from_millis(200),
+    };
+    let addr = start(1024, limits);
+    let id = new_session(addr);
+    assert_eq!(sessions_gauge(addr), 1);
+    std::thread::sleep(Duration::from_millis(800));
+    let r = call(addr, "GET", &format!("/v1/sessions/{id}"), None);
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(sessions_gauge(addr), 0);
+}
