@@ -24,6 +24,7 @@ use leyline_engine::{ChatRenderer, EngineConfig};
 use leyline_policy::{load_traces, PolicyConfig};
 use prepare::{LongRule, PrepareOpts};
 use serde::Serialize;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 /// Options of `bench replay`.
@@ -211,6 +212,14 @@ pub fn run(a: ReplayArgs) -> Result<()> {
                     .collect(),
             });
             records.push((arm, c, out.records));
+            if !std::io::stderr().is_terminal() {
+                // No bar without a terminal: one line per finished run instead.
+                eprintln!(
+                    "replay: run {}/{runs} ({arm}, C={c}) took {:.1} s",
+                    summary.len(),
+                    out.wall.as_secs_f64()
+                );
+            }
         }
     }
     bar.finish_and_clear();
@@ -238,6 +247,8 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         "threads": a.threads,
         "policy": a.policy,
         "max_tokens": a.max_tokens,
+        "prefill_chunk": a.prefill_chunk,
+        "decode_prefill_chunk": a.decode_prefill_chunk,
         "long_rule": format!("{:?}", a.long).to_lowercase(),
         "context_length": info.context_length,
         "sessions": prepared.sessions.iter().map(|s| s.name.clone()).collect::<Vec<_>>(),

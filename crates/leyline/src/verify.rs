@@ -63,7 +63,7 @@ pub struct VerifyArgs {
     /// Largest |delta| of one drift splice (deltas are random in ±[1, this]).
     #[arg(long, default_value_t = 512)]
     pub drift_max_delta: u64,
-    /// Rows of the per-probe table (disagreements first, then the nearest ties).
+    /// Rows of the per-probe table (disagreements first, then the nearest ties); 0 omits it.
     #[arg(long, default_value_t = 12)]
     pub show: usize,
     /// Worker threads (sets RAYON_NUM_THREADS before the pool starts).
@@ -462,26 +462,30 @@ fn print_tables(
         let (kx, ky) = (key(x), key(y));
         kx.0.cmp(&ky.0).then(kx.1.total_cmp(&ky.1))
     });
-    println!("Disagreements, then the smallest reference margins (margin = top1 - top2 logit):\n");
-    println!("| probe | tokens | removed -> stub | downstream | full (margin) | AMORTIZE (margin) | FORGET (margin) | AMORTIZE's gap in full | max abs logit diff A-F |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for p in rows.iter().take(a.show) {
+    if a.show > 0 {
         println!(
-            "| {} | {} | {} -> {} | {} | {} ({:.2}) | {} ({:.2}) | {} ({:.2}) | {:.2} | {:.3} |",
-            p.label,
-            p.tokens,
-            p.removed,
-            p.stub,
-            p.downstream,
-            token_text(lm, p.full.0),
-            p.full.1,
-            token_text(lm, p.amortize.0),
-            p.amortize.1,
-            token_text(lm, p.forget.0),
-            p.forget.1,
-            p.amortize_gap_in_full,
-            p.amortize_forget_max_diff,
+            "Disagreements, then the smallest reference margins (margin = top1 - top2 logit):\n"
         );
+        println!("| probe | tokens | removed -> stub | downstream | full (margin) | AMORTIZE (margin) | FORGET (margin) | AMORTIZE's gap in full | max abs logit diff A-F |");
+        println!("|---|---|---|---|---|---|---|---|---|");
+        for p in rows.iter().take(a.show) {
+            println!(
+                "| {} | {} | {} -> {} | {} | {} ({:.2}) | {} ({:.2}) | {} ({:.2}) | {:.2} | {:.3} |",
+                p.label,
+                p.tokens,
+                p.removed,
+                p.stub,
+                p.downstream,
+                token_text(lm, p.full.0),
+                p.full.1,
+                token_text(lm, p.amortize.0),
+                p.amortize.1,
+                token_text(lm, p.forget.0),
+                p.forget.1,
+                p.amortize_gap_in_full,
+                p.amortize_forget_max_diff,
+            );
+        }
     }
     let info = lm.model().info();
     println!(
