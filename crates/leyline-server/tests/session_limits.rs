@@ -3,42 +3,16 @@
 
 mod common;
 
-use common::{metric, request_to, Resp};
-use leyline_engine::{Engine, EngineConfig, EngineThread};
+use common::{metric, request_to, start_server, Resp, MODEL};
+use leyline_engine::EngineConfig;
 use leyline_server::sessions::SessionLimits;
-use leyline_server::{AppState, Server, ServerConfig};
 use serde_json::json;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
-/// A server over a `kv_slots` pool with `limits`, serving until the test process exits.
+/// A server over a `kv_slots` pool with `limits`.
 fn start(kv_slots: usize, limits: SessionLimits) -> SocketAddr {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let path = leyline_model::registry::default_model_path()
-            .expect("the default model is needed: fetching it failed");
-        let lm = leyline_model::load_gguf(&path).expect("load the default model");
-        let engine = Engine::new(Arc::clone(&lm.model), EngineConfig::new(kv_slots)).unwrap();
-        let thread = EngineThread::spawn(engine).expect("engine thread");
-        let mut sc = ServerConfig::new("m");
-        sc.addr = SocketAddr::from(([127, 0, 0, 1], 0));
-        sc.sessions = limits;
-        let state = AppState::new(sc, thread.handle(), lm).expect("state");
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async move {
-            let server = Server::start(state).await.expect("bind");
-            tx.send(server.local_addr()).expect("report address");
-            std::future::pending::<()>().await;
-            drop((server, thread));
-        });
-    });
-    rx.recv_timeout(Duration::from_secs(300))
-        .expect("the server started")
+    start_server(EngineConfig::new(kv_slots), move |sc| sc.sessions = limits)
 }
 
 fn call(addr: SocketAddr, method: &str, path: &str, body: Option<serde_json::Value>) -> Resp {
@@ -74,7 +48,7 @@ fn sessions_over_the_limit_push_out_the_least_recently_used_and_free_its_kv() {
     for i in 0..8 {
         let id = new_session(addr);
         let body = json!({
-            "model": "m",
+            "model": MODEL,
             "messages": [{"role": "user", "content": format!("Session {i}. {filler} Summarize.")}],
             "max_tokens": 2,
             "temperature": 0,

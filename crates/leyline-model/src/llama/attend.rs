@@ -99,11 +99,13 @@ fn exp2(x: f32) -> f32 {
     }
 }
 
-fn bf16_to_f32(b: u16) -> f32 {
+/// A bf16 bit pattern as f32 (exact).
+pub(super) fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
-fn f16_to_f32(b: u16) -> f32 {
+/// An f16 bit pattern as f32 (exact).
+pub(super) fn f16_to_f32(b: u16) -> f32 {
     f16::from_bits(b).to_f32()
 }
 

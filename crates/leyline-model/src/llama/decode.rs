@@ -6,13 +6,13 @@
 //! through the spinning [`SpinPool`] (Q/K/V and gate/up share one dispatch), and attends by
 //! reading the pool's key and value rows in place instead of gathering the context.
 
+use super::attend::{bf16_to_f32, f16_to_f32};
 use super::Llama;
 use crate::error::Result;
 use crate::linear::Linear;
 use crate::pool::SpinPool;
 use crate::ForwardSeq;
 use candle_core::{Device, Tensor};
-use half::f16;
 use leyline_kv::storage::RowsRef;
 use leyline_kv::KvStorage;
 use std::sync::Mutex;
@@ -61,14 +61,6 @@ fn axpy<T: Copy>(p: f32, v: &[T], out: &mut [f32], cvt: impl Fn(T) -> f32) {
     for (o, &x) in out.iter_mut().zip(v) {
         *o += p * cvt(x);
     }
-}
-
-fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
-}
-
-fn f16_to_f32(b: u16) -> f32 {
-    f16::from_bits(b).to_f32()
 }
 
 /// One (sequence, query head) pair of a batch's attention.

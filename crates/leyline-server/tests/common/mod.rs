@@ -22,39 +22,51 @@ pub const BODY_LIMIT: usize = 1 << 20;
 pub fn server() -> SocketAddr {
     static ADDR: OnceLock<SocketAddr> = OnceLock::new();
     *ADDR.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let path = leyline_model::registry::default_model_path()
-                .expect("the default model is needed: fetching it failed");
-            let lm = leyline_model::load_gguf(&path).expect("load the default model");
-            let cfg = EngineConfig {
-                prefill_chunk: 256,
-                ..EngineConfig::new(8192)
-            };
-            let engine = Engine::new(Arc::clone(&lm.model), cfg).expect("engine");
-            let thread = EngineThread::spawn(engine).expect("engine thread");
-            let mut sc = ServerConfig::new(MODEL);
-            sc.addr = SocketAddr::from(([127, 0, 0, 1], 0));
+        let cfg = EngineConfig {
+            prefill_chunk: 256,
+            ..EngineConfig::new(8192)
+        };
+        start_server(cfg, |sc| {
             sc.api_keys = vec![KEY_A.to_string(), KEY_B.to_string()];
             sc.max_body_bytes = BODY_LIMIT;
             sc.default_max_tokens = 16;
-            let state = AppState::new(sc, thread.handle(), lm).expect("state");
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let server = Server::start(state).await.expect("bind");
-                tx.send(server.local_addr()).expect("report address");
-                // Serve until the test process exits.
-                std::future::pending::<()>().await;
-                drop((server, thread));
-            });
-        });
-        rx.recv_timeout(Duration::from_secs(300))
-            .expect("the test server started")
+        })
     })
+}
+
+/// Starts a server over the default model with `engine` settings, on a free loopback port,
+/// after `configure` has adjusted its settings (model name `MODEL`); it serves until the
+/// test process exits.
+pub fn start_server(
+    engine: EngineConfig,
+    configure: impl FnOnce(&mut ServerConfig) + Send + 'static,
+) -> SocketAddr {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let path = leyline_model::registry::default_model_path()
+            .expect("the default model is needed: fetching it failed");
+        let lm = leyline_model::load_gguf(&path).expect("load the default model");
+        let engine = Engine::new(Arc::clone(&lm.model), engine).expect("engine");
+        let thread = EngineThread::spawn(engine).expect("engine thread");
+        let mut sc = ServerConfig::new(MODEL);
+        sc.addr = SocketAddr::from(([127, 0, 0, 1], 0));
+        configure(&mut sc);
+        let state = AppState::new(sc, thread.handle(), lm).expect("state");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let server = Server::start(state).await.expect("bind");
+            tx.send(server.local_addr()).expect("report address");
+            // Serve until the test process exits.
+            std::future::pending::<()>().await;
+            drop((server, thread));
+        });
+    });
+    rx.recv_timeout(Duration::from_secs(300))
+        .expect("the test server started")
 }
 
 /// A response: status, lower-cased headers, body (de-chunked).
