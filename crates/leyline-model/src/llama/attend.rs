@@ -121,6 +121,21 @@ pub(crate) fn attend(
     seqs: &[ForwardSeq<'_>],
     out: &mut [f32],
 ) {
+    attend_with(Isa::detect(), pool, kv, layer, shape, q, seqs, out)
+}
+
+/// [`attend`] with the kernel compiled for `isa`, which the CPU must support.
+#[allow(clippy::too_many_arguments)]
+fn attend_with(
+    isa: Isa,
+    pool: &SpinPool,
+    kv: &KvStorage,
+    layer: usize,
+    shape: Heads,
+    q: &[f32],
+    seqs: &[ForwardSeq<'_>],
+    out: &mut [f32],
+) {
     let Heads {
         heads: h,
         kv_heads: kvh,
@@ -158,7 +173,6 @@ pub(crate) fn attend(
         }
         let (kr, vr) = (kv.k_rows(layer), kv.v_rows(layer));
         let (kw, vw) = (kv.geometry().k_width(), kv.geometry().v_width);
-        let isa = Isa::detect();
         let next = AtomicUsize::new(0);
         pool.run(&|_, _| {
             let mut buf = Scratch::new(QB * g, hd);
@@ -211,7 +225,7 @@ struct Job<'a> {
 }
 
 /// The instruction set the kernel is compiled for, picked at run time.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 enum Isa {
     Portable,
     #[cfg(target_arch = "x86_64")]
@@ -221,6 +235,24 @@ enum Isa {
 }
 
 impl Isa {
+    /// Every variant this CPU can run, the portable one first.
+    #[cfg(test)]
+    fn available() -> Vec<Self> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                v.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
     fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
@@ -247,10 +279,10 @@ impl Isa {
     ) {
         match self {
             Isa::Portable => task(job, k, v, cvt, buf, out),
-            // SAFETY: `detect` chose this variant only after the CPU reported AVX-512F.
+            // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX-512F.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { task_avx512(job, k, v, cvt, buf, out) },
-            // SAFETY: `detect` chose this variant only after the CPU reported AVX2 and FMA.
+            // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { task_avx2(job, k, v, cvt, buf, out) },
         }
@@ -598,19 +630,21 @@ mod tests {
         let n: usize = plan.iter().map(|(_, t)| t).sum();
         let q: Vec<f32> = (0..n * h * hd).map(|_| rng.next() * 2.0).collect();
         let pool = SpinPool::new(threads);
-        let mut out = vec![f32::NAN; n * h * hd];
-        attend(&pool, &kv, layer, shape, &q, &seqs, &mut out);
         let want = reference(&kv, layer, shape, &q, &seqs);
-        let (mut num, mut den) = (0f64, 0f64);
-        for (a, b) in out.iter().zip(&want) {
-            num += (*a as f64 - b).powi(2);
-            den += b * b;
+        for isa in Isa::available() {
+            let mut out = vec![f32::NAN; n * h * hd];
+            attend_with(isa, &pool, &kv, layer, shape, &q, &seqs, &mut out);
+            let (mut num, mut den) = (0f64, 0f64);
+            for (a, b) in out.iter().zip(&want) {
+                num += (*a as f64 - b).powi(2);
+                den += b * b;
+            }
+            let rel = (num / den).sqrt();
+            assert!(
+                rel < 2e-6,
+                "{isa:?} {dtype:?} hd={hd} plan={plan:?}: rel-L2 {rel:e} against the f64 reference"
+            );
         }
-        let rel = (num / den).sqrt();
-        assert!(
-            rel < 2e-6,
-            "{dtype:?} hd={hd} plan={plan:?}: rel-L2 {rel:e} against the f64 reference"
-        );
     }
 
     #[test]
