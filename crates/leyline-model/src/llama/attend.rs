@@ -289,31 +289,25 @@ impl Isa {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn task_avx512<T: Copy>(
-    job: &Job<'_>,
-    k: &[T],
-    v: &[T],
-    cvt: impl Fn(T) -> f32 + Copy,
-    buf: &mut Scratch,
-    out: &mut [f32],
-) {
-    task(job, k, v, cvt, buf, out)
+/// `task` compiled for an instruction set; callers must have checked that the CPU has it.
+macro_rules! task_for {
+    ($name:ident, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<T: Copy>(
+            job: &Job<'_>,
+            k: &[T],
+            v: &[T],
+            cvt: impl Fn(T) -> f32 + Copy,
+            buf: &mut Scratch,
+            out: &mut [f32],
+        ) {
+            task(job, k, v, cvt, buf, out)
+        }
+    };
 }
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn task_avx2<T: Copy>(
-    job: &Job<'_>,
-    k: &[T],
-    v: &[T],
-    cvt: impl Fn(T) -> f32 + Copy,
-    buf: &mut Scratch,
-    out: &mut [f32],
-) {
-    task(job, k, v, cvt, buf, out)
-}
+task_for!(task_avx512, "avx512f");
+task_for!(task_avx2, "avx2,fma");
 
 /// Runs one task into `out` (its rows, token-major, heads within a token).
 #[inline(always)]
@@ -363,7 +357,8 @@ fn task<T: Copy>(
     l[..padded].fill(0.0);
     o[..padded * hd].fill(0.0);
     let ctx = seq.context.len();
-    let (k_off, v_off) = (task.kv_head * hd, task.kv_head * hd);
+    // Key and value rows both hold the kv heads side by side.
+    let off = task.kv_head * hd;
     let nkeys = ctx + task.t1;
     for j0 in (0..nkeys).step_by(KB) {
         let nb = KB.min(nkeys - j0);
@@ -375,11 +370,11 @@ fn task<T: Copy>(
                 } else {
                     seq.new_slots[j - ctx]
                 } as usize;
-                let kr = &k[slot * kw + k_off..slot * kw + k_off + hd];
+                let kr = &k[slot * kw + off..slot * kw + off + hd];
                 for (d, &x) in kr.iter().enumerate() {
                     kt[d * KB + jj] = cvt(x);
                 }
-                let vr = &v[slot * vw + v_off..slot * vw + v_off + hd];
+                let vr = &v[slot * vw + off..slot * vw + off + hd];
                 for (d, &x) in vb[jj * hd..(jj + 1) * hd].iter_mut().zip(vr) {
                     *d = cvt(x);
                 }
