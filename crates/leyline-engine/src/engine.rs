@@ -5,7 +5,10 @@
 //! ONE forward over every running sequence: a decode token for each sequence that has one,
 //! and prefill chunks for the others within a token budget (`prefill_chunk`, or the smaller
 //! `decode_prefill_chunk` when the step also decodes), so a long prompt never stalls decodes
-//! for long. Finished sequences leave their KV in the prefix tree for later hits.
+//! for long. Every prefilled chunk of lineage-free prompt goes into the prefix tree at once,
+//! so a request that shares a prompt prefix with one still prefilling waits for that
+//! prefill (a step or a few) instead of computing the same prefix again; finished sequences
+//! leave their KV in the tree for later hits.
 //!
 //! Slot ownership: a running sequence owns one reference on each slot it allocated; the
 //! cached prefix it started from is pinned by a lock on the tree node instead. On finish the
@@ -16,7 +19,7 @@ use crate::metrics::Metrics;
 use crate::request::{Event, FinishReason, Request, RequestId, Usage};
 use crate::sampling::Sampler;
 use crate::session::{EditReport, Session, SessionId};
-use leyline_kv::radix::{LockReceipt, Namespace, PrefixCache};
+use leyline_kv::radix::{common_prefix, LockReceipt, Namespace, PrefixCache};
 use leyline_kv::slots::Lineage;
 use leyline_kv::{KvDtype, KvError, KvStorage};
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
@@ -99,7 +102,26 @@ struct Waiting {
     id: RequestId,
     req: Request,
     submitted: Instant,
+    /// Whether the session's edits were applied (they apply once, at the first attempt).
+    edited: bool,
+    edit: Option<EditReport>,
 }
+
+/// What became of an admission attempt.
+enum Admission {
+    Admitted,
+    /// A running sequence is prefilling a longer prefix of this prompt than the tree holds:
+    /// the request waits for it and later requests may go first.
+    Deferred(Waiting),
+    /// The pool must drain first; the queue waits in order.
+    Blocked(Waiting),
+    /// It can never run; its sink was told why.
+    Refused,
+}
+
+/// A request defers to an in-flight prefill only when that saves it at least this many
+/// prompt tokens of prefill.
+const MIN_INFLIGHT_SHARE: usize = 32;
 
 /// What one step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -214,6 +236,8 @@ impl Engine {
             id,
             req,
             submitted: Instant::now(),
+            edited: false,
+            edit: None,
         });
         self.update_gauges();
         id
@@ -373,10 +397,17 @@ impl Engine {
             }
         };
         let now = Instant::now();
-        for (k, &(i, _, to)) in plan.iter().enumerate() {
+        for (k, &(i, from, to)) in plan.iter().enumerate() {
             let max_len = self.max_sequence_len();
             let r = &mut self.running[i];
             r.slots.extend_from_slice(&new_slots[k]);
+            let clean = to.min(r.clean_len);
+            if from < r.prompt_len && clean > 0 {
+                // Served to other requests from now on, while this one still runs; the tree
+                // takes its own references, so this sequence's ownership is unchanged.
+                self.cache
+                    .insert(r.ns, &r.tokens[..clean], &r.slots[..clean])?;
+            }
             if to < r.prompt_len {
                 continue;
             }
@@ -406,31 +437,38 @@ impl Engine {
     /// Admits waiting requests in order while slots allow.
     fn admit(&mut self) -> Result<usize> {
         let mut admitted = 0;
+        let mut deferred = Vec::new();
         while self.running.len() < self.cfg.max_running {
             let Some(mut w) = self.waiting.pop_front() else {
                 break;
             };
             // A session's edits apply once, at its first admission attempt.
-            let mut edit = None;
-            if let Some(sr) = w.req.session.as_mut() {
+            if let (false, Some(sr)) = (w.edited, w.req.session.as_mut()) {
                 self.forget_pending.remove(&sr.id);
                 let edits = std::mem::take(&mut sr.edits);
                 let (id, mode) = (sr.id, sr.mode);
                 match self.edit_session(id, edits, mode) {
-                    Ok(r) => edit = Some(r),
+                    Ok(r) => w.edit = Some(r),
                     Err(e) => {
                         self.fail_waiting(w, &format!("directives refused: {e}"));
                         continue;
                     }
                 }
             }
-            match self.try_admit(w, edit)? {
-                Some(back) => {
-                    self.waiting.push_front(back);
+            w.edited = true;
+            match self.try_admit(w)? {
+                Admission::Admitted => admitted += 1,
+                Admission::Refused => {}
+                Admission::Deferred(w) => deferred.push(w),
+                Admission::Blocked(w) => {
+                    self.waiting.push_front(w);
                     break;
                 }
-                None => admitted += 1,
             }
+        }
+        // Deferred requests keep their places ahead of the rest of the queue.
+        for w in deferred.into_iter().rev() {
+            self.waiting.push_front(w);
         }
         self.update_gauges();
         Ok(admitted)
@@ -442,8 +480,9 @@ impl Engine {
         let _ = (w.req.sink)(Event::Failed(msg.to_string()));
     }
 
-    /// Admits `w` or hands it back when the pool must first drain.
-    fn try_admit(&mut self, w: Waiting, edit: Option<EditReport>) -> Result<Option<Waiting>> {
+    /// Admits `w`, or hands it back when it should wait for an in-flight prefill or the pool
+    /// must first drain.
+    fn try_admit(&mut self, w: Waiting) -> Result<Admission> {
         let prompt_len = w.req.prompt.len();
         let ns = Namespace::shared(self.model_id);
         // Leave at least the last prompt token to run: its logits pick the first token.
@@ -459,17 +498,17 @@ impl Engine {
                 .ok_or(EngineError::UnknownSession(id.0))?;
             lineage = s.lineage;
             clean_len = s.clean_len;
-            let keep = s
-                .tokens
-                .iter()
-                .zip(probe)
-                .take_while(|(a, b)| a == b)
-                .count();
+            // The session's cache is stale where the prompt leaves it, and unusable from a slot
+            // another session's FORGET revoked (it may have been shared through the tree).
+            let revoked = self.cache.pool().first_revoked(&s.slots);
+            let keep = common_prefix(&s.tokens, probe).min(revoked);
             if keep < s.tokens.len() {
-                // The prompt leaves the session here: the rest of its cache is stale.
                 let stale: Vec<u32> = s.slots.split_off(keep);
                 s.tokens.truncate(keep);
-                self.cache.pool_mut().release_all(&stale)?;
+                let freed = self.cache.pool_mut().release_all(&stale)?;
+                if revoked < keep + stale.len() {
+                    self.scrub(&freed)?;
+                }
             }
             let s = &self.sessions[&id];
             if !s.tokens.is_empty() {
@@ -479,6 +518,16 @@ impl Engine {
         }
         if !from_session {
             let m = self.cache.match_prefix(ns, probe);
+            let in_flight = self
+                .running
+                .iter()
+                .filter(|r| r.ns == ns && r.computed() < r.prompt_len.min(r.clean_len))
+                .map(|r| common_prefix(&r.tokens[..r.prompt_len.min(r.clean_len)], probe))
+                .max()
+                .unwrap_or(0);
+            if in_flight >= m.slots.len() + MIN_INFLIGHT_SHARE {
+                return Ok(Admission::Deferred(w));
+            }
             if let Some(node) = m.node {
                 lock = Some(self.cache.lock(node)?);
             }
@@ -514,17 +563,18 @@ impl Engine {
                     session,
                     lineage,
                     clean_len,
-                    edit,
+                    edit: w.edit,
                 });
-                Ok(None)
+                Ok(Admission::Admitted)
             }
             Err(KvError::PoolExhausted { .. }) => {
                 if let Some(l) = lock.take() {
-                    self.cache.unlock(l)?;
+                    let freed = self.cache.unlock(l)?.freed;
+                    self.scrub(&freed)?;
                 }
                 if !self.running.is_empty() {
                     // Running sequences will free slots; keep the queue order.
-                    return Ok(Some(w));
+                    return Ok(Admission::Blocked(w));
                 }
                 // Nothing runs and eviction could not make room: it never fits.
                 let cap = self.kv.capacity();
@@ -532,10 +582,19 @@ impl Engine {
                     w,
                     &format!("the request needs {need} KV slots but the pool cannot free that many ({cap} slots in all)"),
                 );
-                Ok(None)
+                Ok(Admission::Refused)
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Zeroes the storage of freed slots that held forgotten (revoked) KV or KV computed
+    /// from it.
+    pub(crate) fn scrub(&mut self, freed: &[u32]) -> Result<()> {
+        for &slot in freed {
+            self.kv.zero_slot(slot)?;
+        }
+        Ok(())
     }
 
     pub(crate) fn note_evicted(&self, n: usize) {
@@ -589,35 +648,42 @@ impl Engine {
     fn release(&mut self, r: &mut Running) -> Result<()> {
         let computed = r.computed();
         let clean = computed.min(r.clean_len);
-        // Lineage-free KV is shared with every later request.
+        // Lineage-free KV is shared with every later request (up to a revoked slot).
         self.cache
             .insert(r.ns, &r.tokens[..clean], &r.slots[..clean])?;
         let unused: Vec<u32> = r.reserved.drain(..).collect();
         self.cache.pool_mut().release_all(&unused)?;
-        match r.session.and_then(|id| self.sessions.get_mut(&id)) {
+        // A FORGET elsewhere may have revoked part of the prefix while this ran: nothing from
+        // there on is kept, and what this sequence frees is zeroed.
+        let usable = self.cache.pool().first_revoked(&r.slots);
+        let mut retain = Vec::new();
+        let drop = match r.session.and_then(|id| self.sessions.get_mut(&id)) {
             Some(s) => {
-                // The session takes over the sequence: it already holds its own prefix, the
-                // request's slots pass to it, and a prefix borrowed from the tree is retained.
-                let borrowed = if s.tokens.is_empty() {
-                    &r.slots[..r.cached]
+                // The session takes over the sequence: it already holds its own prefix (or
+                // retains the one borrowed from the tree) and the request's slots pass to it.
+                let from_tree = s.tokens.is_empty();
+                let first_owned = if from_tree {
+                    retain = r.slots[..r.cached.min(usable)].to_vec();
+                    r.cached
                 } else {
-                    &[][..]
+                    0
                 };
-                s.tokens = r.tokens[..computed].to_vec();
-                s.slots = r.slots.clone();
+                s.tokens = r.tokens[..usable].to_vec();
+                s.slots = r.slots[..usable].to_vec();
                 s.busy = false;
-                let borrowed = borrowed.to_vec();
-                for slot in borrowed {
-                    self.cache.pool_mut().retain(slot)?;
-                }
+                r.slots[usable.max(first_owned)..].to_vec()
             }
-            None => {
-                let own: Vec<u32> = r.slots[r.cached..].to_vec();
-                self.cache.pool_mut().release_all(&own)?;
-            }
+            None => r.slots[r.cached..].to_vec(),
+        };
+        for slot in retain {
+            self.cache.pool_mut().retain(slot)?;
         }
+        let mut freed = self.cache.pool_mut().release_all(&drop)?;
         if let Some(l) = r.lock.take() {
-            self.cache.unlock(l)?;
+            freed.extend(self.cache.unlock(l)?.freed);
+        }
+        if usable < r.slots.len() {
+            self.scrub(&freed)?;
         }
         Ok(())
     }

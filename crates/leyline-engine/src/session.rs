@@ -376,9 +376,9 @@ impl Engine {
         let start = batch.directives()[0].start;
         let old_tail: Vec<u32> = s.slots[start..].to_vec();
         let target = batch.apply_to_tokens(&s.tokens)?;
-        // No cached path may lead through a forgotten slot or one computed after it.
-        // Refused (and nothing changed) while a running request pins such a path.
-        let purged = self.cache.purge_slots(&old_tail)?;
+        // No cached path may lead through a forgotten slot or one computed after it. A path a
+        // running request reads leaves the tree now and is zeroed when that request ends.
+        let purged = self.cache.purge_slots(&old_tail);
         let mut freed = purged.freed;
         freed.extend(self.cache.pool_mut().release_all(&old_tail)?);
         for &slot in &freed {

@@ -277,3 +277,82 @@ fn steps_that_decode_prefill_within_the_smaller_budget() {
     assert_eq!(out_b.lock().unwrap().tokens, run_alone(&long, 3));
     e.check_no_leaks().unwrap();
 }
+
+/// A shared ~250-token head for prompts that differ only at the end.
+fn shared_head() -> Vec<u32> {
+    let head: Vec<u32> = TEXTS.iter().chain(&TEXTS).flat_map(|t| encode(t)).collect();
+    assert!(head.len() > 150, "head of {} tokens", head.len());
+    head
+}
+
+#[test]
+fn requests_sharing_a_prefix_with_a_running_prefill_reuse_it() {
+    let head = shared_head();
+    let prompts: Vec<Vec<u32>> = TEXTS[..4]
+        .iter()
+        .map(|t| [head.clone(), encode(t)].concat())
+        .collect();
+    let max_tokens = 4;
+    let solo: Vec<Vec<u32>> = prompts.iter().map(|p| run_alone(p, max_tokens)).collect();
+    let mut e = engine(4096); // prefill chunks of 64 tokens
+    let outs: Vec<Shared> = prompts
+        .iter()
+        .map(|p| {
+            let (req, out) = request(p.clone(), max_tokens);
+            e.submit(req);
+            out
+        })
+        .collect();
+    e.run_to_completion().unwrap();
+    let mut prompt_tokens = 0;
+    for (i, (o, want)) in outs.iter().zip(&solo).enumerate() {
+        let o = o.lock().unwrap();
+        let (_, usage) = o.finished.clone().expect("finished");
+        assert_eq!(&o.tokens, want, "request {i} differs from its solo run");
+        prompt_tokens += usage.prompt_tokens;
+        if i > 0 {
+            // The first request's prefill is reused up to a chunk boundary near the head's end.
+            assert!(
+                usage.cached_tokens + 32 >= head.len(),
+                "request {i} reused {} of {} shared tokens",
+                usage.cached_tokens,
+                head.len()
+            );
+        }
+    }
+    let prefilled = e.metrics().snapshot().prefilled_tokens as usize;
+    assert!(
+        prefilled + 3 * (head.len() - 32) <= prompt_tokens,
+        "{prefilled} of {prompt_tokens} prompt tokens prefilled"
+    );
+    e.check_no_leaks().unwrap();
+}
+
+#[test]
+fn a_prompt_is_reusable_while_its_request_still_decodes() {
+    let head = shared_head();
+    let mut e = engine(4096);
+    let (a, out_a) = request([head.clone(), encode(TEXTS[0])].concat(), 16);
+    e.submit(a);
+    while e.step().unwrap().decode_seqs == 0 {}
+    let (b, out_b) = request([head.clone(), encode(TEXTS[1])].concat(), 4);
+    e.submit(b);
+    e.step().unwrap();
+    assert!(
+        out_a.lock().unwrap().finished.is_none(),
+        "the first request must still be running for this test"
+    );
+    e.run_to_completion().unwrap();
+    let (_, usage) = out_b.lock().unwrap().finished.clone().expect("finished");
+    assert!(
+        usage.cached_tokens >= head.len(),
+        "reused {} of {} shared tokens",
+        usage.cached_tokens,
+        head.len()
+    );
+    assert_eq!(
+        out_b.lock().unwrap().tokens,
+        run_alone(&[head, encode(TEXTS[1])].concat(), 4)
+    );
+    e.check_no_leaks().unwrap();
+}

@@ -483,3 +483,93 @@ fn forget_erases_the_span_and_everything_after_it() {
     assert!(d < 1e-3, "FORGET differs from a cold prefill by {d}");
     e.check_no_leaks().unwrap();
 }
+
+/// A plain request on `prompt`: its tokens and its cached prompt length once finished.
+type Reader = Arc<Mutex<(Vec<u32>, Option<usize>, Option<String>)>>;
+
+fn plain(prompt: Vec<u32>, max_tokens: usize) -> (Request, Reader) {
+    let out: Reader = Arc::default();
+    let o = Arc::clone(&out);
+    let req = Request {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: Vec::new(),
+        session: None,
+        sink: Box::new(move |ev| {
+            let mut o = o.lock().unwrap();
+            match ev {
+                Event::Token(t) => o.0.push(t),
+                Event::Finished { usage, .. } => o.1 = Some(usage.cached_tokens),
+                Event::Failed(m) => o.2 = Some(m),
+            }
+            ControlFlow::Continue(())
+        }),
+    };
+    (req, out)
+}
+
+#[test]
+fn forget_while_another_request_reads_the_span() {
+    let ctx = context();
+    let (start, end, stub) = tool_span(&ctx);
+    let reader_prompt = [ctx.clone(), encode("Summarize the flights.")].concat();
+    let solo = {
+        let mut e = engine(4096);
+        let (req, out) = plain(reader_prompt.clone(), 8);
+        e.submit(req);
+        e.run_to_completion().unwrap();
+        let o = out.lock().unwrap();
+        o.0.clone()
+    };
+    let mut e = engine(4096);
+    let id = e.create_session();
+    turn(&mut e, id, &ctx, Vec::new(), Mode::Forget, 3);
+    let old = e.session_info(id).unwrap();
+    // The session's first turn went into the tree; the reader matches it there and is still
+    // decoding when the session forgets the tool output.
+    let (req, reader) = plain(reader_prompt, 8);
+    e.submit(req);
+    while e.step().unwrap().decode_seqs == 0 {}
+    let report = e
+        .apply_directives(id, vec![Directive::new(start, end, stub, Mode::Forget)])
+        .expect("FORGET goes ahead while another request reads the span");
+    assert!(report.zeroed > 0);
+    let forgotten: std::collections::HashSet<u32> = old.slots[start..].iter().copied().collect();
+    let no_path_through_forgotten = |e: &Engine| {
+        for (_, _, slots) in e.cache().sequences() {
+            assert!(
+                slots.iter().all(|s| !forgotten.contains(s)),
+                "a cached path still leads through a forgotten slot"
+            );
+        }
+    };
+    no_path_through_forgotten(&e);
+    // What the reader still holds; the rest was freed and zeroed (and may be in use again).
+    let held: Vec<u32> = forgotten
+        .iter()
+        .copied()
+        .filter(|&s| !e.cache().pool().is_free(s).unwrap())
+        .filter(|s| !e.session_info(id).unwrap().slots.contains(s))
+        .collect();
+    assert!(!held.is_empty(), "the reader held none of the span");
+    e.run_to_completion().unwrap();
+    let o = reader.lock().unwrap();
+    assert!(o.2.is_none(), "{:?}", o.2);
+    assert!(
+        o.1.expect("finished") >= end,
+        "the reader did not read the span from the cache ({:?} cached)",
+        o.1
+    );
+    assert_eq!(o.0, solo, "the reader's KV changed under it");
+    // The reader's end published nothing from the span on, and freed (zeroed) the rest.
+    no_path_through_forgotten(&e);
+    for &s in &held {
+        assert!(e.cache().pool().is_free(s).unwrap(), "slot {s} still held");
+        assert!(
+            e.storage().slot_is_zero(s).unwrap(),
+            "freed slot {s} still holds data"
+        );
+    }
+    e.check_no_leaks().unwrap();
+}

@@ -10,7 +10,13 @@
 //! Ownership: the tree holds one pool reference on every slot it stores. A running sequence
 //! holds its own references; e.g. it allocates (refcount 1), inserts when finished (tree takes
 //! one: 2), then releases its own (1: the tree's). Locks ([`PrefixCache::lock`]) walk from a
-//! node to its root; a locked node is never evicted or removed.
+//! node to its root; a locked node is never evicted.
+//!
+//! FORGET ([`PrefixCache::purge_slots`]) may hit a locked node: a running sequence attends to
+//! it. The node is then *detached*: unlinked from its parent, so no lookup finds it again, but
+//! kept with its slots until its last lock goes ([`PrefixCache::unlock`] frees them then); its
+//! locks still pin the ancestors the sequence also reads. Its slots are revoked in the pool,
+//! so [`PrefixCache::insert`] never stores them again.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -127,6 +133,10 @@ struct Node {
     lock_ref: u32,
     /// Locks taken on this node itself.
     own_locks: u32,
+    /// Locks of detached former children (counted in `lock_ref`).
+    detached_locks: u32,
+    /// Unreachable from its root: kept only until its locks are given back.
+    detached: bool,
     last_access: u64,
     /// The key under which the node sits in `evictable`, if it does.
     evict_key: Option<u64>,
@@ -149,6 +159,7 @@ pub struct PrefixCache {
     evictable: BTreeSet<(u64, NodeId)>,
     evictable_size: usize,
     protected_size: usize,
+    detached_size: usize,
     clock: u64,
     stats: CacheStats,
 }
@@ -174,6 +185,7 @@ impl PrefixCache {
             evictable: BTreeSet::new(),
             evictable_size: 0,
             protected_size: 0,
+            detached_size: 0,
             clock: 0,
             stats: CacheStats::default(),
         }
@@ -285,6 +297,7 @@ impl PrefixCache {
     /// a prefix, it keeps its own slots; the caller's slots there are reported in
     /// [`InsertResult::not_adopted`] (unless they are the very same slots). The tree takes one
     /// reference on each newly stored slot; the caller keeps all of its own references.
+    /// Only the part before the first revoked slot ([`SlotPool::revoke`]) is stored.
     ///
     /// Side effects: may split a node; stamps the path as recently used.
     ///
@@ -298,6 +311,8 @@ impl PrefixCache {
                 slots: slots.len(),
             });
         }
+        let keep = self.pool.first_revoked(slots);
+        let (tokens, slots) = (&tokens[..keep], &slots[..keep]);
         for &s in slots {
             if self.pool.is_free(s)? {
                 return Err(KvError::SlotNotInUse { slot: s });
@@ -371,32 +386,53 @@ impl PrefixCache {
         Ok(LockReceipt { node })
     }
 
-    /// Gives a lock back.
+    /// Gives a lock back. Detached nodes ([`Self::purge_slots`]) that lose their last lock
+    /// are deleted; the slots that frees are returned (zero their storage: they were
+    /// forgotten).
     ///
     /// # Errors
     /// [`KvError::StaleNode`] for a receipt that is not this cache's (a locked node exists
     /// until unlocked).
-    pub fn unlock(&mut self, receipt: LockReceipt) -> Result<()> {
+    pub fn unlock(&mut self, receipt: LockReceipt) -> Result<Removed> {
         let node = receipt.node;
         match self.node_opt(node) {
             Some(n) if n.own_locks > 0 => {}
             _ => return Err(KvError::StaleNode(node.index)),
         }
         self.node_mut(node).own_locks -= 1;
+        let mut dead = Vec::new();
+        let mut prev: Option<NodeId> = None;
         let mut cur = Some(node);
         while let Some(id) = cur {
+            if let Some(c) = prev.filter(|&c| !self.is_linked(c)) {
+                debug_assert_eq!(self.node(c).parent, Some(id));
+                self.node_mut(id).detached_locks -= 1;
+            }
             let n = self.node_mut(id);
             n.lock_ref -= 1;
-            let (last, len, parent, is_root) =
-                (n.lock_ref == 0, n.key.len(), n.parent, n.parent.is_none());
-            if last && !is_root {
+            let (last, len, parent, is_root, detached) = (
+                n.lock_ref == 0,
+                n.key.len(),
+                n.parent,
+                n.parent.is_none(),
+                n.detached,
+            );
+            if last && detached {
+                dead.push(id);
+            } else if last && !is_root {
                 self.protected_size -= len;
                 self.evictable_size += len;
             }
             self.refresh(id);
+            prev = cur;
             cur = parent;
         }
-        Ok(())
+        // Deepest first: each is childless by then (a node's locks include its children's).
+        let mut out = Removed::default();
+        for id in dead {
+            self.delete_leaf(id, &mut out);
+        }
+        Ok(out)
     }
 
     /// Evicts unlocked leaves, least recently used first (a parent left childless becomes a
@@ -472,19 +508,19 @@ impl PrefixCache {
     }
 
     /// Drops, in every namespace, each node holding any of `slots` from the first such slot
-    /// on, with everything below it. Afterwards no cached path contains those slots.
-    ///
-    /// # Errors
-    /// [`KvError::NodeLocked`] when a node to drop is locked; nothing changes then.
-    pub fn purge_slots(&mut self, slots: &[u32]) -> Result<Removed> {
+    /// on, with everything below it. Afterwards no cached path contains those slots, and
+    /// those of them still in use, with every slot of a detached node, are revoked. A locked
+    /// part is detached rather than dropped (module docs): [`Removed::tokens`] counts it, its
+    /// slots are freed by the last [`Self::unlock`].
+    pub fn purge_slots(&mut self, slots: &[u32]) -> Removed {
         let set: std::collections::HashSet<u32> = slots.iter().copied().collect();
         let mut hits = Vec::new();
         for (index, e) in self.arena.iter().enumerate() {
             let Some(n) = &e.node else { continue };
+            if n.detached {
+                continue;
+            }
             if let Some(off) = n.slots.iter().position(|s| set.contains(s)) {
-                if n.lock_ref > 0 {
-                    return Err(KvError::NodeLocked(index as u32));
-                }
                 hits.push((
                     NodeId {
                         index: index as u32,
@@ -496,11 +532,21 @@ impl PrefixCache {
         }
         let mut out = Removed::default();
         for (id, off) in hits {
-            if self.node_opt(id).is_some() {
-                self.cut(id, off, &mut out);
+            // An earlier hit may have removed or detached this one with its ancestor.
+            if self.node_opt(id).is_some_and(|n| !n.detached) {
+                if self.node(id).lock_ref > 0 {
+                    self.detach(id, off, &mut out);
+                } else {
+                    self.cut(id, off, &mut out);
+                }
             }
         }
-        Ok(out)
+        for &x in slots {
+            if self.pool.refcount(x).is_ok_and(|r| r > 0) {
+                let _ = self.pool.revoke(x);
+            }
+        }
+        out
     }
 
     /// Drops the whole tree of `ns` (a deleted session).
@@ -576,7 +622,7 @@ impl PrefixCache {
                 return Err(format!("slot {s}: refcount {rc} < {r} tree references"));
             }
         }
-        let (mut evictable, mut protected, mut set_len) = (0, 0, 0);
+        let (mut evictable, mut protected, mut detached, mut set_len) = (0, 0, 0, 0);
         for (index, e) in self.arena.iter().enumerate() {
             let Some(n) = &e.node else { continue };
             let id = NodeId {
@@ -600,7 +646,7 @@ impl PrefixCache {
                 }
                 child_locks += cn.lock_ref;
             }
-            if n.lock_ref != n.own_locks + child_locks {
+            if n.lock_ref != n.own_locks + child_locks + n.detached_locks {
                 return Err(format!(
                     "node {index}: lock_ref {} != own + children",
                     n.lock_ref
@@ -625,20 +671,28 @@ impl PrefixCache {
                     let pn = self
                         .node_opt(p)
                         .ok_or(format!("node {index}: dead parent"))?;
-                    if n.key.is_empty()
-                        || n.key.first().and_then(|t| pn.children.get(t)) != Some(&id)
-                    {
+                    let linked = n.key.first().and_then(|t| pn.children.get(t)) == Some(&id);
+                    if n.key.is_empty() || !(linked || n.detached) {
                         return Err(format!("node {index}: not its parent's child"));
                     }
-                    if n.lock_ref > 0 {
+                    if pn.detached && !n.detached {
+                        return Err(format!("node {index}: live under a detached parent"));
+                    }
+                    if n.detached {
+                        if n.lock_ref == 0 {
+                            return Err(format!("node {index}: detached without locks"));
+                        }
+                        detached += n.key.len();
+                    } else if n.lock_ref > 0 {
                         protected += n.key.len();
                     } else {
                         evictable += n.key.len();
                     }
                 }
             }
-            let want = (n.parent.is_some() && n.children.is_empty() && n.lock_ref == 0)
-                .then_some(n.last_access);
+            let want =
+                (n.parent.is_some() && n.children.is_empty() && n.lock_ref == 0 && !n.detached)
+                    .then_some(n.last_access);
             if n.evict_key != want || want.is_some_and(|a| !self.evictable.contains(&(a, id))) {
                 return Err(format!("node {index}: eviction set out of date"));
             }
@@ -647,21 +701,24 @@ impl PrefixCache {
         if set_len != self.evictable.len() {
             return Err("eviction set holds dead nodes".into());
         }
-        if (evictable, protected) != (self.evictable_size, self.protected_size) {
+        if (evictable, protected, detached)
+            != (self.evictable_size, self.protected_size, self.detached_size)
+        {
             return Err(format!(
-                "sizes: counted {evictable}/{protected}, kept {}/{}",
-                self.evictable_size, self.protected_size
+                "sizes: counted {evictable}/{protected}/{detached}, kept {}/{}/{}",
+                self.evictable_size, self.protected_size, self.detached_size
             ));
         }
         Ok(())
     }
 }
 
-// ---------------------------------------------------------------- internals
-
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+/// Length of the longest common prefix of two token sequences.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
+
+// ---------------------------------------------------------------- internals
 
 impl PrefixCache {
     fn tick(&mut self) -> u64 {
@@ -732,6 +789,8 @@ impl PrefixCache {
             children: HashMap::new(),
             lock_ref: 0,
             own_locks: 0,
+            detached_locks: 0,
+            detached: false,
             last_access: 0,
             evict_key: None,
         });
@@ -742,7 +801,7 @@ impl PrefixCache {
     /// Puts `id` into or out of the eviction set as its state requires.
     fn refresh(&mut self, id: NodeId) {
         let n = self.node(id);
-        let want = (n.parent.is_some() && n.children.is_empty() && n.lock_ref == 0)
+        let want = (n.parent.is_some() && n.children.is_empty() && n.lock_ref == 0 && !n.detached)
             .then_some(n.last_access);
         let have = n.evict_key;
         if want == have {
@@ -783,6 +842,8 @@ impl PrefixCache {
             children: HashMap::new(),
             lock_ref: 0,
             own_locks: 0,
+            detached_locks: 0,
+            detached: false,
             last_access: clock,
             evict_key: None,
         });
@@ -796,13 +857,15 @@ impl PrefixCache {
     /// Splits `child`'s edge after `p` tokens (0 < p < len): a new node takes the first `p`
     /// and becomes `child`'s parent; `child` keeps its id and the rest. Returns the new node.
     fn split(&mut self, child: NodeId, p: usize) -> NodeId {
+        let linked = self.is_linked(child);
         let c = self.node_mut(child);
         debug_assert!(p > 0 && p < c.key.len());
         let rest_key = c.key.split_off(p);
         let rest_slots = c.slots.split_off(p);
         let head_key = std::mem::replace(&mut c.key, rest_key);
         let head_slots = std::mem::replace(&mut c.slots, rest_slots);
-        let (ns, parent, lock_ref, last_access) = (c.ns, c.parent, c.lock_ref, c.last_access);
+        let (ns, parent, lock_ref, last_access, detached) =
+            (c.ns, c.parent, c.lock_ref, c.last_access, c.detached);
         let next = c.key[0];
         let first = head_key[0];
         let mid = self.alloc_node(Node {
@@ -813,14 +876,77 @@ impl PrefixCache {
             children: HashMap::from([(next, child)]),
             lock_ref,
             own_locks: 0,
+            detached_locks: 0,
+            detached,
             last_access,
             evict_key: None,
         });
         self.node_mut(child).parent = Some(mid);
         if let Some(par) = parent {
-            self.node_mut(par).children.insert(first, mid);
+            if linked {
+                self.node_mut(par).children.insert(first, mid);
+            } else {
+                // `child` hung detached from `par`; `mid` takes its place there.
+                self.node_mut(mid).detached = true;
+            }
         }
         mid
+    }
+
+    /// Whether `id` is its parent's child (roots count as linked). Only the top node of a
+    /// detached subtree is not.
+    fn is_linked(&self, id: NodeId) -> bool {
+        let n = self.node(id);
+        match n.parent {
+            None => true,
+            Some(p) => n
+                .key
+                .first()
+                .and_then(|t| self.node(p).children.get(t))
+                .is_some_and(|&c| c == id),
+        }
+    }
+
+    /// Takes `node`'s edge from `offset` on, with its locked descendants, out of the tree;
+    /// its unlocked descendants are deleted. The locks keep pinning the ancestors.
+    fn detach(&mut self, node: NodeId, offset: usize, out: &mut Removed) {
+        if offset > 0 {
+            self.split(node, offset);
+        }
+        let mut stack = vec![node];
+        let mut kept = Vec::new();
+        while let Some(n) = stack.pop() {
+            kept.push(n);
+            let children: Vec<NodeId> = self.node(n).children.values().copied().collect();
+            for c in children {
+                if self.node(c).lock_ref > 0 {
+                    stack.push(c);
+                } else {
+                    self.delete_subtree(c, out);
+                }
+            }
+        }
+        let n = self.node(node);
+        let (parent, first, locks) = (n.parent, n.key[0], n.lock_ref);
+        if let Some(p) = parent {
+            let pn = self.node_mut(p);
+            pn.children.remove(&first);
+            pn.detached_locks += locks;
+            self.refresh(p);
+        }
+        for id in kept {
+            let n = self.node_mut(id);
+            n.detached = true;
+            let len = n.key.len();
+            let slots = n.slots.clone();
+            self.protected_size -= len;
+            self.detached_size += len;
+            out.tokens += len;
+            for s in slots {
+                let _ = self.pool.revoke(s);
+            }
+            self.refresh(id);
+        }
     }
 
     /// Removes `node`'s edge from `offset` on, and its whole subtree (unlocked, checked).
@@ -854,21 +980,28 @@ impl PrefixCache {
     fn delete_leaf(&mut self, id: NodeId, out: &mut Removed) {
         let n = self.node(id);
         debug_assert!(n.children.is_empty() && n.evict_key.is_none());
-        let (parent, first, len, locked) = (n.parent, n.key[0], n.key.len(), n.lock_ref > 0);
+        let (parent, first, len, locked, detached) =
+            (n.parent, n.key[0], n.key.len(), n.lock_ref > 0, n.detached);
+        let linked = self.is_linked(id);
         let slots = std::mem::take(&mut self.node_mut(id).slots);
         for s in slots {
             if let Ok(true) = self.pool.release(s) {
                 out.freed.push(s);
             }
         }
-        out.tokens += len;
-        if locked {
-            self.protected_size -= len;
+        if detached {
+            // Counted in `tokens` when it was detached.
+            self.detached_size -= len;
         } else {
-            self.evictable_size -= len;
+            out.tokens += len;
+            if locked {
+                self.protected_size -= len;
+            } else {
+                self.evictable_size -= len;
+            }
         }
         self.free_node(id);
-        if let Some(p) = parent {
+        if let (Some(p), true) = (parent, linked) {
             self.node_mut(p).children.remove(&first);
             self.refresh(p);
         }

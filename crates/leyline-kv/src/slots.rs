@@ -46,6 +46,8 @@ struct SlotMeta {
     position: u32,
     lineage: Lineage,
     stamp: u64,
+    /// Withdrawn by a FORGET while still in use: never stored in the tree again.
+    revoked: bool,
 }
 
 /// The pool's metadata: `capacity` token-granular slots.
@@ -185,6 +187,28 @@ impl SlotPool {
             }
         }
         Ok(freed)
+    }
+
+    /// Marks an allocated slot as withdrawn by a FORGET while something still holds it: the
+    /// prefix tree stores neither it nor anything after it again, and whoever frees it zeroes
+    /// its storage. [`Self::alloc`] clears the mark.
+    ///
+    /// # Errors
+    /// Out-of-range or free slot.
+    pub fn revoke(&mut self, slot: u32) -> Result<()> {
+        let i = self.check_used(slot)?;
+        self.meta[i].revoked = true;
+        Ok(())
+    }
+
+    /// Index of the first revoked slot in `slots` (`slots.len()` when none is): the usable
+    /// prefix of a sequence, since everything after a revoked slot was computed from it.
+    /// Out-of-range slots count as not revoked.
+    pub fn first_revoked(&self, slots: &[u32]) -> usize {
+        slots
+            .iter()
+            .position(|&x| self.meta.get(x as usize).is_some_and(|m| m.revoked))
+            .unwrap_or(slots.len())
     }
 
     /// References held on `slot` (0 when free).

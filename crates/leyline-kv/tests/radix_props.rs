@@ -105,7 +105,9 @@ struct World {
     model: Model,
     /// Outstanding external references (one entry per reference).
     held: Vec<Vec<u32>>,
-    locks: Vec<(LockReceipt, Namespace, Vec<u32>)>,
+    /// Locks with their path; once a purge detached the locked node, how many tokens of the
+    /// path the lock still pins in the tree.
+    locks: Vec<(LockReceipt, Namespace, Vec<u32>, Option<usize>)>,
 }
 
 fn longest(model: &Model, ns: Namespace, tokens: &[u32]) -> Vec<u32> {
@@ -141,9 +143,9 @@ impl World {
 
     /// Whether a lock protects the entry `(ns, prefix)`.
     fn protected(&self, ns: Namespace, prefix: &[u32]) -> bool {
-        self.locks
-            .iter()
-            .any(|(_, lns, q)| *lns == ns && q.starts_with(prefix))
+        self.locks.iter().any(|(_, lns, q, pinned)| {
+            *lns == ns && q.starts_with(prefix) && pinned.is_none_or(|k| prefix.len() <= k)
+        })
     }
 
     /// After an eviction: the tree may only have lost unlocked entries; adopt it as model.
@@ -152,8 +154,8 @@ impl World {
         for (k, v) in &now {
             prop_assert_eq!(self.model.get(k), Some(v), "eviction invented {:?}", k);
         }
-        for (_, ns, q) in &self.locks {
-            for k in 1..=q.len() {
+        for (_, ns, q, pinned) in &self.locks {
+            for k in 1..=pinned.unwrap_or(q.len()) {
                 prop_assert!(
                     now.contains_key(&(*ns, q[..k].to_vec())),
                     "locked entry evicted"
@@ -266,13 +268,17 @@ impl World {
                 prop_assert_eq!(&m.slots, &longest(&self.model, ns, &tokens));
                 if let Some(node) = m.node {
                     let r = self.cache.lock(node).unwrap();
-                    self.locks.push((r, ns, tokens[..m.len].to_vec()));
+                    self.locks.push((r, ns, tokens[..m.len].to_vec(), None));
                 }
             }
             Op::Unlock { pick } => {
                 if !self.locks.is_empty() {
-                    let (r, _, _) = self.locks.swap_remove(pick % self.locks.len());
-                    self.cache.unlock(r).unwrap();
+                    let (r, _, _, _) = self.locks.swap_remove(pick % self.locks.len());
+                    let out = self.cache.unlock(r).unwrap();
+                    prop_assert_eq!(out.tokens, 0);
+                    for s in out.freed {
+                        prop_assert_eq!(self.cache.pool().refcount(s).unwrap(), 0);
+                    }
                 }
             }
             Op::Evict { n } => {
@@ -331,8 +337,25 @@ impl World {
                     })
                     .cloned()
                     .collect();
-                let r = self.cache.purge_slots(&[slot]);
-                self.expect_removal(gone, r)?;
+                // Locked entries go too: their nodes leave the tree, detached, until unlocked.
+                let out = self.cache.purge_slots(&[slot]);
+                prop_assert_eq!(out.tokens, gone.len());
+                for s in &out.freed {
+                    prop_assert_eq!(self.cache.pool().refcount(*s).unwrap(), 0);
+                }
+                for (_, ns, q, pinned) in &mut self.locks {
+                    let cut = gone
+                        .iter()
+                        .filter(|(n, p)| n == ns && q.starts_with(p))
+                        .map(|(_, p)| p.len() - 1)
+                        .min();
+                    if let Some(cut) = cut {
+                        *pinned = Some(pinned.map_or(cut, |k| k.min(cut)));
+                    }
+                }
+                for k in gone {
+                    self.model.remove(&k);
+                }
             }
             Op::DropNamespace { ns } => {
                 let ns = NAMESPACES[ns];
@@ -342,7 +365,7 @@ impl World {
                     .filter(|(n, _)| *n == ns)
                     .cloned()
                     .collect();
-                let locked = self.locks.iter().any(|(_, n, _)| *n == ns);
+                let locked = self.locks.iter().any(|(_, n, _, _)| *n == ns);
                 let r = self.cache.drop_namespace(ns);
                 if locked {
                     prop_assert!(matches!(r, Err(KvError::NodeLocked(_))), "{:?}", r);
@@ -385,7 +408,7 @@ impl World {
 
     /// Gives everything back; the pool must end empty.
     fn teardown(mut self) -> Result<(), TestCaseError> {
-        for (r, _, _) in std::mem::take(&mut self.locks) {
+        for (r, _, _, _) in std::mem::take(&mut self.locks) {
             self.cache.unlock(r).unwrap();
         }
         for h in std::mem::take(&mut self.held) {

@@ -218,7 +218,7 @@ fn purge_slots_and_drop_namespace() {
     }
     c.insert(l, &[1, 2, 3], &s).unwrap();
     c.pool_mut().release_all(&s).unwrap();
-    let out = c.purge_slots(&[s[1]]).unwrap();
+    let out = c.purge_slots(&[s[1]]);
     assert_eq!(out.tokens, 4);
     assert_eq!(sorted(out.freed), sorted(vec![s[1], s[2]]));
     for ns in [NS, l] {
@@ -258,4 +258,66 @@ fn stale_ids_and_stats() {
 fn sorted(mut v: Vec<u32>) -> Vec<u32> {
     v.sort_unstable();
     v
+}
+
+#[test]
+fn purging_a_locked_path_detaches_it_until_the_last_unlock() {
+    let mut c = PrefixCache::new(32).unwrap();
+    let s = put(&mut c, NS, &[1, 2, 3, 4]);
+    let t = put(&mut c, NS, &[1, 2, 7]);
+    let m = c.match_prefix(NS, &[1, 2, 3, 4]);
+    let held = c.lock(m.node.unwrap()).unwrap();
+    let out = c.purge_slots(&[s[2]]);
+    // [3, 4] leave the tree but stay allocated: the lock's holder still attends to them.
+    assert_eq!(out.tokens, 2);
+    assert!(out.freed.is_empty());
+    assert_eq!(c.match_prefix(NS, &[1, 2, 3, 4]).len, 2);
+    assert_eq!(c.match_prefix(NS, &[1, 2, 7]).slots, vec![s[0], s[1], t[2]]);
+    assert!(c.pool().first_revoked(&s) == 2);
+    c.check_invariants().unwrap();
+    // The head the holder reads is still pinned: eviction cannot take it.
+    c.evict(32);
+    assert_eq!(c.match_prefix(NS, &[1, 2]).slots, s[..2].to_vec());
+    assert_eq!(c.pool().refcount(s[2]).unwrap(), 1);
+    // Revoked slots are not stored again, nor anything after them.
+    let fresh = c.pool_mut().alloc(1).unwrap();
+    let path = [s[0], s[1], s[2], s[3], fresh[0]];
+    let r = c.insert(NS, &[1, 2, 3, 4, 5], &path).unwrap();
+    assert_eq!(r.inserted, 0);
+    assert_eq!(c.match_prefix(NS, &[1, 2, 3]).len, 2);
+    c.pool_mut().release_all(&fresh).unwrap();
+    c.check_invariants().unwrap();
+    let out = c.unlock(held).unwrap();
+    assert_eq!(sorted(out.freed), sorted(s[2..].to_vec()));
+    assert_eq!(out.tokens, 0);
+    c.check_invariants().unwrap();
+    c.evict(32);
+    assert_eq!(c.pool().free_count(), 32);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn a_purge_that_splits_a_locked_edge_keeps_the_head_pinned() {
+    let mut c = PrefixCache::new(32).unwrap();
+    let s = put(&mut c, NS, &[1, 2, 3, 4, 5, 6]);
+    let node = c.match_prefix(NS, &[1, 2, 3, 4, 5, 6]).node.unwrap();
+    let a = c.lock(node).unwrap();
+    let b = c.lock(node).unwrap();
+    let out = c.purge_slots(&[s[4]]);
+    assert_eq!((out.tokens, out.freed.len()), (2, 0));
+    c.check_invariants().unwrap();
+    c.evict(32);
+    assert_eq!(
+        c.match_prefix(NS, &[1, 2, 3, 4, 5, 6]).slots,
+        s[..4].to_vec()
+    );
+    assert!(
+        c.unlock(a).unwrap().freed.is_empty(),
+        "the second lock still holds"
+    );
+    c.check_invariants().unwrap();
+    assert_eq!(sorted(c.unlock(b).unwrap().freed), sorted(s[4..].to_vec()));
+    c.check_invariants().unwrap();
+    c.evict(32);
+    assert_eq!(c.pool().free_count(), 32);
 }
