@@ -314,7 +314,13 @@ impl Engine {
                     pool.set_lineage(slot, lineage)?;
                 }
             }
-            // The copies replace the originals in this sequence.
+            // The copies replace the originals in this sequence; a copy of forgotten KV is
+            // as forgotten as its source.
+            for &(src, dst) in &plan.cow {
+                if pool.is_revoked(src)? {
+                    pool.revoke(dst)?;
+                }
+            }
             let sources: Vec<u32> = plan.cow.iter().map(|&(src, _)| src).collect();
             pool.release_all(&sources)?;
             pool.release_all(&plan.freed)?;

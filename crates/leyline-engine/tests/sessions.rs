@@ -573,3 +573,35 @@ fn forget_while_another_request_reads_the_span() {
     }
     e.check_no_leaks().unwrap();
 }
+
+#[test]
+fn copies_of_forgotten_kv_stay_forgotten() {
+    let ctx = context();
+    let (start, end, stub) = tool_span(&ctx);
+    let mut e = engine(4096);
+    let s = e.create_session();
+    turn(&mut e, s, &ctx, Vec::new(), Mode::Forget, 2);
+    // Two sessions whose first turns borrow the published context from the tree.
+    let follow = [ctx.clone(), encode("Thanks.")].concat();
+    let (t, u) = (e.create_session(), e.create_session());
+    turn(&mut e, t, &follow, Vec::new(), Mode::Amortize, 2);
+    turn(&mut e, u, &follow, Vec::new(), Mode::Amortize, 2);
+    let span_slot = e.session_info(s).unwrap().slots[start];
+    assert_eq!(e.session_info(t).unwrap().slots[start], span_slot);
+    e.apply_directives(s, vec![Directive::new(start, end, stub, Mode::Forget)])
+        .unwrap();
+    let before = e.session_info(t).unwrap();
+    assert_eq!(e.cache().pool().first_revoked(&before.slots), start);
+    // T edits before the span: the downstream slots, also held by U, are copied and rotated.
+    let report = e
+        .apply_directives(t, vec![Directive::new(2, 4, Vec::new(), Mode::Amortize)])
+        .unwrap();
+    assert!(report.copied > 0, "{report:?}");
+    let after = e.session_info(t).unwrap();
+    assert_eq!(
+        e.cache().pool().first_revoked(&after.slots),
+        start - 2,
+        "a copy of forgotten KV lost its mark"
+    );
+    e.check_no_leaks().unwrap();
+}

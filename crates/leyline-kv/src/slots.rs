@@ -201,6 +201,14 @@ impl SlotPool {
         Ok(())
     }
 
+    /// Whether `slot` is revoked ([`Self::revoke`]).
+    ///
+    /// # Errors
+    /// Out-of-range slot.
+    pub fn is_revoked(&self, slot: u32) -> Result<bool> {
+        Ok(self.meta[self.check(slot)?].revoked)
+    }
+
     /// Index of the first revoked slot in `slots` (`slots.len()` when none is): the usable
     /// prefix of a sequence, since everything after a revoked slot was computed from it.
     /// Out-of-range slots count as not revoked.
