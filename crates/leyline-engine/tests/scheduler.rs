@@ -1,50 +1,11 @@
 //! The scheduler on the default model: prefix reuse is exact, batching gives the same
 //! greedy outputs as running alone, and memory pressure neither deadlocks nor leaks.
 
-use leyline_engine::{Engine, EngineConfig, Event, FinishReason, Request, SamplingParams, Usage};
-use leyline_model::LoadedModel;
-use std::ops::ControlFlow;
-use std::sync::{Arc, Mutex, OnceLock};
+mod common;
 
-fn lm() -> &'static LoadedModel {
-    static M: OnceLock<LoadedModel> = OnceLock::new();
-    M.get_or_init(|| {
-        let path = leyline_model::registry::default_model_path()
-            .expect("the default model is needed: fetching it failed");
-        leyline_model::load_gguf(&path).expect("load the default model")
-    })
-}
-
-#[derive(Default)]
-struct Outcome {
-    tokens: Vec<u32>,
-    finished: Option<(FinishReason, Usage)>,
-    failed: Option<String>,
-}
-
-type Shared = Arc<Mutex<Outcome>>;
-
-fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, Shared) {
-    let out: Shared = Arc::default();
-    let o = Arc::clone(&out);
-    let req = Request {
-        prompt,
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: Vec::new(),
-        session: None,
-        sink: Box::new(move |e| {
-            let mut o = o.lock().unwrap();
-            match e {
-                Event::Token(t) => o.tokens.push(t),
-                Event::Finished { reason, usage, .. } => o.finished = Some((reason, usage)),
-                Event::Failed(m) => o.failed = Some(m),
-            }
-            ControlFlow::Continue(())
-        }),
-    };
-    (req, out)
-}
+use common::{encode, lm, request, submit_all};
+use leyline_engine::{Engine, EngineConfig, FinishReason};
+use std::sync::Arc;
 
 fn engine(slots: usize) -> Engine {
     let cfg = EngineConfig {
@@ -52,10 +13,6 @@ fn engine(slots: usize) -> Engine {
         ..EngineConfig::new(slots)
     };
     Engine::new(Arc::clone(&lm().model), cfg).unwrap()
-}
-
-fn encode(text: &str) -> Vec<u32> {
-    lm().tokenizer.encode(text, false).unwrap()
 }
 
 const TEXTS: [&str; 16] = [
@@ -128,14 +85,7 @@ fn sixteen_concurrent_requests_match_their_solo_runs() {
     let max_tokens = 6;
     let solo: Vec<Vec<u32>> = prompts.iter().map(|p| run_alone(p, max_tokens)).collect();
     let mut e = engine(4096);
-    let outs: Vec<Shared> = prompts
-        .iter()
-        .map(|p| {
-            let (req, out) = request(p.clone(), max_tokens);
-            e.submit(req);
-            out
-        })
-        .collect();
+    let outs = submit_all(&mut e, &prompts, max_tokens);
     e.run_to_completion().unwrap();
     for (i, (o, want)) in outs.iter().zip(&solo).enumerate() {
         let o = o.lock().unwrap();
@@ -167,14 +117,7 @@ fn pressure_completes_or_fails_clearly_without_leaks() {
     // One request that can never fit.
     let (huge, huge_out) = request(vec![42; slots + 5], 1);
     e.submit(huge);
-    let outs: Vec<Shared> = prompts
-        .iter()
-        .map(|p| {
-            let (req, out) = request(p.clone(), max_tokens);
-            e.submit(req);
-            out
-        })
-        .collect();
+    let outs = submit_all(&mut e, &prompts, max_tokens);
     let mut steps = 0;
     while e.has_work() {
         e.step().unwrap();
@@ -295,14 +238,7 @@ fn requests_sharing_a_prefix_with_a_running_prefill_reuse_it() {
     let max_tokens = 4;
     let solo: Vec<Vec<u32>> = prompts.iter().map(|p| run_alone(p, max_tokens)).collect();
     let mut e = engine(4096); // prefill chunks of 64 tokens
-    let outs: Vec<Shared> = prompts
-        .iter()
-        .map(|p| {
-            let (req, out) = request(p.clone(), max_tokens);
-            e.submit(req);
-            out
-        })
-        .collect();
+    let outs = submit_all(&mut e, &prompts, max_tokens);
     e.run_to_completion().unwrap();
     let mut prompt_tokens = 0;
     for (i, (o, want)) in outs.iter().zip(&solo).enumerate() {

@@ -1,6 +1,9 @@
 //! Sessions and directives on the default model: AMORTIZE against an independently built
 //! reference, atomicity, isolation between sessions, and FORGET's erasure.
 
+mod common;
+
+use common::{encode, lm, request};
 use leyline_core::{Directive, Mode};
 use leyline_engine::{
     Engine, EngineConfig, EngineError, Event, Request, SamplingParams, SessionId, SessionRequest,
@@ -8,22 +11,9 @@ use leyline_engine::{
 use leyline_kv::rope::RotaryLayout;
 use leyline_kv::slots::Lineage;
 use leyline_kv::{KvDtype, KvStorage};
-use leyline_model::{ForwardSeq, LoadedModel, LogitsFor};
+use leyline_model::{ForwardSeq, LogitsFor};
 use std::ops::ControlFlow;
-use std::sync::{Arc, Mutex, OnceLock};
-
-fn lm() -> &'static LoadedModel {
-    static M: OnceLock<LoadedModel> = OnceLock::new();
-    M.get_or_init(|| {
-        let path = leyline_model::registry::default_model_path()
-            .expect("the default model is needed: fetching it failed");
-        leyline_model::load_gguf(&path).expect("load the default model")
-    })
-}
-
-fn encode(text: &str) -> Vec<u32> {
-    lm().tokenizer.encode(text, false).unwrap()
-}
+use std::sync::{Arc, Mutex};
 
 fn engine(slots: usize) -> Engine {
     let cfg = EngineConfig {
@@ -484,31 +474,6 @@ fn forget_erases_the_span_and_everything_after_it() {
     e.check_no_leaks().unwrap();
 }
 
-/// A plain request on `prompt`: its tokens and its cached prompt length once finished.
-type Reader = Arc<Mutex<(Vec<u32>, Option<usize>, Option<String>)>>;
-
-fn plain(prompt: Vec<u32>, max_tokens: usize) -> (Request, Reader) {
-    let out: Reader = Arc::default();
-    let o = Arc::clone(&out);
-    let req = Request {
-        prompt,
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: Vec::new(),
-        session: None,
-        sink: Box::new(move |ev| {
-            let mut o = o.lock().unwrap();
-            match ev {
-                Event::Token(t) => o.0.push(t),
-                Event::Finished { usage, .. } => o.1 = Some(usage.cached_tokens),
-                Event::Failed(m) => o.2 = Some(m),
-            }
-            ControlFlow::Continue(())
-        }),
-    };
-    (req, out)
-}
-
 #[test]
 fn forget_while_another_request_reads_the_span() {
     let ctx = context();
@@ -516,11 +481,11 @@ fn forget_while_another_request_reads_the_span() {
     let reader_prompt = [ctx.clone(), encode("Summarize the flights.")].concat();
     let solo = {
         let mut e = engine(4096);
-        let (req, out) = plain(reader_prompt.clone(), 8);
+        let (req, out) = request(reader_prompt.clone(), 8);
         e.submit(req);
         e.run_to_completion().unwrap();
         let o = out.lock().unwrap();
-        o.0.clone()
+        o.tokens.clone()
     };
     let mut e = engine(4096);
     let id = e.create_session();
@@ -528,7 +493,7 @@ fn forget_while_another_request_reads_the_span() {
     let old = e.session_info(id).unwrap();
     // The session's first turn went into the tree; the reader matches it there and is still
     // decoding when the session forgets the tool output.
-    let (req, reader) = plain(reader_prompt, 8);
+    let (req, reader) = request(reader_prompt, 8);
     e.submit(req);
     while e.step().unwrap().decode_seqs == 0 {}
     let report = e
@@ -555,13 +520,13 @@ fn forget_while_another_request_reads_the_span() {
     assert!(!held.is_empty(), "the reader held none of the span");
     e.run_to_completion().unwrap();
     let o = reader.lock().unwrap();
-    assert!(o.2.is_none(), "{:?}", o.2);
+    assert!(o.failed.is_none(), "{:?}", o.failed);
+    let cached = o.finished.as_ref().expect("finished").1.cached_tokens;
     assert!(
-        o.1.expect("finished") >= end,
-        "the reader did not read the span from the cache ({:?} cached)",
-        o.1
+        cached >= end,
+        "the reader did not read the span from the cache ({cached} cached)"
     );
-    assert_eq!(o.0, solo, "the reader's KV changed under it");
+    assert_eq!(o.tokens, solo, "the reader's KV changed under it");
     // The reader's end published nothing from the span on, and freed (zeroed) the rest.
     no_path_through_forgotten(&e);
     for &s in &held {

@@ -1,0 +1,68 @@
+//! Helpers shared by the engine's integration tests: the default model and plain requests
+//! that record what their sink receives.
+#![allow(dead_code)] // each test crate uses a subset
+
+use leyline_engine::{Engine, Event, FinishReason, Request, SamplingParams, Usage};
+use leyline_model::LoadedModel;
+use std::ops::ControlFlow;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The default model, fetched on first use.
+pub fn lm() -> &'static LoadedModel {
+    static M: OnceLock<LoadedModel> = OnceLock::new();
+    M.get_or_init(|| {
+        let path = leyline_model::registry::default_model_path()
+            .expect("the default model is needed: fetching it failed");
+        leyline_model::load_gguf(&path).expect("load the default model")
+    })
+}
+
+/// `text` as token ids, without special tokens added.
+pub fn encode(text: &str) -> Vec<u32> {
+    lm().tokenizer.encode(text, false).unwrap()
+}
+
+/// What a request's sink received.
+#[derive(Default)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    pub finished: Option<(FinishReason, Usage)>,
+    pub failed: Option<String>,
+}
+
+pub type Shared = Arc<Mutex<Outcome>>;
+
+/// A greedy plain (session-less) request and the outcome its sink fills in.
+pub fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, Shared) {
+    let out: Shared = Arc::default();
+    let o = Arc::clone(&out);
+    let req = Request {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: Vec::new(),
+        session: None,
+        sink: Box::new(move |e| {
+            let mut o = o.lock().unwrap();
+            match e {
+                Event::Token(t) => o.tokens.push(t),
+                Event::Finished { reason, usage, .. } => o.finished = Some((reason, usage)),
+                Event::Failed(m) => o.failed = Some(m),
+            }
+            ControlFlow::Continue(())
+        }),
+    };
+    (req, out)
+}
+
+/// Submits one greedy request per prompt; their outcomes in order.
+pub fn submit_all(e: &mut Engine, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Shared> {
+    prompts
+        .iter()
+        .map(|p| {
+            let (req, out) = request(p.clone(), max_tokens);
+            e.submit(req);
+            out
+        })
+        .collect()
+}
