@@ -102,8 +102,7 @@ struct Waiting {
     id: RequestId,
     req: Request,
     submitted: Instant,
-    /// Whether the session's edits were applied (they apply once, at the first attempt).
-    edited: bool,
+    /// What the session's edits did; set at the first admission attempt (edits apply once).
     edit: Option<EditReport>,
 }
 
@@ -236,7 +235,6 @@ impl Engine {
             id,
             req,
             submitted: Instant::now(),
-            edited: false,
             edit: None,
         });
         self.update_gauges();
@@ -443,7 +441,7 @@ impl Engine {
                 break;
             };
             // A session's edits apply once, at its first admission attempt.
-            if let (false, Some(sr)) = (w.edited, w.req.session.as_mut()) {
+            if let (None, Some(sr)) = (&w.edit, w.req.session.as_mut()) {
                 self.forget_pending.remove(&sr.id);
                 let edits = std::mem::take(&mut sr.edits);
                 let (id, mode) = (sr.id, sr.mode);
@@ -455,7 +453,6 @@ impl Engine {
                     }
                 }
             }
-            w.edited = true;
             match self.try_admit(w)? {
                 Admission::Admitted => admitted += 1,
                 Admission::Refused => {}
