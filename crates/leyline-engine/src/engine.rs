@@ -5,7 +5,10 @@
 //! ONE forward over every running sequence: a decode token for each sequence that has one,
 //! and prefill chunks for the others within a token budget (`prefill_chunk`, or the smaller
 //! `decode_prefill_chunk` when the step also decodes), so a long prompt never stalls decodes
-//! for long. Every prefilled chunk of lineage-free prompt goes into the prefix tree at once,
+//! for long. The budget goes to the prompt with the fewest tokens left first
+//! ([`PrefillOrder`]): a plain turn or a spliced edit does not wait behind another
+//! session's long re-prefill, and a prompt passed over `prefill_patience` times goes first
+//! from then on. Every prefilled chunk of lineage-free prompt goes into the prefix tree at once,
 //! so a request that shares a prompt prefix with one still prefilling waits for that
 //! prefill (a step or a few) instead of computing the same prefix again; finished sequences
 //! leave their KV in the tree for later hits.
@@ -41,6 +44,51 @@ pub struct EngineConfig {
     pub decode_prefill_chunk: usize,
     /// Most sequences running at once.
     pub max_running: usize,
+    /// Which prefilling sequences get a step's prefill budget first.
+    pub prefill_order: PrefillOrder,
+    /// Under [`PrefillOrder::Shortest`], a sequence left without prefill in this many steps
+    /// goes ahead of every shorter prompt from then on (no prompt starves).
+    pub prefill_patience: u32,
+}
+
+/// How a step hands its prefill budget to the sequences still prefilling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillOrder {
+    /// In admission order: the oldest prompt finishes first.
+    Arrival,
+    /// Fewest prompt tokens left first, so that a short prompt (a plain turn, a spliced
+    /// edit) does not queue behind a long re-prefill; ties in admission order.
+    #[default]
+    Shortest,
+}
+
+impl PrefillOrder {
+    /// The name `FromStr` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillOrder::Arrival => "arrival",
+            PrefillOrder::Shortest => "shortest",
+        }
+    }
+}
+
+impl std::str::FromStr for PrefillOrder {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "arrival" | "fcfs" => Ok(PrefillOrder::Arrival),
+            "shortest" | "srpt" => Ok(PrefillOrder::Shortest),
+            other => Err(format!(
+                "unknown prefill order {other:?} (expected shortest or arrival)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for PrefillOrder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 impl EngineConfig {
@@ -52,6 +100,8 @@ impl EngineConfig {
             prefill_chunk: 512,
             decode_prefill_chunk: 128,
             max_running: 64,
+            prefill_order: PrefillOrder::Shortest,
+            prefill_patience: 32,
         }
     }
 
@@ -90,6 +140,10 @@ struct Running {
     clean_len: usize,
     /// What the request's edit did.
     edit: Option<EditReport>,
+    /// Steps in which this sequence still had prompt to prefill and got none of the budget.
+    passed_over: u32,
+    /// Admission number (`running` loses that order when sequences retire).
+    admission: u64,
 }
 
 impl Running {
@@ -150,6 +204,8 @@ pub struct Engine {
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) sessions: HashMap<SessionId, Session>,
     pub(crate) next_session: u64,
+    /// Admissions so far (numbers the running sequences).
+    admissions: u64,
     /// FORGET targets still to prefill on the explicit channel.
     pub(crate) forget_pending: HashMap<SessionId, Vec<u32>>,
 }
@@ -181,6 +237,7 @@ impl Engine {
             metrics,
             sessions: HashMap::new(),
             next_session: 1,
+            admissions: 0,
             forget_pending: HashMap::new(),
         })
     }
@@ -315,14 +372,17 @@ impl Engine {
         } else {
             self.cfg.prefill_chunk
         };
-        for (i, r) in self.running.iter().enumerate() {
+        for i in self.prefill_queue() {
+            let r = &mut self.running[i];
             let c = r.computed();
-            if c < r.prompt_len && budget > 0 {
-                let to = (c + budget).min(r.prompt_len);
-                budget -= to - c;
-                report.prefill_tokens += to - c;
-                plan.push((i, c, to));
+            if budget == 0 {
+                r.passed_over += 1;
+                continue;
             }
+            let to = (c + budget).min(r.prompt_len);
+            budget -= to - c;
+            report.prefill_tokens += to - c;
+            plan.push((i, c, to));
         }
         if plan.is_empty() {
             self.retire(&mut report);
@@ -430,6 +490,23 @@ impl Engine {
         }
         self.retire(&mut report);
         Ok(report)
+    }
+
+    /// Indices of the sequences with prompt left to prefill, in the order they get budget.
+    fn prefill_queue(&self) -> Vec<usize> {
+        let mut queue: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].computed() < self.running[i].prompt_len)
+            .collect();
+        let patience = self.cfg.prefill_patience;
+        queue.sort_by_key(|&i| {
+            let r = &self.running[i];
+            match self.cfg.prefill_order {
+                PrefillOrder::Arrival => (false, 0, r.admission),
+                PrefillOrder::Shortest if r.passed_over >= patience => (false, 0, r.admission),
+                PrefillOrder::Shortest => (true, r.prompt_len - r.computed(), r.admission),
+            }
+        });
+        queue
     }
 
     /// Admits waiting requests in order while slots allow.
@@ -561,7 +638,10 @@ impl Engine {
                     lineage,
                     clean_len,
                     edit: w.edit,
+                    passed_over: 0,
+                    admission: self.admissions,
                 });
+                self.admissions += 1;
                 Ok(Admission::Admitted)
             }
             Err(KvError::PoolExhausted { .. }) => {

@@ -3,8 +3,8 @@
 
 mod common;
 
-use common::{encode, lm, request, submit_all};
-use leyline_engine::{Engine, EngineConfig, FinishReason};
+use common::{encode, lm, request, submit_all, Shared};
+use leyline_engine::{Engine, EngineConfig, FinishReason, PrefillOrder};
 use std::sync::Arc;
 
 fn engine(slots: usize) -> Engine {
@@ -291,4 +291,91 @@ fn a_prompt_is_reusable_while_its_request_still_decodes() {
         run_alone(&[head, encode(TEXTS[1])].concat(), 4)
     );
     e.check_no_leaks().unwrap();
+}
+
+/// Steps until each request's first token, for a long prompt submitted just before a
+/// short one (prefill budget 64 per step).
+fn first_token_steps(order: PrefillOrder) -> (usize, usize, Vec<u32>, Vec<u32>) {
+    let cfg = EngineConfig {
+        prefill_chunk: 64,
+        prefill_order: order,
+        ..EngineConfig::new(4096)
+    };
+    let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+    let long = shared_head();
+    let short = encode(TEXTS[5]);
+    let outs = submit_all(&mut e, &[long.clone(), short.clone()], 2);
+    let mut first = [None, None];
+    let mut step = 0;
+    while e.has_work() {
+        e.step().unwrap();
+        step += 1;
+        for (f, o) in first.iter_mut().zip(&outs) {
+            if f.is_none() && !o.lock().unwrap().tokens.is_empty() {
+                *f = Some(step);
+            }
+        }
+    }
+    e.check_no_leaks().unwrap();
+    let tokens = |o: &Shared| o.lock().unwrap().tokens.clone();
+    (
+        first[0].expect("long prompt answered"),
+        first[1].expect("short prompt answered"),
+        tokens(&outs[0]),
+        tokens(&outs[1]),
+    )
+}
+
+#[test]
+fn a_short_prompt_does_not_wait_behind_a_long_prefill() {
+    let (long, short) = (shared_head(), encode(TEXTS[5]));
+    let (solo_long, solo_short) = (run_alone(&long, 2), run_alone(&short, 2));
+    let (l, s, out_long, out_short) = first_token_steps(PrefillOrder::Shortest);
+    assert_eq!(s, 1, "short prompt answered at step {s} (long at {l})");
+    assert!(l > s, "long prompt at step {l}, short at {s}");
+    assert_eq!(
+        (out_long, out_short),
+        (solo_long.clone(), solo_short.clone())
+    );
+    // In arrival order the short prompt waits for the long one's prefill.
+    let (l, s, out_long, out_short) = first_token_steps(PrefillOrder::Arrival);
+    assert!(s >= l, "arrival order: short at step {s}, long at {l}");
+    assert_eq!((out_long, out_short), (solo_long, solo_short));
+}
+
+/// Whether a long prompt gets its first token within `steps` steps while a new short prompt
+/// (more tokens than a step's budget) arrives before every step.
+fn long_prompt_answered(patience: u32, steps: usize) -> bool {
+    let cfg = EngineConfig {
+        prefill_chunk: 16,
+        prefill_patience: patience,
+        ..EngineConfig::new(8192)
+    };
+    let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+    let long = shared_head();
+    let (req, out) = request(long, 1);
+    e.submit(req);
+    for i in 0..steps {
+        // Distinct from the second token on, so the prefix tree saves a short prompt little.
+        let text: Vec<&str> = (0..4).map(|k| TEXTS[(i + 7 * k) % 16]).collect();
+        let text = format!("{i}: {}", text.join(" "));
+        let short: Vec<u32> = encode(&text).into_iter().take(24).collect();
+        assert!(short.len() >= 20, "short prompt of {} tokens", short.len());
+        let (req, _) = request(short, 1);
+        e.submit(req);
+        e.step().unwrap();
+        if !out.lock().unwrap().tokens.is_empty() {
+            return true;
+        }
+    }
+    false
+}
+
+#[test]
+fn a_long_prompt_passed_over_long_enough_goes_first() {
+    let need = shared_head().len().div_ceil(16);
+    // Three steps passed over, then every step's budget until its prefill is done.
+    assert!(long_prompt_answered(3, 3 + need + 1));
+    // Without patience the stream of shorter prompts starves it.
+    assert!(!long_prompt_answered(u32::MAX, 3 * need));
 }

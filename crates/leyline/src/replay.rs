@@ -72,6 +72,10 @@ pub struct ReplayArgs {
     /// Most prompt tokens prefilled in a step that also decodes.
     #[arg(long, default_value_t = 128)]
     pub decode_prefill_chunk: usize,
+    /// Which prompts get a step's prefill budget first: `shortest` (fewest tokens left; a
+    /// prompt passed over 32 steps goes first from then on) or `arrival`.
+    #[arg(long, default_value_t = leyline_engine::PrefillOrder::Shortest)]
+    pub prefill_order: leyline_engine::PrefillOrder,
     /// Cap on the KV pool when `--kv-slots` is not given, in GiB.
     #[arg(long, default_value_t = 8.0)]
     pub kv_mem_gib: f64,
@@ -192,6 +196,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
                     kv_dtype: a.model.kv_dtype,
                     prefill_chunk: a.prefill_chunk,
                     decode_prefill_chunk: a.decode_prefill_chunk,
+                    prefill_order: a.prefill_order,
                     max_running: live.max(1),
                     ..EngineConfig::new(kv_slots)
                 },
@@ -249,6 +254,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         "max_tokens": a.max_tokens,
         "prefill_chunk": a.prefill_chunk,
         "decode_prefill_chunk": a.decode_prefill_chunk,
+        "prefill_order": a.prefill_order.name(),
         "long_rule": format!("{:?}", a.long).to_lowercase(),
         "context_length": info.context_length,
         "sessions": prepared.sessions.iter().map(|s| s.name.clone()).collect::<Vec<_>>(),

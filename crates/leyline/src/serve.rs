@@ -33,6 +33,10 @@ pub struct ServeArgs {
     /// two streamed tokens when long prompts arrive.
     #[arg(long, default_value_t = 128)]
     decode_prefill_chunk: usize,
+    /// Which prompts get a step's prefill budget first: `shortest` (fewest tokens left; a
+    /// prompt passed over 32 steps goes first from then on) or `arrival`.
+    #[arg(long, default_value_t = leyline_engine::PrefillOrder::Shortest)]
+    prefill_order: leyline_engine::PrefillOrder,
     /// Most sessions open at once (each pins its KV); when full, the least recently used
     /// idle session is dropped for a new one.
     #[arg(long, default_value_t = 1024)]
@@ -58,6 +62,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         kv_dtype: a.model.kv_dtype,
         prefill_chunk: a.prefill_chunk,
         decode_prefill_chunk: a.decode_prefill_chunk,
+        prefill_order: a.prefill_order,
         ..leyline_engine::EngineConfig::new(slots)
     };
     let name = a
