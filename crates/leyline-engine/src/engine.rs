@@ -591,7 +591,6 @@ impl Engine {
             }
         }
         if !from_session {
-            let m = self.cache.match_prefix(ns, probe);
             let in_flight = self
                 .running
                 .iter()
@@ -599,9 +598,13 @@ impl Engine {
                 .map(|r| common_prefix(&r.tokens[..r.prompt_len.min(r.clean_len)], probe))
                 .max()
                 .unwrap_or(0);
-            if in_flight >= m.slots.len() + MIN_INFLIGHT_SHARE {
+            // A side-effect-free peek, so a request deferred for many steps counts one lookup.
+            if in_flight >= MIN_INFLIGHT_SHARE
+                && in_flight >= self.cache.cached_len(ns, probe) + MIN_INFLIGHT_SHARE
+            {
                 return Ok(Admission::Deferred(w));
             }
+            let m = self.cache.match_prefix(ns, probe);
             if let Some(node) = m.node {
                 lock = Some(self.cache.lock(node)?);
             }

@@ -261,6 +261,8 @@ fn requests_sharing_a_prefix_with_a_running_prefill_reuse_it() {
         prefilled + 3 * (head.len() - 32) <= prompt_tokens,
         "{prefilled} of {prompt_tokens} prompt tokens prefilled"
     );
+    // Waiting for the running prefill is not a cache lookup: one per request.
+    assert_eq!(e.cache().stats().lookups, 4);
     e.check_no_leaks().unwrap();
 }
 

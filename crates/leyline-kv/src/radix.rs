@@ -272,6 +272,28 @@ impl PrefixCache {
         }
     }
 
+    /// Length of the longest cached prefix of `tokens` in `ns`, without
+    /// [`Self::match_prefix`]'s side effects (no split, no recency stamp, no stats).
+    pub fn cached_len(&self, ns: Namespace, tokens: &[u32]) -> usize {
+        let Some(&root) = self.roots.get(&ns) else {
+            return 0;
+        };
+        let (mut cur, mut i) = (root, 0);
+        while i < tokens.len() {
+            let Some(&child) = self.node(cur).children.get(&tokens[i]) else {
+                break;
+            };
+            let key = &self.node(child).key;
+            let p = common_prefix(key, &tokens[i..]);
+            i += p;
+            if p < key.len() {
+                break;
+            }
+            cur = child;
+        }
+        i
+    }
+
     /// Looks up `tokens` for a session of `lineage`: in its own namespace and in the shared
     /// one of `model`, and returns the longer match (its own on a tie). Both lookups have
     /// [`Self::match_prefix`]'s side effects.

@@ -72,10 +72,14 @@ pub struct ReplayArgs {
     /// Most prompt tokens prefilled in a step that also decodes.
     #[arg(long, default_value_t = 128)]
     pub decode_prefill_chunk: usize,
-    /// Which prompts get a step's prefill budget first: `shortest` (fewest tokens left; a
-    /// prompt passed over 32 steps goes first from then on) or `arrival`.
+    /// Which prompts get a step's prefill budget first: `shortest` (fewest tokens left) or
+    /// `arrival` (admission order).
     #[arg(long, default_value_t = leyline_engine::PrefillOrder::Shortest)]
     pub prefill_order: leyline_engine::PrefillOrder,
+    /// With `--prefill-order shortest`: a prompt left without prefill in this many steps
+    /// goes ahead of shorter ones from then on (bounds how long a long prompt waits).
+    #[arg(long, default_value_t = 32)]
+    pub prefill_patience: u32,
     /// Cap on the KV pool when `--kv-slots` is not given, in GiB.
     #[arg(long, default_value_t = 8.0)]
     pub kv_mem_gib: f64,
@@ -197,6 +201,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
                     prefill_chunk: a.prefill_chunk,
                     decode_prefill_chunk: a.decode_prefill_chunk,
                     prefill_order: a.prefill_order,
+                    prefill_patience: a.prefill_patience,
                     max_running: live.max(1),
                     ..EngineConfig::new(kv_slots)
                 },
@@ -255,6 +260,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         "prefill_chunk": a.prefill_chunk,
         "decode_prefill_chunk": a.decode_prefill_chunk,
         "prefill_order": a.prefill_order.name(),
+        "prefill_patience": a.prefill_patience,
         "long_rule": format!("{:?}", a.long).to_lowercase(),
         "context_length": info.context_length,
         "sessions": prepared.sessions.iter().map(|s| s.name.clone()).collect::<Vec<_>>(),

@@ -33,10 +33,14 @@ pub struct ServeArgs {
     /// two streamed tokens when long prompts arrive.
     #[arg(long, default_value_t = 128)]
     decode_prefill_chunk: usize,
-    /// Which prompts get a step's prefill budget first: `shortest` (fewest tokens left; a
-    /// prompt passed over 32 steps goes first from then on) or `arrival`.
+    /// Which prompts get a step's prefill budget first: `shortest` (fewest tokens left) or
+    /// `arrival` (admission order).
     #[arg(long, default_value_t = leyline_engine::PrefillOrder::Shortest)]
     prefill_order: leyline_engine::PrefillOrder,
+    /// With `--prefill-order shortest`: a prompt left without prefill in this many steps
+    /// goes ahead of shorter ones from then on (bounds how long a long prompt waits).
+    #[arg(long, default_value_t = 32)]
+    prefill_patience: u32,
     /// Most sessions open at once (each pins its KV); when full, the least recently used
     /// idle session is dropped for a new one.
     #[arg(long, default_value_t = 1024)]
@@ -63,6 +67,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         prefill_chunk: a.prefill_chunk,
         decode_prefill_chunk: a.decode_prefill_chunk,
         prefill_order: a.prefill_order,
+        prefill_patience: a.prefill_patience,
         ..leyline_engine::EngineConfig::new(slots)
     };
     let name = a

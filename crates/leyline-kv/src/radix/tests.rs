@@ -21,6 +21,29 @@ fn put(c: &mut PrefixCache, ns: Namespace, tokens: &[u32]) -> Vec<u32> {
 }
 
 #[test]
+fn cached_len_agrees_with_match_and_changes_nothing() {
+    let mut c = PrefixCache::new(16).unwrap();
+    put(&mut c, NS, &[1, 2, 3, 4]);
+    put(&mut c, NS, &[1, 2, 7]);
+    let before = (c.stats(), c.sequences());
+    let queries: [&[u32]; 6] = [
+        &[1, 2, 3, 4, 5],
+        &[1, 2, 3],
+        &[1, 2, 7, 8],
+        &[1, 9],
+        &[5],
+        &[],
+    ];
+    let peeked: Vec<usize> = queries.iter().map(|q| c.cached_len(NS, q)).collect();
+    assert_eq!((c.stats(), c.sequences()), before);
+    let other = Namespace::new(0, Lineage(3));
+    assert_eq!(c.cached_len(other, &[1, 2, 3]), 0);
+    let matched: Vec<usize> = queries.iter().map(|q| c.match_prefix(NS, q).len).collect();
+    assert_eq!(peeked, matched);
+    assert_eq!(peeked, vec![4, 3, 3, 1, 0, 0]);
+}
+
+#[test]
 fn match_splits_inside_an_edge() {
     let mut c = PrefixCache::new(16).unwrap();
     let s = put(&mut c, NS, &[1, 2, 3, 4]);
