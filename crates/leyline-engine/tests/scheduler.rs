@@ -8,10 +8,13 @@ use leyline_engine::{Engine, EngineConfig, FinishReason, PrefillOrder};
 use std::sync::Arc;
 
 fn engine(slots: usize) -> Engine {
-    let cfg = EngineConfig {
+    engine_with(EngineConfig {
         prefill_chunk: 64,
         ..EngineConfig::new(slots)
-    };
+    })
+}
+
+fn engine_with(cfg: EngineConfig) -> Engine {
     Engine::new(Arc::clone(&lm().model), cfg).unwrap()
 }
 
@@ -108,12 +111,11 @@ fn pressure_completes_or_fails_clearly_without_leaks() {
     let max_tokens = 4;
     let demand: usize = prompts.iter().map(|p| p.len() + max_tokens).sum();
     let slots = demand / 10;
-    let cfg = EngineConfig {
+    let mut e = engine_with(EngineConfig {
         prefill_chunk: 64,
         max_running: 16,
         ..EngineConfig::new(slots)
-    };
-    let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+    });
     // One request that can never fit.
     let (huge, huge_out) = request(vec![42; slots + 5], 1);
     e.submit(huge);
@@ -184,12 +186,11 @@ fn bad_requests_fail_with_a_reason() {
 
 #[test]
 fn steps_that_decode_prefill_within_the_smaller_budget() {
-    let cfg = EngineConfig {
+    let mut e = engine_with(EngineConfig {
         prefill_chunk: 64,
         decode_prefill_chunk: 8,
         ..EngineConfig::new(2048)
-    };
-    let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+    });
     let (a, out_a) = request(encode(TEXTS[3]), 10);
     e.submit(a);
     while e.step().unwrap().decode_seqs == 0 {}
@@ -298,12 +299,11 @@ fn a_prompt_is_reusable_while_its_request_still_decodes() {
 /// Steps until each request's first token, for a long prompt submitted just before a
 /// short one (prefill budget 64 per step).
 fn first_token_steps(order: PrefillOrder) -> (usize, usize, Vec<u32>, Vec<u32>) {
-    let cfg = EngineConfig {
+    let mut e = engine_with(EngineConfig {
         prefill_chunk: 64,
         prefill_order: order,
         ..EngineConfig::new(4096)
-    };
-    let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+    });
     let long = shared_head();
     let short = encode(TEXTS[5]);
     let outs = submit_all(&mut e, &[long.clone(), short.clone()], 2);
@@ -348,12 +348,11 @@ fn a_short_prompt_does_not_wait_behind_a_long_prefill() {
 /// Whether a long prompt gets its first token within `steps` steps while a new short prompt
 /// (more tokens than a step's budget) arrives before every step.
 fn long_prompt_answered(patience: u32, steps: usize) -> bool {
-    let cfg = EngineConfig {
+    let mut e = engine_with(EngineConfig {
         prefill_chunk: 16,
         prefill_patience: patience,
         ..EngineConfig::new(8192)
-    };
-    let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+    });
     let long = shared_head();
     let (req, out) = request(long, 1);
     e.submit(req);
