@@ -17,7 +17,6 @@
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
 use crate::request::{Event, Request};
-use crate::sampling::SamplingParams;
 use crate::session::{EditReport, SessionId, SessionRequest};
 use leyline_core::{Directive, Mode};
 use leyline_kv::rope::{RopeSpec, RotaryLayout};
@@ -299,25 +298,21 @@ pub fn session_with(engine: &mut Engine, tokens: &[u32]) -> Result<SessionId> {
     let id = engine.create_session();
     let failed = Arc::new(Mutex::new(None::<String>));
     let f = Arc::clone(&failed);
-    engine.submit(Request {
-        prompt: tokens.to_vec(),
-        max_tokens: 1,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: Vec::new(),
-        session: Some(SessionRequest {
+    let sink = Box::new(move |ev| {
+        if let Event::Failed(m) = ev {
+            if let Ok(mut g) = f.lock() {
+                *g = Some(m);
+            }
+        }
+        ControlFlow::Continue(())
+    });
+    engine.submit(
+        Request::greedy(tokens.to_vec(), 1, sink).in_session(SessionRequest {
             id,
             mode: Mode::Amortize,
             edits: Vec::new(),
         }),
-        sink: Box::new(move |ev| {
-            if let Event::Failed(m) = ev {
-                if let Ok(mut g) = f.lock() {
-                    *g = Some(m);
-                }
-            }
-            ControlFlow::Continue(())
-        }),
-    });
+    );
     engine.run_to_completion()?;
     let failure = failed.lock().ok().and_then(|mut g| g.take());
     if let Some(m) = failure {

@@ -89,6 +89,29 @@ pub struct Request {
     pub sink: EventSink,
 }
 
+impl Request {
+    /// A greedy request for at most `max_tokens` tokens after `prompt`, without stop tokens
+    /// or session.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize, sink: EventSink) -> Self {
+        Self {
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: Vec::new(),
+            session: None,
+            sink,
+        }
+    }
+
+    /// The same request, continuing `session` (whose edits apply first).
+    pub fn in_session(self, session: SessionRequest) -> Self {
+        Self {
+            session: Some(session),
+            ..self
+        }
+    }
+}
+
 impl std::fmt::Debug for Request {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Request")

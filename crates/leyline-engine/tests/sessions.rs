@@ -6,7 +6,7 @@ mod common;
 use common::{encode, lm, request};
 use leyline_core::{Directive, Mode};
 use leyline_engine::{
-    Engine, EngineConfig, EngineError, Event, Request, SamplingParams, SessionId, SessionRequest,
+    Engine, EngineConfig, EngineError, Event, Request, SessionId, SessionRequest,
 };
 use leyline_kv::rope::RotaryLayout;
 use leyline_kv::slots::Lineage;
@@ -34,22 +34,18 @@ fn turn(
 ) -> Vec<u32> {
     let out = Arc::new(Mutex::new((Vec::new(), None::<String>)));
     let o = Arc::clone(&out);
-    e.submit(Request {
-        prompt: prompt.to_vec(),
-        max_tokens: n,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: Vec::new(),
-        session: Some(SessionRequest { id, mode, edits }),
-        sink: Box::new(move |ev| {
-            let mut o = o.lock().unwrap();
-            match ev {
-                Event::Token(t) => o.0.push(t),
-                Event::Failed(m) => o.1 = Some(m),
-                Event::Finished { .. } => {}
-            }
-            ControlFlow::Continue(())
-        }),
+    let sink = Box::new(move |ev| {
+        let mut o = o.lock().unwrap();
+        match ev {
+            Event::Token(t) => o.0.push(t),
+            Event::Failed(m) => o.1 = Some(m),
+            Event::Finished { .. } => {}
+        }
+        ControlFlow::Continue(())
     });
+    e.submit(
+        Request::greedy(prompt.to_vec(), n, sink).in_session(SessionRequest { id, mode, edits }),
+    );
     e.run_to_completion().unwrap();
     let o = out.lock().unwrap();
     assert!(o.1.is_none(), "{:?}", o.1);
@@ -379,19 +375,13 @@ fn amortize_in_one_session_leaves_another_untouched() {
     let o = Arc::clone(&out);
     let mut prompt = ia2.tokens.clone();
     prompt.extend(encode(" more"));
-    e.submit(Request {
-        prompt,
-        max_tokens: 1,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: Vec::new(),
-        session: None,
-        sink: Box::new(move |ev| {
-            if let Event::Finished { usage, .. } = ev {
-                *o.lock().unwrap() = Some(usage);
-            }
-            ControlFlow::Continue(())
-        }),
+    let sink = Box::new(move |ev| {
+        if let Event::Finished { usage, .. } = ev {
+            *o.lock().unwrap() = Some(usage);
+        }
+        ControlFlow::Continue(())
     });
+    e.submit(Request::greedy(prompt, 1, sink));
     e.run_to_completion().unwrap();
     let usage = out.lock().unwrap().clone().unwrap();
     assert!(

@@ -4,7 +4,7 @@
 use crate::{load_model, ModelArgs};
 use anyhow::{bail, Result};
 use clap::Args;
-use leyline_engine::{Engine, EngineConfig, Event, Request, SamplingParams, Usage};
+use leyline_engine::{Engine, EngineConfig, Event, Request, Usage};
 use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -58,21 +58,15 @@ fn tokens(lm: &leyline_model::LoadedModel, n: usize, salt: usize) -> Result<Vec<
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize, out: Arc<Mutex<Option<Usage>>>) -> Request {
-    Request {
-        prompt,
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: Vec::new(),
-        session: None,
-        sink: Box::new(move |e| {
-            if let Event::Finished { usage, .. } = e {
-                if let Ok(mut o) = out.lock() {
-                    *o = Some(usage);
-                }
+    let sink = Box::new(move |e| {
+        if let Event::Finished { usage, .. } = e {
+            if let Ok(mut o) = out.lock() {
+                *o = Some(usage);
             }
-            ControlFlow::Continue(())
-        }),
-    }
+        }
+        ControlFlow::Continue(())
+    });
+    Request::greedy(prompt, max_tokens, sink)
 }
 
 /// Runs the benchmark.

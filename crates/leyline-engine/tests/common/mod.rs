@@ -2,7 +2,7 @@
 //! that record what their sink receives.
 #![allow(dead_code)] // each test crate uses a subset
 
-use leyline_engine::{Engine, Event, FinishReason, Request, SamplingParams, Usage};
+use leyline_engine::{Engine, Event, FinishReason, Request, Usage};
 use leyline_model::LoadedModel;
 use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -36,22 +36,16 @@ pub type Shared = Arc<Mutex<Outcome>>;
 pub fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, Shared) {
     let out: Shared = Arc::default();
     let o = Arc::clone(&out);
-    let req = Request {
-        prompt,
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: Vec::new(),
-        session: None,
-        sink: Box::new(move |e| {
-            let mut o = o.lock().unwrap();
-            match e {
-                Event::Token(t) => o.tokens.push(t),
-                Event::Finished { reason, usage, .. } => o.finished = Some((reason, usage)),
-                Event::Failed(m) => o.failed = Some(m),
-            }
-            ControlFlow::Continue(())
-        }),
-    };
+    let sink = Box::new(move |e| {
+        let mut o = o.lock().unwrap();
+        match e {
+            Event::Token(t) => o.tokens.push(t),
+            Event::Finished { reason, usage, .. } => o.finished = Some((reason, usage)),
+            Event::Failed(m) => o.failed = Some(m),
+        }
+        ControlFlow::Continue(())
+    });
+    let req = Request::greedy(prompt, max_tokens, sink);
     (req, out)
 }
 

@@ -10,8 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use leyline_core::{Directive, Mode};
 use leyline_engine::{
-    Engine, EngineConfig, Event, MetricsSnapshot, Request, SamplingParams, SessionId,
-    SessionRequest, Usage,
+    Engine, EngineConfig, Event, MetricsSnapshot, Request, SessionId, SessionRequest, Usage,
 };
 use leyline_model::CausalLm;
 use leyline_policy::{diff_rendered, Rendered};
@@ -237,18 +236,16 @@ impl Driver<'_> {
             _ => None,
         };
         let tx = self.tx.clone();
+        let sink = Box::new(move |e| {
+            if !matches!(e, Event::Token(_)) {
+                let _ = tx.send((i, e));
+            }
+            ControlFlow::Continue(())
+        });
         let req = Request {
-            prompt: turn.prompt.tokens.clone(),
-            max_tokens: self.p.max_tokens,
-            sampling: SamplingParams::greedy(),
             stop_tokens: self.p.stop_tokens.clone(),
             session,
-            sink: Box::new(move |e| {
-                if !matches!(e, Event::Token(_)) {
-                    let _ = tx.send((i, e));
-                }
-                ControlFlow::Continue(())
-            }),
+            ..Request::greedy(turn.prompt.tokens.clone(), self.p.max_tokens, sink)
         };
         self.engine.submit(req);
         Ok(())
