@@ -51,14 +51,16 @@ pub struct EngineConfig {
     pub prefill_patience: u32,
 }
 
+/// [`EngineConfig::prefill_patience`] unless set otherwise.
+pub const DEFAULT_PREFILL_PATIENCE: u32 = 32;
+
 /// How a step hands its prefill budget to the sequences still prefilling.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefillOrder {
     /// In admission order: the oldest prompt finishes first.
     Arrival,
     /// Fewest prompt tokens left first, so that a short prompt (a plain turn, a spliced
     /// edit) does not queue behind a long re-prefill; ties in admission order.
-    #[default]
     Shortest,
 }
 
@@ -101,7 +103,7 @@ impl EngineConfig {
             decode_prefill_chunk: 128,
             max_running: 64,
             prefill_order: PrefillOrder::Shortest,
-            prefill_patience: 32,
+            prefill_patience: DEFAULT_PREFILL_PATIENCE,
         }
     }
 

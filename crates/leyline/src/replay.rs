@@ -78,7 +78,7 @@ pub struct ReplayArgs {
     pub prefill_order: leyline_engine::PrefillOrder,
     /// With `--prefill-order shortest`: a prompt left without prefill in this many steps
     /// goes ahead of shorter ones from then on (bounds how long a long prompt waits).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_PREFILL_PATIENCE)]
     pub prefill_patience: u32,
     /// Cap on the KV pool when `--kv-slots` is not given, in GiB.
     #[arg(long, default_value_t = 8.0)]

@@ -39,7 +39,7 @@ pub struct ServeArgs {
     prefill_order: leyline_engine::PrefillOrder,
     /// With `--prefill-order shortest`: a prompt left without prefill in this many steps
     /// goes ahead of shorter ones from then on (bounds how long a long prompt waits).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_PREFILL_PATIENCE)]
     prefill_patience: u32,
     /// Most sessions open at once (each pins its KV); when full, the least recently used
     /// idle session is dropped for a new one.
