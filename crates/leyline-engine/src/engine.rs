@@ -53,6 +53,10 @@ pub struct EngineConfig {
 
 /// [`EngineConfig::prefill_patience`] unless set otherwise.
 pub const DEFAULT_PREFILL_PATIENCE: u32 = 32;
+/// [`EngineConfig::prefill_chunk`] unless set otherwise.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+/// [`EngineConfig::decode_prefill_chunk`] unless set otherwise.
+pub const DEFAULT_DECODE_PREFILL_CHUNK: usize = 128;
 
 /// How a step hands its prefill budget to the sequences still prefilling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,8 +103,8 @@ impl EngineConfig {
         Self {
             kv_dtype: KvDtype::F32,
             kv_slots,
-            prefill_chunk: 512,
-            decode_prefill_chunk: 128,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            decode_prefill_chunk: DEFAULT_DECODE_PREFILL_CHUNK,
             max_running: 64,
             prefill_order: PrefillOrder::Shortest,
             prefill_patience: DEFAULT_PREFILL_PATIENCE,

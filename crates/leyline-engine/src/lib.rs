@@ -16,7 +16,10 @@ pub mod request;
 pub mod sampling;
 pub mod session;
 
-pub use engine::{Engine, EngineConfig, PrefillOrder, StepReport, DEFAULT_PREFILL_PATIENCE};
+pub use engine::{
+    Engine, EngineConfig, PrefillOrder, StepReport, DEFAULT_DECODE_PREFILL_CHUNK,
+    DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_PATIENCE,
+};
 pub use error::{EngineError, Result};
 pub use generate::{
     generate, generate_after, reusable_prefix, GenerateParams, GenerateStats, StopReason,

@@ -67,10 +67,10 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
     /// Most prompt tokens prefilled per engine step.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
     /// Most prompt tokens prefilled in a step that also decodes.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_DECODE_PREFILL_CHUNK)]
     pub decode_prefill_chunk: usize,
     /// Which prompts get a step's prefill budget first: `shortest` (fewest tokens left) or
     /// `arrival` (admission order).

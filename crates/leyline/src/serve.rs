@@ -27,11 +27,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 512)]
     default_max_tokens: usize,
     /// Prompt tokens prefilled per scheduler step (long prompts never stall decodes long).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
     /// Prompt tokens prefilled per step while other requests decode: bounds the gap between
     /// two streamed tokens when long prompts arrive.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_DECODE_PREFILL_CHUNK)]
     decode_prefill_chunk: usize,
     /// Which prompts get a step's prefill budget first: `shortest` (fewest tokens left) or
     /// `arrival` (admission order).
