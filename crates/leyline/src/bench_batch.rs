@@ -9,6 +9,9 @@ use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+/// Prefill budget per step while the decode measurement sets up its sequences.
+const SETUP_CHUNK: usize = 4096;
+
 /// Options of `bench batch`.
 #[derive(Args)]
 pub struct BatchArgs {
@@ -18,6 +21,10 @@ pub struct BatchArgs {
     /// Decode steps measured per batch size.
     #[arg(long, default_value_t = 32)]
     pub steps: usize,
+    /// Prompt tokens of each decoding sequence, all distinct, so that the measured steps
+    /// attend over this much context per sequence (prefilled first, not timed).
+    #[arg(long, default_value_t = 32)]
+    pub context: usize,
     /// Prompt length of the TTFT measurement.
     #[arg(long, default_value_t = 2048)]
     pub ttft_prompt: usize,
@@ -74,20 +81,34 @@ pub fn run(a: BatchArgs) -> Result<()> {
     if a.batch.is_empty() || a.steps == 0 || a.repeat == 0 || a.ttft_prefix >= a.ttft_prompt {
         bail!("need batch sizes, --steps >= 1, --repeat >= 1 and --ttft-prefix < --ttft-prompt");
     }
+    if a.context == 0 {
+        bail!("--context must be at least 1 token");
+    }
     let lm = load_model(&a.model)?;
-    let slots = a.model.kv_slots.unwrap_or(16 * 1024);
+    // The first sequences decode while later ones prefill: they get tokens for those steps
+    // and then for `steps` with all `n` sequences decoding.
+    let max_tokens = |n: usize| a.steps + 2 + (n * a.context).div_ceil(SETUP_CHUNK);
+    let most = a.batch.iter().max().copied().unwrap_or(1);
+    let slots = a
+        .model
+        .kv_slots
+        .unwrap_or((most * (a.context + max_tokens(most))).max(16 * 1024));
     let cfg = |chunk| EngineConfig {
         kv_dtype: a.model.kv_dtype,
         prefill_chunk: chunk,
+        decode_prefill_chunk: chunk,
         ..EngineConfig::new(slots)
     };
     // Decode throughput: all sequences prefilled first, then only decode steps are timed.
     let mut decode = Vec::new();
     for &n in &a.batch {
-        let mut e = Engine::new(Arc::clone(&lm.model), cfg(4096))?;
+        let mut e = Engine::new(Arc::clone(&lm.model), cfg(SETUP_CHUNK))?;
+        if a.context > 256 {
+            eprintln!("batch {n}: prefilling {n} x {} tokens", a.context);
+        }
         for i in 0..n {
-            let prompt = tokens(&lm, 32, i * 1000)?;
-            e.submit(request(prompt, a.steps + 2, Arc::default()));
+            let prompt = tokens(&lm, a.context, i * 1000)?;
+            e.submit(request(prompt, max_tokens(n), Arc::default()));
         }
         let mut times = Vec::new();
         while e.has_work() {
@@ -118,11 +139,17 @@ pub fn run(a: BatchArgs) -> Result<()> {
         let mut other = base[..a.ttft_prefix].to_vec();
         other.extend(tokens(&lm, tail_len, 90_000 + rep)?);
         let cold_usage = Arc::new(Mutex::new(None));
-        let mut e = Engine::new(Arc::clone(&lm.model), cfg(512))?;
+        let mut e = Engine::new(
+            Arc::clone(&lm.model),
+            cfg(leyline_engine::DEFAULT_PREFILL_CHUNK),
+        )?;
         e.submit(request(prompt.clone(), 1, Arc::clone(&cold_usage)));
         e.run_to_completion()?;
         let warm_usage = Arc::new(Mutex::new(None));
-        let mut e = Engine::new(Arc::clone(&lm.model), cfg(512))?;
+        let mut e = Engine::new(
+            Arc::clone(&lm.model),
+            cfg(leyline_engine::DEFAULT_PREFILL_CHUNK),
+        )?;
         e.submit(request(other, 1, Arc::default()));
         e.run_to_completion()?;
         e.submit(request(prompt, 1, Arc::clone(&warm_usage)));
@@ -148,6 +175,7 @@ pub fn run(a: BatchArgs) -> Result<()> {
             serde_json::json!({
                 "model": lm.model.info().name,
                 "kv_dtype": a.model.kv_dtype.name(),
+                "context": a.context,
                 "decode": d,
                 "ttft_prompt": a.ttft_prompt,
                 "ttft_prefix": a.ttft_prefix,
@@ -157,10 +185,10 @@ pub fn run(a: BatchArgs) -> Result<()> {
             })
         );
     } else {
-        println!("| sequences | ms per decode step | tokens/s |");
-        println!("|---|---|---|");
+        println!("| sequences | context | ms per decode step | tokens/s |");
+        println!("|---|---|---|---|");
         for (n, s, t) in &decode {
-            println!("| {n} | {:.1} | {t:.1} |", s * 1e3);
+            println!("| {n} | {} | {:.1} | {t:.1} |", a.context, s * 1e3);
         }
         println!();
         println!(

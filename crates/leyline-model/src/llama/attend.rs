@@ -7,6 +7,11 @@
 //! running max and sum per row, so neither a score matrix over the whole context nor a mask
 //! is ever built. Scores are kept in log2 units (the query is pre-scaled by `log2(e)`), so
 //! the softmax needs only `exp2`, computed by a polynomial the compiler vectorizes.
+//!
+//! Decode batches have one query token per sequence, so few tasks and few rows per task: a
+//! task then covers part of the context only (its running max and sum merged afterwards),
+//! so that both threads stay busy, and scores come from the key rows directly, because
+//! transposing a key block costs more than the few dot products it serves.
 
 use crate::pool::SpinPool;
 use crate::ForwardSeq;
@@ -24,6 +29,10 @@ const QB: usize = 16;
 const RB: usize = 4;
 /// Head-dim lanes per value accumulator.
 const DC: usize = 16;
+/// Fewest context keys a split task covers.
+const MIN_SPLIT: usize = 4 * KB;
+/// Tasks per thread below which the context is split.
+const TASKS_PER_THREAD: usize = 4;
 
 /// Head counts of an attention call.
 #[derive(Debug, Clone, Copy)]
@@ -42,6 +51,19 @@ struct Task<'a> {
     /// Query tokens `t0..t1` of the sequence's new tokens.
     t0: usize,
     t1: usize,
+    /// Keys `k0..k1` of the sequence's context followed by its new tokens.
+    k0: usize,
+    k1: usize,
+    /// Tasks that split this one's keys (1: none), and this task's offset into the merge
+    /// buffers of the split rows.
+    parts: usize,
+    merge_row: usize,
+}
+
+impl Task<'_> {
+    fn rows(&self, g: usize) -> usize {
+        (self.t1 - self.t0) * g
+    }
 }
 
 /// Per-thread buffers, sized for one task.
@@ -100,12 +122,12 @@ fn exp2(x: f32) -> f32 {
 }
 
 /// A bf16 bit pattern as f32 (exact).
-pub(super) fn bf16_to_f32(b: u16) -> f32 {
+fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
 /// An f16 bit pattern as f32 (exact).
-pub(super) fn f16_to_f32(b: u16) -> f32 {
+fn f16_to_f32(b: u16) -> f32 {
     f16::from_bits(b).to_f32()
 }
 
@@ -142,32 +164,56 @@ fn attend_with(
         head_dim: hd,
     } = shape;
     let g = h / kvh;
+    let units: usize = seqs.iter().map(|s| s.tokens.len().div_ceil(QB) * kvh).sum();
+    let wanted = TASKS_PER_THREAD * pool.threads();
     let mut tasks = Vec::new();
-    let mut row = 0;
+    let (mut row, mut merge_rows) = (0, 0);
     for s in seqs {
-        let t = s.tokens.len();
+        let (t, ctx) = (s.tokens.len(), s.context.len());
+        // Only context keys are split: every row sees all of them, so no part is empty.
+        let parts = if units >= wanted {
+            1
+        } else {
+            wanted.div_ceil(units).min(ctx / MIN_SPLIT).max(1)
+        };
+        let bound = |p: usize| p * ctx / parts / KB * KB;
         for t0 in (0..t).step_by(QB) {
+            let t1 = (t0 + QB).min(t);
             for kv_head in 0..kvh {
-                tasks.push(Task {
-                    seq: s,
-                    row,
-                    kv_head,
-                    t0,
-                    t1: (t0 + QB).min(t),
-                });
+                for p in 0..parts {
+                    tasks.push(Task {
+                        seq: s,
+                        row,
+                        kv_head,
+                        t0,
+                        t1,
+                        k0: bound(p),
+                        k1: if p + 1 == parts {
+                            ctx + t1
+                        } else {
+                            bound(p + 1)
+                        },
+                        parts,
+                        merge_row: merge_rows,
+                    });
+                }
+                if parts > 1 {
+                    merge_rows += (t1 - t0) * g;
+                }
             }
         }
         row += t;
     }
     // Longest first, so the dynamic hand-out below ends with short tasks.
-    tasks.sort_by_key(|t| std::cmp::Reverse(t.seq.context.len() + t.t1));
-    // Task-major output: task i owns its rows' `head_dim` values.
-    let mut scratch = vec![0f32; row * h * hd];
+    tasks.sort_by_key(|t| std::cmp::Reverse(t.k1 - t.k0));
+    // Task-major output: task i owns its rows' `head_dim` values, then each row's running
+    // max and sum.
+    let mut scratch = vec![0f32; tasks.iter().map(|t| t.rows(g) * (hd + 2)).sum()];
     {
         let mut pieces = Vec::with_capacity(tasks.len());
         let mut rest = scratch.as_mut_slice();
         for t in &tasks {
-            let (a, b) = rest.split_at_mut((t.t1 - t.t0) * g * hd);
+            let (a, b) = rest.split_at_mut(t.rows(g) * (hd + 2));
             pieces.push(Mutex::new(a));
             rest = b;
         }
@@ -202,14 +248,65 @@ fn attend_with(
             }
         });
     }
+    write_out(&tasks, &scratch, shape, merge_rows, out);
+}
+
+/// Copies each task's rows from the task-major `scratch` to their places in `out`, merging
+/// the parts of split tasks: `out = sum_p w_p o_p / sum_p w_p` with
+/// `w_p = l_p 2^(m_p - max_p m_p)`, where each part's `o_p` is already divided by its sum `l_p`.
+fn write_out(
+    tasks: &[Task<'_>],
+    scratch: &[f32],
+    shape: Heads,
+    merge_rows: usize,
+    out: &mut [f32],
+) {
+    let (h, hd) = (shape.heads, shape.head_dim);
+    let g = h / shape.kv_heads;
+    let mut max = vec![f32::NEG_INFINITY; merge_rows];
+    let mut den = vec![0f32; merge_rows];
+    // Where row `r` of task `t` goes in `out`.
+    let place = |t: &Task<'_>, r: usize| {
+        let (i, head) = (t.t0 + r / g, t.kv_head * g + r % g);
+        (t.row + i) * h * hd + head * hd
+    };
     let mut off = 0;
-    for t in &tasks {
-        for i in t.t0..t.t1 {
-            for hh in 0..g {
-                let head = t.kv_head * g + hh;
-                let dst = (t.row + i) * h * hd + head * hd;
-                out[dst..dst + hd].copy_from_slice(&scratch[off..off + hd]);
-                off += hd;
+    for t in tasks {
+        let rows = t.rows(g);
+        if t.parts > 1 {
+            let m = &scratch[off + rows * hd..off + rows * (hd + 1)];
+            for (r, &mr) in m.iter().enumerate() {
+                let a = &mut max[t.merge_row + r];
+                *a = a.max(mr);
+                out[place(t, r)..][..hd].fill(0.0);
+            }
+        }
+        off += rows * (hd + 2);
+    }
+    let mut off = 0;
+    for t in tasks {
+        let rows = t.rows(g);
+        let (o, ml) = scratch[off..off + rows * (hd + 2)].split_at(rows * hd);
+        for (r, src) in o.chunks_exact(hd).enumerate() {
+            let dst = &mut out[place(t, r)..][..hd];
+            if t.parts == 1 {
+                dst.copy_from_slice(src);
+                continue;
+            }
+            let mr = t.merge_row + r;
+            let w = ml[rows + r] * (ml[r] - max[mr]).exp2();
+            den[mr] += w;
+            for (d, &x) in dst.iter_mut().zip(src) {
+                *d += w * x;
+            }
+        }
+        off += rows * (hd + 2);
+    }
+    for t in tasks.iter().filter(|t| t.parts > 1 && t.k0 == 0) {
+        for r in 0..t.rows(g) {
+            let inv = 1.0 / den[t.merge_row + r];
+            for d in &mut out[place(t, r)..][..hd] {
+                *d *= inv;
             }
         }
     }
@@ -359,9 +456,14 @@ fn task<T: Copy>(
     let ctx = seq.context.len();
     // Key and value rows both hold the kv heads side by side.
     let off = task.kv_head * hd;
-    let nkeys = ctx + task.t1;
-    for j0 in (0..nkeys).step_by(KB) {
-        let nb = KB.min(nkeys - j0);
+    // With a register block's rows or fewer, dot products straight from the key rows are
+    // cheaper than transposing the block.
+    let direct = padded == RB;
+    if direct {
+        s[rows * KB..padded * KB].fill(0.0);
+    }
+    for j0 in (task.k0..task.k1).step_by(KB) {
+        let nb = KB.min(task.k1 - j0);
         for jj in 0..KB {
             if jj < nb {
                 let j = j0 + jj;
@@ -371,20 +473,28 @@ fn task<T: Copy>(
                     seq.new_slots[j - ctx]
                 } as usize;
                 let kr = &k[slot * kw + off..slot * kw + off + hd];
-                for (d, &x) in kr.iter().enumerate() {
-                    kt[d * KB + jj] = cvt(x);
+                if direct {
+                    for r in 0..rows {
+                        s[r * KB + jj] = dot(&qb[r * hd..(r + 1) * hd], kr, cvt);
+                    }
+                } else {
+                    for (d, &x) in kr.iter().enumerate() {
+                        kt[d * KB + jj] = cvt(x);
+                    }
                 }
                 let vr = &v[slot * vw + off..slot * vw + off + hd];
                 for (d, &x) in vb[jj * hd..(jj + 1) * hd].iter_mut().zip(vr) {
                     *d = cvt(x);
                 }
-            } else {
+            } else if !direct {
                 for d in 0..hd {
                     kt[d * KB + jj] = 0.0;
                 }
             }
         }
-        scores(qb, kt, s, padded, hd);
+        if !direct {
+            scores(qb, kt, s, padded, hd);
+        }
         for r in 0..rows {
             // Keys this row may see: the context and its own token and those before it.
             let visible = ctx + task.t0 + r / g + 1;
@@ -436,6 +546,25 @@ fn task<T: Copy>(
             *d = x * inv;
         }
     }
+    out[rows * hd..rows * (hd + 1)].copy_from_slice(&m[..rows]);
+    out[rows * (hd + 1)..rows * (hd + 2)].copy_from_slice(&l[..rows]);
+}
+
+/// `q . k` over `q.len()` lanes, in 16 independent accumulators so the loop vectorizes.
+#[inline(always)]
+fn dot<T: Copy>(q: &[f32], k: &[T], cvt: impl Fn(T) -> f32 + Copy) -> f32 {
+    let mut acc = [0f32; 16];
+    let full = q.len() / 16 * 16;
+    for (qc, kc) in q[..full].chunks_exact(16).zip(k[..full].chunks_exact(16)) {
+        for ((a, &x), &y) in acc.iter_mut().zip(qc).zip(kc) {
+            *a = x.mul_add(cvt(y), *a);
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for (&x, &y) in q[full..].iter().zip(&k[full..q.len()]) {
+        sum = x.mul_add(cvt(y), sum);
+    }
+    sum
 }
 
 /// `s[r] = q[r] . kt` for `rows` (a multiple of [`RB`]) query rows against one key block.
@@ -649,6 +778,10 @@ mod tests {
             &[(0, 70)],
             &[(130, 1), (5, 3), (0, 17)],
             &[(300, 33), (64, 64), (63, 2)],
+            // Decode shapes with long contexts: the context is split over several tasks.
+            &[(1000, 1)],
+            &[(2100, 1), (700, 2)],
+            &[(777, 5)],
         ];
         for &hd in &[64, 128, 40] {
             let shape = Heads {
@@ -670,6 +803,19 @@ mod tests {
         };
         check(KvDtype::F32, shape, &[(200, 40)], 1);
         check(KvDtype::F32, shape, &[(10, 2)], 8);
+        check(KvDtype::F32, shape, &[(3000, 1)], 1);
+        check(KvDtype::Bf16, shape, &[(3000, 1), (513, 1)], 8);
+        // MHA (a task of up to four tokens takes the direct-score path) and a group of 8.
+        for (heads, kv_heads) in [(4, 4), (8, 1)] {
+            let shape = Heads {
+                heads,
+                kv_heads,
+                head_dim: 64,
+            };
+            for plan in plans {
+                check(KvDtype::F32, shape, plan, 2);
+            }
+        }
     }
 
     #[test]
