@@ -51,13 +51,17 @@ fn tokens(lm: &leyline_model::LoadedModel, n: usize, salt: usize) -> Result<Vec<
     let mut text = String::new();
     let mut ids = Vec::new();
     let mut i = salt;
+    // An entry is about 20 tokens: add a batch of entries per encode, not one, so a long
+    // prompt is not re-encoded once per entry.
     while ids.len() < n {
-        text.push_str(&format!(
-            "Entry {i}: the ledger records a shipment of {} crates to harbour {}. ",
-            (i * 37) % 1000,
-            (i * 11) % 97
-        ));
-        i += 1;
+        for _ in 0..(n - ids.len()).div_ceil(16) {
+            text.push_str(&format!(
+                "Entry {i}: the ledger records a shipment of {} crates to harbour {}. ",
+                (i * 37) % 1000,
+                (i * 11) % 97
+            ));
+            i += 1;
+        }
         ids = lm.tokenizer.encode(&text, false)?;
     }
     ids.truncate(n);

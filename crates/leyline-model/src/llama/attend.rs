@@ -460,6 +460,7 @@ fn task<T: Copy>(
     // cheaper than transposing the block.
     let direct = padded == RB;
     if direct {
+        // Padding rows go through `values` too; zero scores, as a zero query gives below.
         s[rows * KB..padded * KB].fill(0.0);
     }
     for j0 in (task.k0..task.k1).step_by(KB) {
