@@ -27,6 +27,7 @@ use leyline_kv::slots::Lineage;
 use leyline_kv::{KvDtype, KvError, KvStorage};
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -146,6 +147,9 @@ struct Running {
     clean_len: usize,
     /// What the request's edit did.
     edit: Option<EditReport>,
+    /// Of the `cached` prefix, tokens the request's edit computed (AMORTIZE replacements):
+    /// work done for this request, so not counted as cached in its usage.
+    edit_in_prefix: usize,
     /// Steps in which this sequence still had prompt to prefill and got none of the budget.
     passed_over: u32,
     /// Admission number (`running` loses that order when sequences retire).
@@ -164,6 +168,8 @@ struct Waiting {
     submitted: Instant,
     /// What the session's edits did; set at the first admission attempt (edits apply once).
     edit: Option<EditReport>,
+    /// Positions whose KV the edit computed (AMORTIZE replacements).
+    edit_ranges: Vec<Range<usize>>,
 }
 
 /// What became of an admission attempt.
@@ -299,6 +305,7 @@ impl Engine {
             req,
             submitted: Instant::now(),
             edit: None,
+            edit_ranges: Vec::new(),
         });
         self.update_gauges();
         id
@@ -529,7 +536,10 @@ impl Engine {
                 let edits = std::mem::take(&mut sr.edits);
                 let (id, mode) = (sr.id, sr.mode);
                 match self.edit_session(id, edits, mode) {
-                    Ok(r) => w.edit = Some(r),
+                    Ok((r, ranges)) => {
+                        w.edit = Some(r);
+                        w.edit_ranges = ranges;
+                    }
                     Err(e) => {
                         self.fail_waiting(w, &format!("directives refused: {e}"));
                         continue;
@@ -617,6 +627,11 @@ impl Engine {
             prefix = m.slots;
         }
         let cached = prefix.len();
+        let edit_in_prefix: usize = w
+            .edit_ranges
+            .iter()
+            .map(|r| r.end.min(cached).saturating_sub(r.start))
+            .sum();
         let room = self.max_sequence_len() - prompt_len;
         let need = prompt_len - cached + w.req.max_tokens.min(room);
         match self.cache.alloc_evicting(need) {
@@ -624,8 +639,10 @@ impl Engine {
                 self.note_evicted(removed.freed.len());
                 self.metrics
                     .add(&self.metrics.prompt_tokens, prompt_len as u64);
-                self.metrics
-                    .add(&self.metrics.cached_prompt_tokens, cached as u64);
+                self.metrics.add(
+                    &self.metrics.cached_prompt_tokens,
+                    (cached - edit_in_prefix) as u64,
+                );
                 let sampler = Sampler::new(w.req.sampling);
                 self.running.push(Running {
                     id: w.id,
@@ -647,6 +664,7 @@ impl Engine {
                     lineage,
                     clean_len,
                     edit: w.edit,
+                    edit_in_prefix,
                     passed_over: 0,
                     admission: self.admissions,
                 });
@@ -703,8 +721,9 @@ impl Engine {
             let now = Instant::now();
             let usage = Usage {
                 prompt_tokens: r.prompt_len,
-                cached_tokens: r.cached,
-                prefilled_tokens: r.prompt_len - r.cached,
+                cached_tokens: r.cached - r.edit_in_prefix,
+                prefilled_tokens: r.prompt_len - r.cached + r.edit_in_prefix,
+                reused_tokens: r.cached,
                 completion_tokens: r.generated,
                 queued: r.admitted - r.submitted,
                 ttft: r.first_token.unwrap_or(now) - r.submitted,

@@ -36,10 +36,15 @@ impl FinishReason {
 pub struct Usage {
     /// Prompt tokens.
     pub prompt_tokens: usize,
-    /// Prompt tokens whose KV came from the prefix cache.
+    /// Prompt tokens whose KV was in place before the request and cost it nothing: its
+    /// session's or the prefix tree's, not an AMORTIZE replacement its own edit prefilled.
     pub cached_tokens: usize,
-    /// Prompt tokens that were prefilled.
+    /// Prompt tokens computed for this request (`prompt_tokens - cached_tokens`): its
+    /// prefill and the replacements of its edit that the prompt kept.
     pub prefilled_tokens: usize,
+    /// Length of the prompt prefix whose KV was in place at admission: `cached_tokens` plus
+    /// the edit's replacements inside it.
+    pub reused_tokens: usize,
     /// Generated tokens (emitted).
     pub completion_tokens: usize,
     /// Time in the queue before admission.
@@ -50,6 +55,15 @@ pub struct Usage {
     pub total: Duration,
     /// What the request's session edit did, if it carried one.
     pub edit: Option<EditReport>,
+}
+
+impl Usage {
+    /// Prompt tokens computed for this request, in its prefill or by its edit, counting
+    /// edit replacements that the prompt then did not keep.
+    pub fn computed_tokens(&self) -> usize {
+        let kept = self.reused_tokens - self.cached_tokens;
+        self.prefilled_tokens + self.edit.map_or(0, |e| e.prefilled.saturating_sub(kept))
+    }
 }
 
 /// What the engine tells a request's receiver.

@@ -21,6 +21,7 @@ use leyline_kv::slots::Lineage;
 use leyline_kv::splice::{SplicePlan, SpliceRequest};
 use leyline_model::{ForwardSeq, LogitsFor};
 use std::collections::HashSet;
+use std::ops::Range;
 
 /// Identifier of a session inside one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -176,7 +177,7 @@ impl Engine {
             return Err(EngineError::SessionBusy(id.0));
         }
         let mode = directives.first().map_or(Mode::Amortize, |d| d.mode);
-        let mut report = self.edit_session(id, directives, mode)?;
+        let (mut report, _) = self.edit_session(id, directives, mode)?;
         if mode == Mode::Forget {
             report.prefilled = self.prefill_session_tail(id)?;
         }
@@ -184,13 +185,14 @@ impl Engine {
     }
 
     /// Validates and applies `directives` in `mode`. FORGET leaves the session cut at the
-    /// first start: the caller prefills the rest (`pending` tokens) itself.
+    /// first start: the caller prefills the rest (`pending` tokens) itself. Also returns the
+    /// post-edit positions whose KV the edit computed (AMORTIZE replacements).
     pub(crate) fn edit_session(
         &mut self,
         id: SessionId,
         mut directives: Vec<Directive>,
         mode: Mode,
-    ) -> Result<EditReport> {
+    ) -> Result<(EditReport, Vec<Range<usize>>)> {
         for d in &mut directives {
             d.mode = mode;
         }
@@ -205,7 +207,7 @@ impl Engine {
         };
         let batch = DirectiveBatch::validate(directives, &ctx)?;
         if batch.is_empty() {
-            return Ok(EditReport {
+            let report = EditReport {
                 mode,
                 directives: 0,
                 reused: s.tokens.len(),
@@ -214,7 +216,8 @@ impl Engine {
                 prefilled: 0,
                 zeroed: 0,
                 new_len: s.tokens.len(),
-            });
+            };
+            return Ok((report, Vec::new()));
         }
         if batch.new_len() >= self.max_sequence_len() {
             return Err(EngineError::InvalidRequest(format!(
@@ -224,8 +227,8 @@ impl Engine {
             )));
         }
         match mode {
-            Mode::Amortize => self.amortize(id, &batch),
-            Mode::Forget => self.forget(id, &batch),
+            Mode::Amortize => Ok((self.amortize(id, &batch)?, batch.new_ranges())),
+            Mode::Forget => Ok((self.forget(id, &batch)?, Vec::new())),
         }
     }
 

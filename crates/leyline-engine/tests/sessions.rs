@@ -250,6 +250,62 @@ fn amortize_matches_the_independent_reference() {
     e.check_no_leaks().unwrap();
 }
 
+#[test]
+fn an_amortize_replacement_is_prefilled_work_not_a_cache_hit() {
+    let ctx = context();
+    let (start, end, stub) = tool_span(&ctx);
+    let mut e = engine(4096);
+    let id = e.create_session();
+    turn(&mut e, id, &ctx, Vec::new(), Mode::Amortize, 1);
+    // The next prompt: the context with the tool output stubbed, then a new line.
+    let mut prompt = ctx[..start].to_vec();
+    prompt.extend(&stub);
+    prompt.extend(&ctx[end..]);
+    prompt.extend(encode("The earliest"));
+    let out = Arc::new(Mutex::new(None));
+    let o = Arc::clone(&out);
+    let sink = Box::new(move |ev| {
+        if let Event::Finished { usage, .. } = ev {
+            *o.lock().unwrap() = Some(usage);
+        }
+        ControlFlow::Continue(())
+    });
+    let edits = vec![Directive::new(start, end, stub.clone(), Mode::Amortize)];
+    let before = e.metrics().snapshot().cached_prompt_tokens;
+    e.submit(
+        Request::greedy(prompt.clone(), 1, sink).in_session(SessionRequest {
+            id,
+            mode: Mode::Amortize,
+            edits,
+        }),
+    );
+    e.run_to_completion().unwrap();
+    let u = out.lock().unwrap().clone().expect("finished");
+    let edited_ctx = ctx.len() - (end - start) + stub.len();
+    assert_eq!(u.prompt_tokens, prompt.len());
+    assert!(u.reused_tokens >= edited_ctx, "{u:?}");
+    // The stub was computed for this request: cached is everything reused but the stub.
+    assert_eq!(u.cached_tokens, u.reused_tokens - stub.len(), "{u:?}");
+    assert_eq!(
+        u.cached_tokens + u.prefilled_tokens,
+        u.prompt_tokens,
+        "{u:?}"
+    );
+    assert_eq!(
+        u.computed_tokens(),
+        u.prefilled_tokens,
+        "the prompt kept the whole stub"
+    );
+    assert_eq!(u.edit.map(|r| r.prefilled), Some(stub.len()));
+    let m = e.metrics().snapshot();
+    assert_eq!(
+        m.cached_prompt_tokens - before,
+        u.cached_tokens as u64,
+        "{m:?}"
+    );
+    e.check_no_leaks().unwrap();
+}
+
 fn checksum(e: &Engine, id: SessionId) -> (Vec<u32>, Vec<u32>, Vec<u32>, usize) {
     let i = e.session_info(id).unwrap();
     (

@@ -495,7 +495,7 @@ fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>) -> Leylin
         directives_applied: edit.map_or(0, |e| e.directives),
         tokens_reused: usage.cached_tokens,
         tokens_rotated: edit.map_or(0, |e| e.rotated),
-        tokens_prefilled: usage.prefilled_tokens + edit.map_or(0, |e| e.prefilled),
+        tokens_prefilled: usage.computed_tokens(),
     }
 }
 

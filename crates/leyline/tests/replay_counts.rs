@@ -150,11 +150,7 @@ fn replay_counts_add_up_and_repeat() {
             .collect();
         let sum = |k: &str| rs.iter().map(|r| u(r, k)).sum::<u64>();
         assert_eq!(u(m, "prompt_tokens"), sum("prompt_tokens"), "{run}");
-        assert_eq!(
-            u(m, "cached_prompt_tokens"),
-            sum("engine_cached_tokens"),
-            "{run}"
-        );
+        assert_eq!(u(m, "cached_prompt_tokens"), sum("cached_tokens"), "{run}");
         assert_eq!(
             u(m, "prefilled_tokens"),
             sum("prefilled_tokens") + sum("edit_wasted_tokens"),

@@ -124,6 +124,12 @@ def sessions():
     # AMORTIZE keeps the downstream tokens (rotated) on top of that prefix.
     check(cached_a >= cached_f + downstream, f"AMORTIZE cached {cached_a} >= {cached_f} + {downstream}")
     check(la["directives_applied"] >= 1 and la["tokens_rotated"] >= downstream, la)
+    # The stub AMORTIZE prefilled is work done for this request, not a cache hit: cached and
+    # prefilled tokens add up to the prompt in both modes.
+    for usage, ley in ((a2.usage, la), (f2.usage, lf)):
+        cached = usage.prompt_tokens_details.cached_tokens
+        check(cached + ley["tokens_prefilled"] == usage.prompt_tokens, (usage, ley))
+        check(ley["tokens_reused"] == cached, (usage, ley))
 
 
 def concurrent_streams(n=16):

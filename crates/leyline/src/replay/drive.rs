@@ -15,7 +15,7 @@ use leyline_engine::{
 use leyline_model::CausalLm;
 use leyline_policy::{diff_rendered, Rendered};
 use serde::{Deserialize, Serialize};
-use std::ops::{ControlFlow, Range};
+use std::ops::ControlFlow;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -85,7 +85,8 @@ pub struct RequestRecord {
     pub edit_turn: bool,
     /// Prompt tokens.
     pub prompt_tokens: usize,
-    /// Prompt tokens whose KV was reused (prefix hits, and kept tokens of an edited session).
+    /// Prompt tokens whose KV was reused (prefix hits, and kept tokens of an edited session;
+    /// not an AMORTIZE replacement).
     pub cached_tokens: usize,
     /// Prompt tokens computed for this request (by the request or by its AMORTIZE edit).
     pub prefilled_tokens: usize,
@@ -95,8 +96,6 @@ pub struct RequestRecord {
     pub rotated_tokens: usize,
     /// Replacement tokens the edit prefilled that the prompt then did not reuse.
     pub edit_wasted_tokens: usize,
-    /// The engine's own `cached_tokens` (counts an AMORTIZE replacement as cached).
-    pub engine_cached_tokens: usize,
     /// Tokens generated.
     pub completion_tokens: usize,
     /// Queue time, ms.
@@ -125,8 +124,6 @@ struct Live {
     next: usize,
     /// What the engine session holds: the last prompt plus its generated tokens.
     held: Rendered,
-    /// New-sequence ranges of the AMORTIZE replacements of the request in flight.
-    replaced: Vec<Range<usize>>,
     directives: usize,
 }
 
@@ -229,7 +226,6 @@ impl Driver<'_> {
         let session = match (self.p.arm.mode(), s.id) {
             (Some(mode), Some(id)) => {
                 let edits = directives(&s.held, &turn.prompt, mode)?;
-                s.replaced = replaced_ranges(&edits);
                 s.directives = edits.len();
                 Some(SessionRequest { id, mode, edits })
             }
@@ -272,47 +268,23 @@ pub fn directives(held: &Rendered, prompt: &Rendered, mode: Mode) -> Result<Vec<
         .collect())
 }
 
-/// Where each directive's replacement lands in the edited sequence.
-fn replaced_ranges(edits: &[Directive]) -> Vec<Range<usize>> {
-    let mut shift: isize = 0;
-    edits
-        .iter()
-        .map(|d| {
-            let start = d.start.saturating_add_signed(shift);
-            shift += d.replacement.len() as isize - (d.end - d.start) as isize;
-            start..start + d.replacement.len()
-        })
-        .collect()
-}
-
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
 fn record(i: usize, name: &str, turn: &PreparedTurn, s: &Live, u: &Usage) -> RequestRecord {
-    // The engine counts an AMORTIZE replacement that the prompt reuses as cached; here it is
-    // computed work, so it moves to the prefilled side.
-    let (edit_prefilled, rotated) = u.edit.map_or((0, 0), |e| (e.prefilled, e.rotated));
-    let in_prefix: usize = match u.edit.map(|e| e.mode) {
-        Some(Mode::Amortize) => s
-            .replaced
-            .iter()
-            .map(|r| r.end.min(u.cached_tokens).saturating_sub(r.start))
-            .sum(),
-        _ => 0,
-    };
+    let rotated = u.edit.map_or(0, |e| e.rotated);
     RequestRecord {
         session: i,
         trajectory: name.to_string(),
         turn: turn.turn,
         edit_turn: turn.edit_turn,
         prompt_tokens: u.prompt_tokens,
-        cached_tokens: u.cached_tokens - in_prefix,
-        prefilled_tokens: u.prefilled_tokens + in_prefix,
+        cached_tokens: u.cached_tokens,
+        prefilled_tokens: u.prefilled_tokens,
         directives: s.directives,
         rotated_tokens: rotated,
-        edit_wasted_tokens: edit_prefilled.saturating_sub(in_prefix),
-        engine_cached_tokens: u.cached_tokens,
+        edit_wasted_tokens: u.computed_tokens() - u.prefilled_tokens,
         completion_tokens: u.completion_tokens,
         queued_ms: ms(u.queued),
         ttft_ms: ms(u.ttft),
@@ -362,8 +334,8 @@ mod tests {
             .count();
         let stub_end = prompt.bounds[3];
         assert!(keep >= stub_end, "keep {keep} < {stub_end}");
-        let r = replaced_ranges(&d);
-        assert_eq!(prompt.tokens[r[0].clone()], d[0].replacement[..]);
+        let r = d[0].start..d[0].start + d[0].replacement.len();
+        assert_eq!(prompt.tokens[r], d[0].replacement[..]);
         // No edit: no directive; empty session: none either.
         let mut same = before.clone();
         same.push(Message::assistant("recorded reply"));
