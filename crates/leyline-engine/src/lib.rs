@@ -26,7 +26,7 @@ pub use generate::{
 };
 pub use handle::{EngineHandle, EngineThread};
 pub use metrics::{Metrics, MetricsSnapshot};
-pub use render::{to_chat_message, ChatRenderer, MemoRenderer};
+pub use render::{render_pieces, to_chat_message, ChatRenderer, MemoRenderer};
 pub use request::{Event, EventSink, FinishReason, Request, RequestId, Usage};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use session::{EditReport, SessionId, SessionInfo, SessionRequest};

@@ -2,7 +2,7 @@
 //! tokens with the token index where each message starts, so the policy diff can anchor
 //! its edits on message boundaries.
 
-use leyline_model::chat::{ChatMessage, ChatTemplate};
+use leyline_model::chat::{ChatMessage, ChatTemplate, RenderOptions};
 use leyline_model::tokenizer::Tokenizer;
 use leyline_policy::{Message, PolicyError, Rendered, Renderer};
 use std::cell::RefCell;
@@ -56,46 +56,65 @@ pub fn to_chat_message(m: &Message) -> ChatMessage {
 }
 
 impl Renderer for ChatRenderer<'_> {
-    /// Renders the whole list once and every prefix `messages[..k]` to find where message
-    /// `k` starts in the text. Each message's text is tokenized on its own: templates open
-    /// a message with a special token, which the tokenizer never merges across.
     fn render_tokens(&self, messages: &[Message]) -> leyline_policy::Result<Rendered> {
-        let render_err = |e: leyline_model::ModelError| PolicyError::Render(e.to_string());
         let chat: Vec<ChatMessage> = messages.iter().map(to_chat_message).collect();
-        let full = self
-            .template
-            .render(&chat, self.generation_prompt)
-            .map_err(render_err)?;
-        let mut cuts = vec![0usize];
-        for k in 1..=chat.len() {
-            let prefix = self
-                .template
-                .render(&chat[..k], false)
-                .map_err(render_err)?;
-            if !full.starts_with(&prefix) {
-                return Err(PolicyError::Render(format!(
-                    "the template does not render message {} as a stable prefix",
-                    k - 1
-                )));
-            }
-            cuts.push(prefix.len());
-        }
-        cuts.push(full.len());
-        let mut tokens = Vec::new();
-        let mut bounds = Vec::with_capacity(chat.len() + 1);
-        for w in cuts.windows(2) {
-            bounds.push(tokens.len());
-            let ids = self
-                .tokenizer
-                .encode(&full[w[0]..w[1]], false)
-                .map_err(render_err)?;
-            tokens.extend(ids);
-        }
-        // `bounds` has n + 1 entries: each message's start and the end of the last one; the
-        // generation prompt after it is the trailing pseudo-message.
-        bounds.truncate(chat.len() + 1);
-        Ok(Rendered { tokens, bounds })
+        let opts = RenderOptions {
+            add_generation_prompt: self.generation_prompt,
+            ..RenderOptions::default()
+        };
+        render_pieces(self.tokenizer, self.template, &chat, &opts)
     }
+}
+
+/// Renders `chat` with `opts` and tokenizes it message by message: the whole text once and
+/// every prefix `chat[..k]` to find where message `k` starts in it, then each message's text
+/// on its own. Templates open a message with a special token, which the tokenizer never
+/// merges across, so the pieces' tokens are the whole text's (checked on every trace by
+/// `tests/policy_traces.rs`). Tokenizes each character once, where tokenizing every prefix
+/// would cost the square of the message count.
+///
+/// # Errors
+/// [`PolicyError::Render`] if the template fails or does not render some prefix as a prefix
+/// of the whole text.
+pub fn render_pieces(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    chat: &[ChatMessage],
+    opts: &RenderOptions,
+) -> leyline_policy::Result<Rendered> {
+    let render_err = |e: leyline_model::ModelError| PolicyError::Render(e.to_string());
+    let full = template.render_with(chat, opts).map_err(render_err)?;
+    let prefix_opts = RenderOptions {
+        add_generation_prompt: false,
+        ..opts.clone()
+    };
+    let mut cuts = vec![0usize];
+    for k in 1..=chat.len() {
+        let prefix = template
+            .render_with(&chat[..k], &prefix_opts)
+            .map_err(render_err)?;
+        if !full.starts_with(&prefix) {
+            return Err(PolicyError::Render(format!(
+                "the template does not render message {} as a stable prefix",
+                k - 1
+            )));
+        }
+        cuts.push(prefix.len());
+    }
+    cuts.push(full.len());
+    let mut tokens = Vec::new();
+    let mut bounds = Vec::with_capacity(chat.len() + 1);
+    for w in cuts.windows(2) {
+        bounds.push(tokens.len());
+        let ids = tokenizer
+            .encode(&full[w[0]..w[1]], false)
+            .map_err(render_err)?;
+        tokens.extend(ids);
+    }
+    // `bounds` has n + 1 entries: each message's start and the end of the last one; the
+    // generation prompt after it is the trailing pseudo-message.
+    bounds.truncate(chat.len() + 1);
+    Ok(Rendered { tokens, bounds })
 }
 
 /// [`ChatRenderer`] without the generation prompt (template text cut where each message

@@ -14,8 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use leyline_core::{Directive, Mode};
-use leyline_engine::{Engine, SessionRequest};
-use leyline_model::chat::{ChatMessage, ChatTemplate, RenderOptions};
+use leyline_engine::{render_pieces, Engine, SessionRequest};
+use leyline_model::chat::RenderOptions;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -205,7 +205,7 @@ async fn chat_completions(
         .enumerate()
         .map(|(i, m)| m.into_chat(i))
         .collect::<Result<Vec<_>>>()?;
-    let mut opts = RenderOptions {
+    let opts = RenderOptions {
         add_generation_prompt: true,
         tools: req.tools,
         ..Default::default()
@@ -214,32 +214,14 @@ async fn chat_completions(
     let prompt = st.tokenizer.encode(&text, false)?;
     let in_session =
         fields.session_id.is_some() || fields.leyline.as_ref().is_some_and(|l| l.mode.is_some());
-    let bounds = if in_session {
-        opts.add_generation_prompt = false;
-        message_bounds(&st, template, &messages, &opts, prompt.len())
-    } else {
-        None
-    };
+    // Message bounds anchor the next turn's diff; only where the pieces tokenize exactly as
+    // the whole prompt (otherwise the engine keeps the longest common prefix).
+    let bounds = in_session
+        .then(|| render_pieces(&st.tokenizer, template, &messages, &opts).ok())
+        .flatten()
+        .filter(|r| r.tokens == prompt)
+        .map(|r| r.bounds);
     run(st, who, Kind::Chat, prompt, bounds, gen, fields).await
-}
-
-/// Where each message starts in the rendered prompt, then where the last one ends, from
-/// renderings of growing prefixes; `None` if the template refuses a prefix.
-fn message_bounds(
-    st: &AppState,
-    template: &ChatTemplate,
-    messages: &[ChatMessage],
-    opts: &RenderOptions,
-    prompt_len: usize,
-) -> Option<Vec<usize>> {
-    let mut bounds = vec![0];
-    for i in 1..=messages.len() {
-        let text = template.render_with(&messages[..i], opts).ok()?;
-        let len = st.tokenizer.encode(&text, false).ok()?.len();
-        let prev = bounds[bounds.len() - 1];
-        bounds.push(len.clamp(prev, prompt_len));
-    }
-    Some(bounds)
 }
 
 async fn completions(
