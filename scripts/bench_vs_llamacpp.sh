@@ -2,8 +2,7 @@
 # Side-by-side prefill/decode figures of llama.cpp and Leyline on the same GGUF, threads and
 # machine, back to back (BENCHMARKS.md, "Engine").
 #
-# llama.cpp is fetched as the llama-cpp-python sdist from PyPI (it vendors llama.cpp) and
-# built OUTSIDE the repository (default /tmp/llamacpp); nothing of it is committed.
+# llama.cpp is built outside the repository by scripts/llamacpp.sh; nothing of it is committed.
 #
 #   scripts/bench_vs_llamacpp.sh [THREADS] [REPEAT]
 #
@@ -12,22 +11,11 @@ set -euo pipefail
 
 threads=${1:-2}
 repeat=${2:-3}
-work=${LLAMACPP_DIR:-/tmp/llamacpp}
-version=0.3.36
 repo=$(cd "$(dirname "$0")/.." && pwd)
 leyline="$repo/target/release/leyline"
-bench="$work/llama_cpp_python-$version/vendor/llama.cpp/build/bin/llama-bench"
-
-if [[ ! -x "$bench" ]]; then
-    mkdir -p "$work"
-    echo "building llama-bench in $work (a few minutes)" >&2
-    python3 -m pip download --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work" >&2
-    tar -xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
-    src="$work/llama_cpp_python-$version/vendor/llama.cpp"
-    cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
-    cmake --build "$src/build" --target llama-bench -j "$(nproc)" >&2
-fi
+# shellcheck source=llamacpp.sh
+source "$repo/scripts/llamacpp.sh"
+bench=$(llamacpp_bin llama-bench)
 if [[ ! -x "$leyline" ]]; then
     (cd "$repo" && cargo build --release -p leyline)
 fi

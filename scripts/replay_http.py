@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""Replays agent trajectories against an OpenAI-compatible HTTP server, as a client sees it.
+
+The side-by-side half of BENCHMARKS.md "Replay over HTTP: Leyline vs. llama.cpp": the same
+turns, prompts and policy as `leyline bench replay`, sent over the chat completions API to
+any server (Leyline's `serve`, llama.cpp's `llama-server`), and timed at the client.
+
+Each trajectory is a session; each recorded assistant message is one request whose prompt is
+the history before it with `truncate_tool_outputs` applied (a tool output followed by more
+than N assistant messages becomes a stub), rendered by the server's own chat template. The
+generated reply is discarded and the recorded one stays in the history, as in the in-process
+replay. An edit turn is one whose prompt changed a message the previous request had seen.
+
+Arms: `plain` sends the edited history alone (the server's prefix cache is all it has);
+`session` adds Leyline's `session_id` and `leyline.mode` (ignored by other servers).
+
+Only the standard library; prints a Markdown table and writes every request to --out.
+"""
+
+import argparse
+import http.client
+import json
+import math
+import queue
+import sys
+import threading
+import time
+import urllib.parse
+
+STUB = "[evicted: older tool output]"  # leyline-policy's DEFAULT_STUB
+
+
+def truncate_tool_outputs(messages, older_than):
+    """The policy of crates/leyline-policy/src/truncate.rs, stateless over the history."""
+    out = [dict(m) for m in messages]
+    after = 0
+    for m in reversed(out):
+        if m["role"] == "assistant":
+            after += 1
+        elif m["role"] == "tool" and after > older_than:
+            m["content"] = STUB
+    return out
+
+
+def wire(m):
+    w = {"role": m["role"], "content": m["content"]}
+    if m.get("name"):
+        w["name"] = m["name"]
+    return w
+
+
+def turns(trajectory, older_than, max_turns):
+    """(turn, prompt, edit_turn) for the first `max_turns` assistant messages."""
+    msgs = trajectory["messages"]
+    seen = []
+    k = 0
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        if k >= max_turns:
+            return
+        prompt = truncate_tool_outputs(msgs[:i], older_than)
+        edit = any(j >= len(prompt) or prompt[j] != s for j, s in enumerate(seen))
+        seen = prompt + [m]
+        yield k, prompt, edit
+        k += 1
+
+
+class Client:
+    def __init__(self, url, model, max_tokens, timeout):
+        u = urllib.parse.urlparse(url)
+        self.host, self.port = u.hostname, u.port or 80
+        self.base = u.path.rstrip("/")
+        self.model, self.max_tokens, self.timeout = model, max_tokens, timeout
+
+    def connect(self):
+        # One connection per request: llama-server closes a connection after a streamed
+        # response, and on localhost a connect costs microseconds.
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def chat(self, messages, extra):
+        """Streams one greedy completion; returns (ttft_s, e2e_s, last usage, leyline, timings)."""
+        body = {
+            "model": self.model,
+            "messages": [wire(m) for m in messages],
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        body.update(extra)
+        data = json.dumps(body).encode()
+        conn = self.connect()
+        t0 = time.perf_counter()
+        conn.request(
+            "POST",
+            self.base + "/v1/chat/completions",
+            body=data,
+            headers={"Content-Type": "application/json"},
+        )
+        resp = conn.getresponse()
+        if resp.status != 200:
+            text = resp.read().decode(errors="replace")
+            raise RuntimeError(f"HTTP {resp.status}: {text[:500]}")
+        ttft = None
+        usage = leyline = timings = None
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            chunk = json.loads(payload)
+            for c in chunk.get("choices") or []:
+                if ttft is None and (c.get("delta") or {}).get("content"):
+                    ttft = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+            leyline = chunk.get("leyline") or leyline
+            timings = chunk.get("timings") or timings
+        resp.read()
+        e2e = time.perf_counter() - t0
+        conn.close()
+        return (ttft if ttft is not None else e2e), e2e, usage, leyline, timings
+
+    def delete_session(self, sid):
+        """Drops a Leyline session, as a harness does when its agent is done (frees its KV)."""
+        conn = self.connect()
+        conn.request("DELETE", f"{self.base}/v1/sessions/{sid}")
+        resp = conn.getresponse()
+        resp.read()
+        conn.close()
+        if resp.status != 200:
+            raise RuntimeError(f"DELETE session {sid}: HTTP {resp.status}")
+
+
+def run_session(client, name, trajectory, args, records, lock):
+    sid = None
+    for k, prompt, edit in turns(trajectory, args.older_than, args.max_turns):
+        extra = {}
+        if args.arm == "session":
+            extra["leyline"] = {"mode": args.mode}
+            if sid:
+                extra["session_id"] = sid
+        ttft, e2e, usage, leyline, timings = client.chat(prompt, extra)
+        if leyline and leyline.get("session_id"):
+            sid = leyline["session_id"]
+        usage = usage or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is None and timings:
+            cached = timings.get("cache_n")
+        rec = {
+            "session": name,
+            "turn": k,
+            "edit_turn": edit,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": cached,
+            "ttft_ms": ttft * 1e3,
+            "e2e_ms": e2e * 1e3,
+        }
+        if leyline:
+            rec["leyline"] = leyline
+        if timings:
+            rec["server_prompt_n"] = timings.get("prompt_n")
+            rec["server_prompt_ms"] = timings.get("prompt_ms")
+        with lock:
+            records.append(rec)
+            n = len(records)
+        print(
+            f"\r{args.label}: {n}/{args.total} requests",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+    if sid:
+        client.delete_session(sid)
+
+
+def pct(xs, p):
+    """Nearest-rank percentile, the definition of `leyline bench replay` (report.rs)."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    rank = max(1, math.ceil(p / 100 * len(xs)))
+    return xs[min(rank, len(xs)) - 1]
+
+
+def summary(records, wall):
+    def col(sel, key):
+        return [r[key] for r in records if sel(r)]
+
+    prompt = sum(r["prompt_tokens"] or 0 for r in records)
+    cached = sum(r["cached_tokens"] or 0 for r in records)
+    edit = lambda r: r["edit_turn"]  # noqa: E731
+    plain = lambda r: not r["edit_turn"]  # noqa: E731
+    every = lambda r: True  # noqa: E731
+    return {
+        "requests": len(records),
+        "edit_turns": sum(1 for r in records if r["edit_turn"]),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cache_hit_rate": cached / prompt if prompt else float("nan"),
+        "ttft_p50_ms": pct(col(every, "ttft_ms"), 50),
+        "ttft_p95_ms": pct(col(every, "ttft_ms"), 95),
+        "e2e_p50_ms": pct(col(every, "e2e_ms"), 50),
+        "e2e_p95_ms": pct(col(every, "e2e_ms"), 95),
+        "ttft_p50_ms_edit_turns": pct(col(edit, "ttft_ms"), 50),
+        "e2e_p50_ms_edit_turns": pct(col(edit, "e2e_ms"), 50),
+        "e2e_p50_ms_plain_turns": pct(col(plain, "e2e_ms"), 50),
+        "wall_s": wall,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--label", required=True, help="name of this arm in the table")
+    ap.add_argument("--traces", required=True, help="JSONL trajectories (data/traces/)")
+    ap.add_argument("--arm", choices=["plain", "session"], default="plain")
+    ap.add_argument("--mode", default="amortize", help="leyline.mode for --arm session")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--max-turns", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--older-than", type=int, default=2, help="truncate_tool_outputs:N")
+    ap.add_argument("--concurrency", type=int, default=1, help="sessions in flight at once")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    ap.add_argument("--out", required=True, help="JSON file for the records and the summary")
+    args = ap.parse_args()
+
+    with open(args.traces) as f:
+        trajs = [json.loads(line) for line in f if line.strip()][: args.sessions]
+    args.total = sum(len(list(turns(t, args.older_than, args.max_turns))) for t in trajs)
+    work = queue.Queue()
+    for t in trajs:
+        work.put(t)
+    records, lock, errors = [], threading.Lock(), []
+
+    def worker():
+        client = Client(args.url, args.model, args.max_tokens, args.timeout)
+        while True:
+            try:
+                t = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                run_session(client, f"{t['source']}/{t['id']}", t, args, records, lock)
+            except Exception as e:  # reported below; the other sessions go on
+                errors.append(f"{t['id']}: {e}")
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    print(file=sys.stderr)
+    if errors:
+        sys.exit("requests failed:\n" + "\n".join(errors))
+    s = summary(records, wall)
+    s.update(label=args.label, arm=args.arm, concurrency=args.concurrency)
+    with open(args.out, "w") as f:
+        json.dump({"summary": s, "args": vars(args), "requests": records}, f, indent=1)
+    print(
+        f"| {args.label} | {args.concurrency} | {s['requests']} ({s['edit_turns']} edit) "
+        f"| {s['prompt_tokens']} | {s['cache_hit_rate']:.3f} "
+        f"| {s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f} "
+        f"| {s['e2e_p50_ms']:.0f} / {s['e2e_p95_ms']:.0f} "
+        f"| {s['ttft_p50_ms_edit_turns']:.0f} | {s['e2e_p50_ms_edit_turns']:.0f} "
+        f"| {s['e2e_p50_ms_plain_turns']:.0f} | {wall:.0f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
