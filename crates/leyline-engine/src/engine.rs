@@ -322,6 +322,7 @@ impl Engine {
                 return Err(EngineError::SessionBusy(sr.id.0));
             }
             s.busy = true;
+            s.last_used = Instant::now();
         }
         Ok(())
     }
@@ -584,23 +585,16 @@ impl Engine {
         if let Some(id) = session {
             let s = self
                 .sessions
-                .get_mut(&id)
+                .get(&id)
                 .ok_or(EngineError::UnknownSession(id.0))?;
-            lineage = s.lineage;
-            clean_len = s.clean_len;
             // The session's cache is stale where the prompt leaves it, and unusable from a slot
             // another session's FORGET revoked (it may have been shared through the tree).
             let revoked = self.cache.pool().first_revoked(&s.slots);
             let keep = common_prefix(&s.tokens, probe).min(revoked);
-            if keep < s.tokens.len() {
-                let stale: Vec<u32> = s.slots.split_off(keep);
-                s.tokens.truncate(keep);
-                let freed = self.cache.pool_mut().release_all(&stale)?;
-                if revoked < keep + stale.len() {
-                    self.scrub(&freed)?;
-                }
-            }
+            self.truncate_session(id, keep)?;
             let s = &self.sessions[&id];
+            lineage = s.lineage;
+            clean_len = s.clean_len;
             if !s.tokens.is_empty() {
                 prefix = s.slots.clone();
                 from_session = true;
@@ -634,7 +628,16 @@ impl Engine {
             .sum();
         let room = self.max_sequence_len() - prompt_len;
         let need = prompt_len - cached + w.req.max_tokens.min(room);
-        match self.cache.alloc_evicting(need) {
+        let mut alloc = self.cache.alloc_evicting(need);
+        // With nothing running, nothing frees slots by itself: idle sessions' KV goes, least
+        // recently used first, before the request is refused.
+        while matches!(alloc, Err(KvError::PoolExhausted { .. }))
+            && self.running.is_empty()
+            && self.shed_idle_session()?
+        {
+            alloc = self.cache.alloc_evicting(need);
+        }
+        match alloc {
             Ok((slots, removed)) => {
                 self.note_evicted(removed.freed.len());
                 self.metrics

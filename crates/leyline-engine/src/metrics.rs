@@ -55,6 +55,9 @@ metrics! {
     directives_forget,
     /// Slots freed by prefix-cache eviction.
     evicted_slots,
+    /// Idle sessions whose KV was dropped to make room (each keeps its id; its next
+    /// request prefills again).
+    sessions_shed,
     /// Forward calls.
     forward_calls,
     /// Sequences decoded in forward calls that decoded more than one (batching at work).

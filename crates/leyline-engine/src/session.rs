@@ -22,6 +22,7 @@ use leyline_kv::splice::{SplicePlan, SpliceRequest};
 use leyline_model::{ForwardSeq, LogitsFor};
 use std::collections::HashSet;
 use std::ops::Range;
+use std::time::Instant;
 
 /// Identifier of a session inside one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -79,6 +80,9 @@ pub(crate) struct Session {
     pub(crate) clean_len: usize,
     /// A request is in flight.
     pub(crate) busy: bool,
+    /// When a request last took the session (the least recently used idle session's KV is
+    /// the first to go when the pool runs out).
+    pub(crate) last_used: Instant,
 }
 
 /// A read-only view of a session.
@@ -109,6 +113,7 @@ impl Engine {
                 slots: Vec::new(),
                 clean_len: usize::MAX,
                 busy: false,
+                last_used: Instant::now(),
             },
         );
         id
@@ -157,6 +162,53 @@ impl Engine {
         self.cache.pool_mut().release_all(&s.slots)?;
         self.update_gauges();
         Ok(())
+    }
+
+    /// Cuts a session to its first `keep` tokens, releasing the slots of the rest (zeroed if
+    /// a FORGET revoked any of them).
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownSession`]; pool failures.
+    pub(crate) fn truncate_session(&mut self, id: SessionId, keep: usize) -> Result<()> {
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSession(id.0))?;
+        if keep >= s.tokens.len() {
+            return Ok(());
+        }
+        let revoked = self.cache.pool().first_revoked(&s.slots);
+        let stale = s.slots.split_off(keep);
+        s.tokens.truncate(keep);
+        if keep == 0 {
+            // Whatever it prefills next is computed from its tokens alone.
+            s.clean_len = usize::MAX;
+        }
+        let freed = self.cache.pool_mut().release_all(&stale)?;
+        if revoked < keep + stale.len() {
+            self.scrub(&freed)?;
+        }
+        Ok(())
+    }
+
+    /// Drops the KV of the least recently used idle session that holds any; the session
+    /// stays, and its next request prefills from the prefix tree. Returns whether one went.
+    ///
+    /// # Errors
+    /// Pool failures.
+    pub(crate) fn shed_idle_session(&mut self) -> Result<bool> {
+        let lru = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| !s.busy && !s.slots.is_empty())
+            .min_by_key(|(_, s)| s.last_used)
+            .map(|(&id, _)| id);
+        let Some(id) = lru else {
+            return Ok(false);
+        };
+        self.truncate_session(id, 0)?;
+        self.metrics.add(&self.metrics.sessions_shed, 1);
+        Ok(true)
     }
 
     /// Applies a directive batch to an idle session now (the explicit channel). FORGET

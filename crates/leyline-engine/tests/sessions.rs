@@ -306,6 +306,58 @@ fn an_amortize_replacement_is_prefilled_work_not_a_cache_hit() {
     e.check_no_leaks().unwrap();
 }
 
+/// About `n` tokens of text unlike any other `tag`'s.
+fn filler(tag: &str, n: usize) -> Vec<u32> {
+    let mut text = String::new();
+    let mut i = 0;
+    while encode(&text).len() < n {
+        text.push_str(&format!(
+            "{tag} entry {i}: item {} costs {}. ",
+            i * 7,
+            i * 13 % 97
+        ));
+        i += 1;
+    }
+    encode(&text)
+}
+
+#[test]
+fn idle_sessions_give_up_their_kv_when_the_pool_runs_out() {
+    let mut e = engine(1024);
+    let (a, b) = (e.create_session(), e.create_session());
+    let (pa, pb) = (filler("alpha", 400), filler("beta", 400));
+    turn(&mut e, a, &pa, Vec::new(), Mode::Amortize, 4);
+    turn(&mut e, b, &pb, Vec::new(), Mode::Amortize, 4);
+    let held = |e: &Engine, id| e.session_info(id).unwrap().tokens.len();
+    assert!(held(&e, a) >= 400 && held(&e, b) >= 400);
+    // The two sessions pin ~810 of 1024 slots; this request needs ~500.
+    let pc = filler("gamma", 480);
+    let (req, out) = request(pc, 8);
+    e.submit(req);
+    e.run_to_completion().unwrap();
+    {
+        let o = out.lock().unwrap();
+        assert!(o.failed.is_none(), "{:?}", o.failed);
+        assert_eq!(o.tokens.len(), 8);
+    }
+    // The least recently used session went first, and one was enough.
+    assert_eq!(e.metrics().snapshot().sessions_shed, 1);
+    assert_eq!(held(&e, a), 0, "session a kept its KV");
+    assert!(held(&e, b) >= 400, "session b lost its KV");
+    e.check_no_leaks().unwrap();
+    // Session a still works: its next turn prefills again and continues as a fresh engine.
+    let mut next = pa.clone();
+    next.extend(encode(" And then"));
+    let got = turn(&mut e, a, &next, Vec::new(), Mode::Amortize, 6);
+    let mut fresh = engine(1024);
+    let f = fresh.create_session();
+    assert_eq!(
+        got,
+        turn(&mut fresh, f, &next, Vec::new(), Mode::Amortize, 6)
+    );
+    e.check_no_leaks().unwrap();
+}
+
 fn checksum(e: &Engine, id: SessionId) -> (Vec<u32>, Vec<u32>, Vec<u32>, usize) {
     let i = e.session_info(id).unwrap();
     (

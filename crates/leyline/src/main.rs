@@ -72,7 +72,8 @@ pub struct ModelArgs {
     /// KV cache storage type: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     pub kv_dtype: KvDtype,
-    /// KV pool size in slots (tokens); default: the model's context length.
+    /// KV pool size in slots (tokens); default: the model's context length (`serve`: four
+    /// times that, room for several sessions).
     #[arg(long)]
     pub kv_slots: Option<usize>,
 }
