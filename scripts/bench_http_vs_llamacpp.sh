@@ -11,7 +11,7 @@
 #   scripts/bench_http_vs_llamacpp.sh [SESSIONS] [TURNS] [OUT] [CONCURRENCY]
 #
 # Needs python3 with pip, cmake and a C++ compiler (llama.cpp is built outside the repository
-# by scripts/llamacpp.sh); a release build of leyline. Run it on a quiet machine.
+# by scripts/side_by_side.sh); a release build of leyline. Run it on a quiet machine.
 set -euo pipefail
 
 sessions=${1:-16}
@@ -20,16 +20,10 @@ out=${3:-/tmp/replay-http}
 conc=${4:-1}
 threads=2
 port=${PORT:-18431}
-repo=$(cd "$(dirname "$0")/.." && pwd)
-leyline="$repo/target/release/leyline"
-# shellcheck source=llamacpp.sh
-source "$repo/scripts/llamacpp.sh"
+# shellcheck source=side_by_side.sh
+source "$(dirname "$0")/side_by_side.sh"
+leyline_and_model
 server=$(llamacpp_bin llama-server)
-if [[ ! -x "$leyline" ]]; then
-    (cd "$repo" && cargo build --release -p leyline)
-fi
-gguf=$("$leyline" model fetch | tail -n 1 | awk '{print $NF}')
-[[ -f "$gguf" ]] || { echo "cannot find the default model (got '$gguf')" >&2; exit 1; }
 traces="$repo/data/traces/tau-bench.jsonl"
 mkdir -p "$out"
 

@@ -1,0 +1,41 @@
+# Sourced by the side-by-side scripts (bench_vs_llamacpp.sh, bench_http_vs_llamacpp.sh).
+#
+#   llamacpp_bin TARGET   # prints the path of llama.cpp's build/bin/TARGET, building it first
+#   leyline_and_model     # sets $repo, $leyline (a release build, built if missing) and $gguf
+#
+# llama.cpp is fetched as the llama-cpp-python sdist from PyPI (it vendors llama.cpp) and built
+# under $LLAMACPP_DIR (default /tmp/llamacpp), outside the repository; nothing of it is
+# committed. Needs python3 with pip, cmake and a C++ compiler.
+
+llamacpp_version=0.3.36
+
+llamacpp_bin() {
+    local target=$1
+    local work=${LLAMACPP_DIR:-/tmp/llamacpp}
+    local src="$work/llama_cpp_python-$llamacpp_version/vendor/llama.cpp"
+    local bin="$src/build/bin/$target"
+    if [[ ! -x "$bin" ]]; then
+        mkdir -p "$work"
+        echo "building $target in $work (a few minutes)" >&2
+        if [[ ! -d "$src" ]]; then
+            python3 -m pip download --no-deps --no-binary :all: \
+                "llama-cpp-python==$llamacpp_version" -d "$work" >&2
+            tar -xzf "$work/llama_cpp_python-$llamacpp_version.tar.gz" -C "$work"
+        fi
+        cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+            -DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
+        cmake --build "$src/build" --target "$target" -j "$(nproc)" >&2
+    fi
+    echo "$bin"
+}
+
+leyline_and_model() {
+    repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+    leyline="$repo/target/release/leyline"
+    if [[ ! -x "$leyline" ]]; then
+        (cd "$repo" && cargo build --release -p leyline)
+    fi
+    # `model fetch` prints the cached path of the default model.
+    gguf=$("$leyline" model fetch | tail -n 1 | awk '{print $NF}')
+    [[ -f "$gguf" ]] || { echo "cannot find the default model (got '$gguf')" >&2; exit 1; }
+}
