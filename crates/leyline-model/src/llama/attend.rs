@@ -24,10 +24,11 @@ use std::sync::Mutex;
 /// Keys per block.
 const KB: usize = 64;
 /// Query tokens per task.
-const QB: usize = 16;
+const QB: usize = 32;
 /// Query rows per register block.
 const RB: usize = 4;
-/// Head-dim lanes per value accumulator.
+/// Head-dim lanes per value accumulator row in the portable kernel; the x86 kernels use
+/// as many as their registers hold (see [`task_for`]).
 const DC: usize = 16;
 /// Fewest context keys a split task covers.
 const MIN_SPLIT: usize = 4 * KB;
@@ -375,7 +376,7 @@ impl Isa {
         out: &mut [f32],
     ) {
         match self {
-            Isa::Portable => task(job, k, v, cvt, buf, out),
+            Isa::Portable => task::<T, DC>(job, k, v, cvt, buf, out),
             // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX-512F.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { task_avx512(job, k, v, cvt, buf, out) },
@@ -387,8 +388,10 @@ impl Isa {
 }
 
 /// `task` compiled for an instruction set; callers must have checked that the CPU has it.
+/// `$dc` is the value accumulators' width per row: [`RB`] rows of it fill the vector
+/// registers (16 of 16 lanes with AVX-512, 16 of 8 lanes with AVX2).
 macro_rules! task_for {
-    ($name:ident, $features:literal) => {
+    ($name:ident, $features:literal, $dc:literal) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name<T: Copy>(
@@ -399,16 +402,16 @@ macro_rules! task_for {
             buf: &mut Scratch,
             out: &mut [f32],
         ) {
-            task(job, k, v, cvt, buf, out)
+            task::<T, $dc>(job, k, v, cvt, buf, out)
         }
     };
 }
-task_for!(task_avx512, "avx512f");
-task_for!(task_avx2, "avx2,fma");
+task_for!(task_avx512, "avx512f", 64);
+task_for!(task_avx2, "avx2,fma", 32);
 
 /// Runs one task into `out` (its rows, token-major, heads within a token).
 #[inline(always)]
-fn task<T: Copy>(
+fn task<T: Copy, const W: usize>(
     job: &Job<'_>,
     k: &[T],
     v: &[T],
@@ -479,8 +482,8 @@ fn task<T: Copy>(
                         s[r * KB + jj] = dot(&qb[r * hd..(r + 1) * hd], kr, cvt);
                     }
                 } else {
-                    for (d, &x) in kr.iter().enumerate() {
-                        kt[d * KB + jj] = cvt(x);
+                    for (row, &x) in kt.chunks_exact_mut(KB).zip(kr) {
+                        row[jj] = cvt(x);
                     }
                 }
                 let vr = &v[slot * vw + off..slot * vw + off + hd];
@@ -488,8 +491,8 @@ fn task<T: Copy>(
                     *d = cvt(x);
                 }
             } else if !direct {
-                for d in 0..hd {
-                    kt[d * KB + jj] = 0.0;
+                for row in kt.chunks_exact_mut(KB) {
+                    row[jj] = 0.0;
                 }
             }
         }
@@ -536,7 +539,7 @@ fn task<T: Copy>(
                 }
             }
         }
-        values(s, vb, o, padded, hd, nb);
+        values::<W>(s, vb, o, padded, hd, nb);
     }
     for r in 0..rows {
         let inv = 1.0 / l[r];
@@ -590,46 +593,51 @@ fn scores(qb: &[f32], kt: &[f32], s: &mut [f32], rows: usize, hd: usize) {
     }
 }
 
-/// `o[r] += sum_j s[r][j] * vb[j]` over the block's `nb` keys.
+/// `o[r] += sum_j s[r][j] * vb[j]` over the block's `nb` keys: [`RB`] rows at a time, in
+/// head-dim chunks of `W` lanes, then of [`DC`], then one lane at a time.
 #[inline(always)]
-fn values(s: &[f32], vb: &[f32], o: &mut [f32], rows: usize, hd: usize, nb: usize) {
+fn values<const W: usize>(s: &[f32], vb: &[f32], o: &mut [f32], rows: usize, hd: usize, nb: usize) {
     for rb in (0..rows).step_by(RB) {
+        let p: [&[f32]; RB] = std::array::from_fn(|rr| &s[(rb + rr) * KB..(rb + rr) * KB + nb]);
+        let o = &mut o[rb * hd..(rb + RB) * hd];
         let mut dc = 0;
-        while dc < hd {
-            if dc + DC <= hd {
-                let mut acc = [[0f32; DC]; RB];
-                for (rr, a) in acc.iter_mut().enumerate() {
-                    let base = (rb + rr) * hd + dc;
-                    a.copy_from_slice(&o[base..base + DC]);
+        while dc + W <= hd {
+            values_chunk::<W>(&p, vb, o, hd, dc);
+            dc += W;
+        }
+        while dc + DC <= hd {
+            values_chunk::<DC>(&p, vb, o, hd, dc);
+            dc += DC;
+        }
+        for (rr, pr) in p.iter().enumerate() {
+            for (j, &pj) in pr.iter().enumerate() {
+                for d in dc..hd {
+                    o[rr * hd + d] += pj * vb[j * hd + d];
                 }
-                for j in 0..nb {
-                    let vr: &[f32; DC] = vb[j * hd + dc..j * hd + dc + DC]
-                        .try_into()
-                        .expect("DC lanes");
-                    for (rr, a) in acc.iter_mut().enumerate() {
-                        let p = s[(rb + rr) * KB + j];
-                        for (a, &x) in a.iter_mut().zip(vr) {
-                            *a = p.mul_add(x, *a);
-                        }
-                    }
-                }
-                for (rr, a) in acc.iter().enumerate() {
-                    let base = (rb + rr) * hd + dc;
-                    o[base..base + DC].copy_from_slice(a);
-                }
-                dc += DC;
-            } else {
-                for rr in 0..RB {
-                    for j in 0..nb {
-                        let p = s[(rb + rr) * KB + j];
-                        for d in dc..hd {
-                            o[(rb + rr) * hd + d] += p * vb[j * hd + d];
-                        }
-                    }
-                }
-                dc = hd;
             }
         }
+    }
+}
+
+/// Lanes `dc..dc + W` of [`values`] for one register block of rows (`o` holds its rows).
+#[inline(always)]
+fn values_chunk<const W: usize>(p: &[&[f32]; RB], vb: &[f32], o: &mut [f32], hd: usize, dc: usize) {
+    let mut acc = [[0f32; W]; RB];
+    for (rr, a) in acc.iter_mut().enumerate() {
+        a.copy_from_slice(&o[rr * hd + dc..rr * hd + dc + W]);
+    }
+    let [p0, p1, p2, p3] = *p;
+    let probs = p0.iter().zip(p1).zip(p2).zip(p3);
+    for ((((&a0, &a1), &a2), &a3), vrow) in probs.zip(vb.chunks_exact(hd)) {
+        let vr: &[f32; W] = vrow[dc..dc + W].try_into().expect("W lanes");
+        for (rr, pj) in [a0, a1, a2, a3].into_iter().enumerate() {
+            for (a, &x) in acc[rr].iter_mut().zip(vr) {
+                *a = pj.mul_add(x, *a);
+            }
+        }
+    }
+    for (rr, a) in acc.iter().enumerate() {
+        o[rr * hd + dc..rr * hd + dc + W].copy_from_slice(a);
     }
 }
 
