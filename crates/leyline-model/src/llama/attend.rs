@@ -221,8 +221,11 @@ fn attend_with(
         let (kr, vr) = (kv.k_rows(layer), kv.v_rows(layer));
         let (kw, vw) = (kv.geometry().k_width(), kv.geometry().v_width);
         let next = AtomicUsize::new(0);
+        // Sized for the largest task, not for `QB` tokens: a decode step's tasks have a
+        // few rows, and this is allocated per thread and layer.
+        let max_rows = tasks.iter().map(|t| t.rows(g)).max().unwrap_or(0);
         pool.run(&|_, _| {
-            let mut buf = Scratch::new(QB * g, hd);
+            let mut buf = Scratch::new(max_rows, hd);
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(task) = tasks.get(i) else { break };
