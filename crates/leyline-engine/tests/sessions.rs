@@ -262,25 +262,16 @@ fn an_amortize_replacement_is_prefilled_work_not_a_cache_hit() {
     prompt.extend(&stub);
     prompt.extend(&ctx[end..]);
     prompt.extend(encode("The earliest"));
-    let out = Arc::new(Mutex::new(None));
-    let o = Arc::clone(&out);
-    let sink = Box::new(move |ev| {
-        if let Event::Finished { usage, .. } = ev {
-            *o.lock().unwrap() = Some(usage);
-        }
-        ControlFlow::Continue(())
-    });
     let edits = vec![Directive::new(start, end, stub.clone(), Mode::Amortize)];
     let before = e.metrics().snapshot().cached_prompt_tokens;
-    e.submit(
-        Request::greedy(prompt.clone(), 1, sink).in_session(SessionRequest {
-            id,
-            mode: Mode::Amortize,
-            edits,
-        }),
-    );
+    let (req, out) = request(prompt.clone(), 1);
+    e.submit(req.in_session(SessionRequest {
+        id,
+        mode: Mode::Amortize,
+        edits,
+    }));
     e.run_to_completion().unwrap();
-    let u = out.lock().unwrap().clone().expect("finished");
+    let u = out.lock().unwrap().finished.clone().expect("finished").1;
     let edited_ctx = ctx.len() - (end - start) + stub.len();
     assert_eq!(u.prompt_tokens, prompt.len());
     assert!(u.reused_tokens >= edited_ctx, "{u:?}");
