@@ -471,6 +471,22 @@ fn task<T: Copy, const W: usize>(
     }
     for j0 in (task.k0..task.k1).step_by(KB) {
         let nb = KB.min(task.k1 - j0);
+        // The next block's rows sit at scattered slots, which hardware prefetchers do not
+        // follow: ask for them while this block computes (not worth it for a few rows).
+        let ahead = if direct {
+            j0..j0
+        } else {
+            j0 + KB..(j0 + 2 * KB).min(task.k1)
+        };
+        for j in ahead {
+            let slot = if j < ctx {
+                seq.context[j]
+            } else {
+                seq.new_slots[j - ctx]
+            } as usize;
+            prefetch(&k[slot * kw + off..slot * kw + off + hd]);
+            prefetch(&v[slot * vw + off..slot * vw + off + hd]);
+        }
         for jj in 0..KB {
             if jj < nb {
                 let j = j0 + jj;
@@ -555,6 +571,23 @@ fn task<T: Copy, const W: usize>(
     }
     out[rows * hd..rows * (hd + 1)].copy_from_slice(&m[..rows]);
     out[rows * (hd + 1)..rows * (hd + 2)].copy_from_slice(&l[..rows]);
+}
+
+/// Hints the CPU to bring `row` into the cache; no effect on results.
+#[inline(always)]
+fn prefetch<T>(row: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = std::mem::size_of_val(row);
+        let base = row.as_ptr().cast::<i8>();
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch never faults or writes, and `base + off` stays inside `row`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(off)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = row;
 }
 
 /// `q . k` over `q.len()` lanes, in 16 independent accumulators so the loop vectorizes.
