@@ -391,8 +391,8 @@ impl Isa {
 }
 
 /// `task` compiled for an instruction set; callers must have checked that the CPU has it.
-/// `$dc` is the value accumulators' width per row: [`RB`] rows of it fill the vector
-/// registers (16 of 16 lanes with AVX-512, 16 of 8 lanes with AVX2).
+/// `$dc` is the value accumulators' width per row: [`RB`] rows of it fill 16 vector
+/// registers (4 x 64 lanes in zmm with AVX-512, 4 x 32 lanes in ymm with AVX2).
 macro_rules! task_for {
     ($name:ident, $features:literal, $dc:literal) => {
         #[cfg(target_arch = "x86_64")]
@@ -465,6 +465,18 @@ fn task<T: Copy, const W: usize>(
     // With a register block's rows or fewer, dot products straight from the key rows are
     // cheaper than transposing the block.
     let direct = padded == RB;
+    // Key `j`'s K and V rows for this kv head: the context, then the new tokens.
+    let rows_of = |j: usize| {
+        let slot = if j < ctx {
+            seq.context[j]
+        } else {
+            seq.new_slots[j - ctx]
+        } as usize;
+        (
+            &k[slot * kw + off..slot * kw + off + hd],
+            &v[slot * vw + off..slot * vw + off + hd],
+        )
+    };
     if direct {
         // Padding rows go through `values` too; zero scores, as a zero query gives below.
         s[rows * KB..padded * KB].fill(0.0);
@@ -478,24 +490,13 @@ fn task<T: Copy, const W: usize>(
         } else {
             j0 + KB..(j0 + 2 * KB).min(task.k1)
         };
-        for j in ahead {
-            let slot = if j < ctx {
-                seq.context[j]
-            } else {
-                seq.new_slots[j - ctx]
-            } as usize;
-            prefetch(&k[slot * kw + off..slot * kw + off + hd]);
-            prefetch(&v[slot * vw + off..slot * vw + off + hd]);
+        for (kr, vr) in ahead.map(rows_of) {
+            prefetch(kr);
+            prefetch(vr);
         }
         for jj in 0..KB {
             if jj < nb {
-                let j = j0 + jj;
-                let slot = if j < ctx {
-                    seq.context[j]
-                } else {
-                    seq.new_slots[j - ctx]
-                } as usize;
-                let kr = &k[slot * kw + off..slot * kw + off + hd];
+                let (kr, vr) = rows_of(j0 + jj);
                 if direct {
                     for r in 0..rows {
                         s[r * KB + jj] = dot(&qb[r * hd..(r + 1) * hd], kr, cvt);
@@ -505,7 +506,6 @@ fn task<T: Copy, const W: usize>(
                         row[jj] = cvt(x);
                     }
                 }
-                let vr = &v[slot * vw + off..slot * vw + off + hd];
                 for (d, &x) in vb[jj * hd..(jj + 1) * hd].iter_mut().zip(vr) {
                     *d = cvt(x);
                 }
