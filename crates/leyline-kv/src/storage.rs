@@ -86,15 +86,49 @@ impl KvGeometry {
     }
 }
 
+/// Alignment of a row buffer's first element, in bytes: a cache line, so that rows whose
+/// size is a multiple of it never straddle two lines (and a 64-byte vector load of such a row
+/// is never split).
+pub const ROW_ALIGN: usize = 64;
+
+/// A zeroed buffer of `len` elements whose first one sits on a [`ROW_ALIGN`] boundary: an
+/// over-allocated vector and the offset of that boundary in it (the vector never grows, so
+/// the offset stays valid).
+#[derive(Debug)]
+struct Aligned<T> {
+    buf: Vec<T>,
+    start: usize,
+    len: usize,
+}
+
+impl<T: Copy + Default> Aligned<T> {
+    fn zeroed(len: usize) -> Self {
+        let size = std::mem::size_of::<T>();
+        let buf = vec![T::default(); len + ROW_ALIGN / size];
+        let start = (ROW_ALIGN - buf.as_ptr() as usize % ROW_ALIGN) % ROW_ALIGN / size;
+        Self { buf, start, len }
+    }
+}
+
+impl<T> std::ops::Deref for Aligned<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl<T> std::ops::DerefMut for Aligned<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
 /// Typed row buffer. Half types are kept as raw bits so kernels can work bit-level.
-#[derive(Debug, Clone)]
-pub enum Rows {
-    /// f32 values.
-    F32(Vec<f32>),
-    /// f16 bit patterns.
-    F16(Vec<u16>),
-    /// bf16 bit patterns.
-    Bf16(Vec<u16>),
+#[derive(Debug)]
+enum Rows {
+    F32(Aligned<f32>),
+    F16(Aligned<u16>),
+    Bf16(Aligned<u16>),
 }
 
 /// Mutable view of a row buffer, as handed to rotation kernels.
@@ -130,9 +164,9 @@ impl Rows {
 
     fn zeros(dtype: KvDtype, n: usize) -> Self {
         match dtype {
-            KvDtype::F32 => Rows::F32(vec![0.0; n]),
-            KvDtype::F16 => Rows::F16(vec![0; n]),
-            KvDtype::Bf16 => Rows::Bf16(vec![0; n]),
+            KvDtype::F32 => Rows::F32(Aligned::zeroed(n)),
+            KvDtype::F16 => Rows::F16(Aligned::zeroed(n)),
+            KvDtype::Bf16 => Rows::Bf16(Aligned::zeroed(n)),
         }
     }
 
@@ -441,6 +475,30 @@ mod tests {
             assert!(s.slot_is_zero(2).unwrap());
             s.gather_k(1, &[3], &mut out[..8]).unwrap();
             assert_eq!(&out[..8], &k[..]);
+        }
+    }
+
+    #[test]
+    fn row_buffers_start_on_a_cache_line_and_hold_exactly_their_rows() {
+        // Several sizes, so that the allocator's own alignment varies.
+        for (dtype, slots) in [(KvDtype::F32, 4), (KvDtype::F32, 5000), (KvDtype::Bf16, 3)] {
+            let mut s = KvStorage::new(geom(), dtype, slots).unwrap();
+            s.write(1, slots as u32 - 1, &[1.0; 8], &[2.0; 8]).unwrap();
+            for layer in 0..2 {
+                let (k, v) = (s.k_rows(layer), s.v_rows(layer));
+                for (rows, at) in [(k, 0), (v, 1)] {
+                    let (addr, len, last) = match rows {
+                        RowsRef::F32(r) => (r.as_ptr() as usize, r.len(), r[r.len() - 1]),
+                        RowsRef::Bf16(r) | RowsRef::F16(r) => {
+                            (r.as_ptr() as usize, r.len(), r[r.len() - 1] as f32)
+                        }
+                    };
+                    assert_eq!(addr % ROW_ALIGN, 0, "{dtype:?} layer {layer} buffer {at}");
+                    assert_eq!(len, slots * 8);
+                    // The last slot's row ends the buffer.
+                    assert_eq!(last != 0.0, layer == 1, "{dtype:?} layer {layer}");
+                }
+            }
         }
     }
 
