@@ -2,16 +2,18 @@
 //!
 //! Design decision: one task is one (sequence, kv head, block of query tokens). Its query rows
 //! (the block's tokens times the query heads that share the kv head) meet the context in
-//! blocks of [`KB`] keys: a key block is gathered and converted to f32 once for all rows,
-//! scores and the value sums use register-sized accumulators, and an online softmax keeps a
-//! running max and sum per row, so neither a score matrix over the whole context nor a mask
-//! is ever built. Scores are kept in log2 units (the query is pre-scaled by `log2(e)`), so
+//! blocks of [`KB`] keys. The queries are transposed once per task, so a block's scores come
+//! out transposed too (`[key][query row]`, keys broadcast from their pool rows into
+//! accumulators that span 64 query rows): the online softmax then runs down the keys with the
+//! query rows across vector lanes, and the causal mask of a key is a prefix of its row. Value
+//! sums read the pool's value rows. With f32 storage nothing is copied; bf16/f16 blocks are
+//! converted once. Scores are kept in log2 units (the query is pre-scaled by `log2(e)`), so
 //! the softmax needs only `exp2`, computed by a polynomial the compiler vectorizes.
 //!
 //! Decode batches have one query token per sequence, so few tasks and few rows per task: a
 //! task then covers part of the context only (its running max and sum merged afterwards),
-//! so that both threads stay busy, and scores come from the key rows directly, because
-//! transposing a key block costs more than the few dot products it serves.
+//! so that both threads stay busy, and scores are dot products of the few query rows with
+//! the key rows, which wastes no vector lanes on absent rows.
 
 use crate::pool::SpinPool;
 use crate::ForwardSeq;
@@ -69,27 +71,96 @@ impl Task<'_> {
 
 /// Per-thread buffers, sized for one task.
 struct Scratch {
+    /// Query rows, scaled (the direct-score path reads them).
     q: Vec<f32>,
-    kt: Vec<f32>,
-    v: Vec<f32>,
-    s: Vec<f32>,
+    /// The same rows transposed, `[head_dim][lanes]`.
+    qt: Vec<f32>,
+    /// A key block's K and V rows converted to f32 when the storage is not f32.
+    kb: Vec<f32>,
+    vb: Vec<f32>,
+    /// The row of a key past the block's end.
+    zero: Vec<f32>,
+    /// Scores, then probabilities, `[KB][lanes]`: a key's scores for every query row.
+    st: Vec<f32>,
     o: Vec<f32>,
+    /// Per query row: running max, running sum, the last block's correction factor.
     m: Vec<f32>,
     l: Vec<f32>,
+    corr: Vec<f32>,
+}
+
+/// Query rows padded to whole 16-lane vectors.
+fn lanes_of(rows: usize) -> usize {
+    rows.div_ceil(16) * 16
 }
 
 impl Scratch {
     fn new(rows: usize, hd: usize) -> Self {
-        let rows = rows.div_ceil(RB) * RB;
+        let lanes = lanes_of(rows);
         Self {
-            q: vec![0.0; rows * hd],
-            kt: vec![0.0; hd * KB],
-            v: vec![0.0; KB * hd],
-            s: vec![0.0; rows * KB],
-            o: vec![0.0; rows * hd],
-            m: vec![0.0; rows],
-            l: vec![0.0; rows],
+            q: vec![0.0; lanes * hd],
+            qt: vec![0.0; hd * lanes],
+            kb: vec![0.0; KB * hd],
+            vb: vec![0.0; KB * hd],
+            zero: vec![0.0; hd],
+            st: vec![0.0; KB * lanes],
+            o: vec![0.0; lanes * hd],
+            m: vec![0.0; lanes],
+            l: vec![0.0; lanes],
+            corr: vec![0.0; lanes],
         }
+    }
+}
+
+/// How rows of a storage dtype become f32.
+trait Load<T>: Copy {
+    fn f32(self, x: T) -> f32;
+    /// The rows themselves when they already are f32.
+    fn in_place(self, rows: &[T]) -> Option<&[f32]>;
+}
+
+/// f32 storage: rows are read where they are.
+#[derive(Clone, Copy)]
+struct AsIs;
+
+impl Load<f32> for AsIs {
+    #[inline(always)]
+    fn f32(self, x: f32) -> f32 {
+        x
+    }
+    #[inline(always)]
+    fn in_place(self, rows: &[f32]) -> Option<&[f32]> {
+        Some(rows)
+    }
+}
+
+/// bf16 bit patterns (converted exactly).
+#[derive(Clone, Copy)]
+struct FromBf16;
+
+impl Load<u16> for FromBf16 {
+    #[inline(always)]
+    fn f32(self, b: u16) -> f32 {
+        f32::from_bits((b as u32) << 16)
+    }
+    #[inline(always)]
+    fn in_place(self, _: &[u16]) -> Option<&[f32]> {
+        None
+    }
+}
+
+/// f16 bit patterns (converted exactly).
+#[derive(Clone, Copy)]
+struct FromF16;
+
+impl Load<u16> for FromF16 {
+    #[inline(always)]
+    fn f32(self, b: u16) -> f32 {
+        f16::from_bits(b).to_f32()
+    }
+    #[inline(always)]
+    fn in_place(self, _: &[u16]) -> Option<&[f32]> {
+        None
     }
 }
 
@@ -120,16 +191,6 @@ fn exp2(x: f32) -> f32 {
     } else {
         r
     }
-}
-
-/// A bf16 bit pattern as f32 (exact).
-fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
-}
-
-/// An f16 bit pattern as f32 (exact).
-fn f16_to_f32(b: u16) -> f32 {
-    f16::from_bits(b).to_f32()
 }
 
 /// Writes into `out: [n, heads * head_dim]` the causal attention of the batch's queries
@@ -239,13 +300,13 @@ fn attend_with(
                 };
                 match (kr, vr) {
                     (RowsRef::F32(k), RowsRef::F32(v)) => {
-                        isa.run(&job, k, v, |x| x, &mut buf, &mut o)
+                        isa.run(&job, k, v, AsIs, &mut buf, &mut o)
                     }
                     (RowsRef::Bf16(k), RowsRef::Bf16(v)) => {
-                        isa.run(&job, k, v, bf16_to_f32, &mut buf, &mut o)
+                        isa.run(&job, k, v, FromBf16, &mut buf, &mut o)
                     }
                     (RowsRef::F16(k), RowsRef::F16(v)) => {
-                        isa.run(&job, k, v, f16_to_f32, &mut buf, &mut o)
+                        isa.run(&job, k, v, FromF16, &mut buf, &mut o)
                     }
                     _ => unreachable!("key and value rows share one dtype"),
                 }
@@ -374,38 +435,57 @@ impl Isa {
         job: &Job<'_>,
         k: &[T],
         v: &[T],
-        cvt: impl Fn(T) -> f32 + Copy,
+        ld: impl Load<T>,
         buf: &mut Scratch,
         out: &mut [f32],
     ) {
         match self {
-            Isa::Portable => task::<T, DC>(job, k, v, cvt, buf, out),
+            Isa::Portable => task::<T, DC>(self, job, k, v, ld, buf, out),
             // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX-512F.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { task_avx512(job, k, v, cvt, buf, out) },
+            Isa::Avx512 => unsafe { task_avx512(self, job, k, v, ld, buf, out) },
             // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { task_avx2(job, k, v, cvt, buf, out) },
+            Isa::Avx2 => unsafe { task_avx2(self, job, k, v, ld, buf, out) },
+        }
+    }
+
+    /// `st[j][r] = q[r] . k[j]` for one key block, from the transposed queries
+    /// `qt: [hd][lanes]` (`lanes` a multiple of 16).
+    fn scores(self, qt: &[f32], lanes: usize, krows: &[&[f32]; KB], st: &mut [f32], hd: usize) {
+        assert!(lanes.is_multiple_of(16) && qt.len() >= hd * lanes && st.len() >= KB * lanes);
+        assert!(krows.iter().all(|r| r.len() >= hd));
+        match self {
+            Isa::Portable => scores_portable(qt, lanes, krows, st, hd),
+            // SAFETY: the CPU has AVX-512F (see `run`), and the asserts above are the bounds
+            // `scores_avx512` relies on.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { x86::scores_avx512(qt, lanes, krows, st, hd) },
+            // SAFETY: the CPU has AVX2 and FMA (see `run`), and the asserts above are the
+            // bounds `scores_avx2` relies on.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { x86::scores_avx2(qt, lanes, krows, st, hd) },
         }
     }
 }
 
 /// `task` compiled for an instruction set; callers must have checked that the CPU has it.
-/// `$dc` is the value accumulators' width per row: [`RB`] rows of it fill 16 vector
-/// registers (4 x 64 lanes in zmm with AVX-512, 4 x 32 lanes in ymm with AVX2).
+/// `$w` is the value accumulators' width per row ([`RB`] rows of it fill 16 vector
+/// registers).
 macro_rules! task_for {
-    ($name:ident, $features:literal, $dc:literal) => {
+    ($name:ident, $features:literal, $w:literal) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name<T: Copy>(
+            isa: Isa,
             job: &Job<'_>,
             k: &[T],
             v: &[T],
-            cvt: impl Fn(T) -> f32 + Copy,
+            ld: impl Load<T>,
             buf: &mut Scratch,
             out: &mut [f32],
         ) {
-            task::<T, $dc>(job, k, v, cvt, buf, out)
+            task::<T, $w>(isa, job, k, v, ld, buf, out)
         }
     };
 }
@@ -413,12 +493,17 @@ task_for!(task_avx512, "avx512f", 64);
 task_for!(task_avx2, "avx2,fma", 32);
 
 /// Runs one task into `out` (its rows, token-major, heads within a token).
+///
+/// Per key block: scores land transposed (`st[key][row]`), so the online softmax runs down
+/// the keys with the query rows across vector lanes, and the masks of the causal diagonal
+/// are prefixes of a key's row. With f32 storage the key and value rows are read in place.
 #[inline(always)]
 fn task<T: Copy, const W: usize>(
+    isa: Isa,
     job: &Job<'_>,
     k: &[T],
     v: &[T],
-    cvt: impl Fn(T) -> f32 + Copy,
+    ld: impl Load<T>,
     buf: &mut Scratch,
     out: &mut [f32],
 ) {
@@ -434,17 +519,24 @@ fn task<T: Copy, const W: usize>(
     let seq = task.seq;
     let rows = (task.t1 - task.t0) * g;
     let padded = rows.div_ceil(RB) * RB;
+    let lanes = lanes_of(rows);
     let c = std::f32::consts::LOG2_E / (hd as f32).sqrt();
     let Scratch {
         q: qb,
-        kt,
-        v: vb,
-        s,
+        qt,
+        kb,
+        vb,
+        zero,
+        st,
         o,
         m,
         l,
+        corr,
     } = buf;
-    for r in 0..padded {
+    // With a register block's rows or fewer, dot products straight from the key rows are
+    // cheaper than the transposed product, whose lanes would be mostly padding.
+    let direct = padded == RB;
+    for r in 0..lanes {
         let dst = &mut qb[r * hd..(r + 1) * hd];
         if r < rows {
             let head = task.kv_head * g + r % g;
@@ -456,109 +548,88 @@ fn task<T: Copy, const W: usize>(
             dst.fill(0.0);
         }
     }
-    m[..padded].fill(f32::NEG_INFINITY);
-    l[..padded].fill(0.0);
+    if !direct {
+        for (d, col) in qt.chunks_exact_mut(lanes).take(hd).enumerate() {
+            for (x, row) in col.iter_mut().zip(qb.chunks_exact(hd)) {
+                *x = row[d];
+            }
+        }
+    }
+    m[..lanes].fill(f32::NEG_INFINITY);
+    l[..lanes].fill(0.0);
     o[..padded * hd].fill(0.0);
     let ctx = seq.context.len();
     // Key and value rows both hold the kv heads side by side.
     let off = task.kv_head * hd;
-    // With a register block's rows or fewer, dot products straight from the key rows are
-    // cheaper than transposing the block.
-    let direct = padded == RB;
-    // Key `j`'s K and V rows for this kv head: the context, then the new tokens.
-    let rows_of = |j: usize| {
-        let slot = if j < ctx {
+    let slot = |j: usize| {
+        (if j < ctx {
             seq.context[j]
         } else {
             seq.new_slots[j - ctx]
-        } as usize;
-        (
-            &k[slot * kw + off..slot * kw + off + hd],
-            &v[slot * vw + off..slot * vw + off + hd],
-        )
+        }) as usize
     };
-    if direct {
-        // Padding rows go through `values` too; zero scores, as a zero query gives below.
-        s[rows * KB..padded * KB].fill(0.0);
-    }
+    let (kf, vf) = (ld.in_place(k), ld.in_place(v));
+    // Keys from here on are masked for some rows: row `r` sees key `j` iff
+    // `j < diag + r / g + 1`.
+    let diag = ctx + task.t0;
     for j0 in (task.k0..task.k1).step_by(KB) {
         let nb = KB.min(task.k1 - j0);
         // The next block's rows sit at scattered slots, which hardware prefetchers do not
-        // follow: ask for them while this block computes (not worth it for a few rows).
-        let ahead = if direct {
-            j0..j0
-        } else {
-            j0 + KB..(j0 + 2 * KB).min(task.k1)
-        };
-        for (kr, vr) in ahead.map(rows_of) {
-            prefetch(kr);
-            prefetch(vr);
+        // follow: ask for them while this block computes.
+        for j in j0 + KB..(j0 + 2 * KB).min(task.k1) {
+            let s = slot(j);
+            prefetch(&k[s * kw + off..s * kw + off + hd]);
+            prefetch(&v[s * vw + off..s * vw + off + hd]);
         }
-        for jj in 0..KB {
-            if jj < nb {
-                let (kr, vr) = rows_of(j0 + jj);
-                if direct {
-                    for r in 0..rows {
-                        s[r * KB + jj] = dot(&qb[r * hd..(r + 1) * hd], kr, cvt);
-                    }
-                } else {
-                    for (row, &x) in kt.chunks_exact_mut(KB).zip(kr) {
-                        row[jj] = cvt(x);
-                    }
+        if kf.is_none() {
+            for jj in 0..nb {
+                let s = slot(j0 + jj);
+                let (kr, vr) = (&k[s * kw + off..][..hd], &v[s * vw + off..][..hd]);
+                for (d, &x) in kb[jj * hd..(jj + 1) * hd].iter_mut().zip(kr) {
+                    *d = ld.f32(x);
                 }
                 for (d, &x) in vb[jj * hd..(jj + 1) * hd].iter_mut().zip(vr) {
-                    *d = cvt(x);
-                }
-            } else if !direct {
-                for row in kt.chunks_exact_mut(KB) {
-                    row[jj] = 0.0;
+                    *d = ld.f32(x);
                 }
             }
         }
-        if !direct {
-            scores(qb, kt, s, padded, hd);
+        let slots: [usize; KB] = std::array::from_fn(|jj| if jj < nb { slot(j0 + jj) } else { 0 });
+        let zero = &zero[..hd];
+        let krows = block_rows(kf, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
+        let vrows = block_rows(vf, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
+        if direct {
+            for (srow, kr) in st.chunks_exact_mut(lanes).zip(&krows) {
+                for (r, x) in srow.iter_mut().enumerate() {
+                    *x = if r < rows {
+                        dot(&qb[r * hd..(r + 1) * hd], kr)
+                    } else {
+                        0.0
+                    };
+                }
+            }
+        } else {
+            isa.scores(qt, lanes, &krows, st, hd);
         }
-        for r in 0..rows {
-            // Keys this row may see: the context and its own token and those before it.
-            let visible = ctx + task.t0 + r / g + 1;
-            let lim = visible.saturating_sub(j0).min(nb);
-            let sr: &mut [f32; KB] = (&mut s[r * KB..(r + 1) * KB])
-                .try_into()
-                .expect("score rows are KB wide");
-            if lim == 0 {
-                sr.fill(0.0);
-                continue;
+        if j0 + KB > diag {
+            for (jj, srow) in st.chunks_exact_mut(lanes).enumerate() {
+                let j = j0 + jj;
+                let hidden = if jj >= nb {
+                    lanes
+                } else {
+                    (j.saturating_sub(diag) * g).min(lanes)
+                };
+                srow[..hidden].fill(f32::NEG_INFINITY);
             }
-            for (jj, x) in sr.iter_mut().enumerate() {
-                if jj >= lim {
-                    *x = f32::NEG_INFINITY;
-                }
-            }
-            let mut lanes = [f32::NEG_INFINITY; 16];
-            for c in sr.chunks_exact(16) {
-                for (a, &x) in lanes.iter_mut().zip(c) {
-                    *a = a.max(x);
-                }
-            }
-            let mnew = lanes.iter().fold(m[r], |a, &b| a.max(b));
-            let corr = exp2(m[r] - mnew);
-            let mut lanes = [0f32; 16];
-            for c in sr.chunks_exact_mut(16) {
-                for (a, x) in lanes.iter_mut().zip(c) {
-                    *x = exp2(*x - mnew);
-                    *a += *x;
-                }
-            }
-            let sum: f32 = lanes.iter().sum();
-            l[r] = l[r] * corr + sum;
-            m[r] = mnew;
-            if corr != 1.0 {
+        }
+        softmax_block(st, lanes, m, l, corr);
+        for (r, &cr) in corr[..padded].iter().enumerate() {
+            if cr != 1.0 {
                 for x in &mut o[r * hd..(r + 1) * hd] {
-                    *x *= corr;
+                    *x *= cr;
                 }
             }
         }
-        values::<W>(s, vb, o, padded, hd, nb);
+        values::<W>(st, lanes, &vrows, o, padded, hd, nb);
     }
     for r in 0..rows {
         let inv = 1.0 / l[r];
@@ -571,6 +642,62 @@ fn task<T: Copy, const W: usize>(
     }
     out[rows * hd..rows * (hd + 1)].copy_from_slice(&m[..rows]);
     out[rows * (hd + 1)..rows * (hd + 2)].copy_from_slice(&l[..rows]);
+}
+
+/// A key block's rows for one kv head: in place in `rows` (at `at(jj)`) when the storage is
+/// f32, else the converted rows of `conv`; `zero` past the block's `nb` keys.
+#[inline(always)]
+fn block_rows<'a>(
+    rows: Option<&'a [f32]>,
+    at: impl Fn(usize) -> usize,
+    conv: &'a [f32],
+    zero: &'a [f32],
+    nb: usize,
+    hd: usize,
+) -> [&'a [f32]; KB] {
+    std::array::from_fn(|jj| match (jj < nb, rows) {
+        (false, _) => zero,
+        (true, Some(f)) => &f[at(jj)..at(jj) + hd],
+        (true, None) => &conv[jj * hd..(jj + 1) * hd],
+    })
+}
+
+/// One block's online softmax, 16 query rows at a time: updates each row's running max `m`
+/// and sum `l`, turns the scores `st` into `2^(s - m)`, and leaves in `corr` the factor by
+/// which the row's earlier value sums must be scaled.
+#[inline(always)]
+fn softmax_block(st: &mut [f32], lanes: usize, m: &mut [f32], l: &mut [f32], corr: &mut [f32]) {
+    for c0 in (0..lanes).step_by(16) {
+        let at = |jj: usize| jj * lanes + c0;
+        let mut mx: [f32; 16] = m[c0..c0 + 16].try_into().expect("16 lanes");
+        for jj in 0..KB {
+            let s: &[f32; 16] = st[at(jj)..at(jj) + 16].try_into().expect("16 lanes");
+            for (a, &x) in mx.iter_mut().zip(s) {
+                *a = a.max(x);
+            }
+        }
+        let mut sum = [0f32; 16];
+        for jj in 0..KB {
+            let s: &mut [f32; 16] = (&mut st[at(jj)..at(jj) + 16]).try_into().expect("16 lanes");
+            for ((x, a), &mr) in s.iter_mut().zip(&mut sum).zip(&mx) {
+                *x = exp2(*x - mr);
+                *a += *x;
+            }
+        }
+        let rows = c0..c0 + 16;
+        for ((((mo, lo), co), &mr), &sr) in m[rows.clone()]
+            .iter_mut()
+            .zip(&mut l[rows.clone()])
+            .zip(&mut corr[rows])
+            .zip(&mx)
+            .zip(&sum)
+        {
+            let cr = exp2(*mo - mr);
+            *co = cr;
+            *lo = *lo * cr + sr;
+            *mo = mr;
+        }
+    }
 }
 
 /// Hints the CPU to bring `row` into the cache; no effect on results.
@@ -590,85 +717,225 @@ fn prefetch<T>(row: &[T]) {
     let _ = row;
 }
 
-/// `q . k` over `q.len()` lanes, in 16 independent accumulators so the loop vectorizes.
+/// `q . k`, in 16 independent accumulators so the loop vectorizes.
 #[inline(always)]
-fn dot<T: Copy>(q: &[f32], k: &[T], cvt: impl Fn(T) -> f32 + Copy) -> f32 {
+fn dot(q: &[f32], k: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let full = q.len() / 16 * 16;
     for (qc, kc) in q[..full].chunks_exact(16).zip(k[..full].chunks_exact(16)) {
         for ((a, &x), &y) in acc.iter_mut().zip(qc).zip(kc) {
-            *a = x.mul_add(cvt(y), *a);
+            *a = x.mul_add(y, *a);
         }
     }
     let mut sum: f32 = acc.iter().sum();
     for (&x, &y) in q[full..].iter().zip(&k[full..q.len()]) {
-        sum = x.mul_add(cvt(y), sum);
+        sum = x.mul_add(y, sum);
     }
     sum
 }
 
-/// `s[r] = q[r] . kt` for `rows` (a multiple of [`RB`]) query rows against one key block.
-#[inline(always)]
-fn scores(qb: &[f32], kt: &[f32], s: &mut [f32], rows: usize, hd: usize) {
-    for rb in (0..rows).step_by(RB) {
-        let mut acc = [[0f32; KB]; RB];
-        for d in 0..hd {
-            let kr: &[f32; KB] = kt[d * KB..(d + 1) * KB]
-                .try_into()
-                .expect("key block rows are KB wide");
-            for (rr, a) in acc.iter_mut().enumerate() {
-                let x = qb[(rb + rr) * hd + d];
-                for (a, &k) in a.iter_mut().zip(kr) {
-                    *a = x.mul_add(k, *a);
+/// [`Isa::scores`] without SIMD intrinsics: four keys against 16 query lanes at a time.
+fn scores_portable(qt: &[f32], lanes: usize, krows: &[&[f32]; KB], st: &mut [f32], hd: usize) {
+    for c0 in (0..lanes).step_by(16) {
+        for (kg, sg) in krows.chunks_exact(4).zip(st.chunks_exact_mut(4 * lanes)) {
+            let mut acc = [[0f32; 16]; 4];
+            for (d, col) in qt.chunks_exact(lanes).take(hd).enumerate() {
+                let qv: &[f32; 16] = col[c0..c0 + 16].try_into().expect("16 lanes");
+                for (a, kr) in acc.iter_mut().zip(kg) {
+                    let kd = kr[d];
+                    for (x, &y) in a.iter_mut().zip(qv) {
+                        *x = kd.mul_add(y, *x);
+                    }
                 }
             }
-        }
-        for (rr, a) in acc.iter().enumerate() {
-            s[(rb + rr) * KB..(rb + rr + 1) * KB].copy_from_slice(a);
+            for (a, srow) in acc.iter().zip(sg.chunks_exact_mut(lanes)) {
+                srow[c0..c0 + 16].copy_from_slice(a);
+            }
         }
     }
 }
 
-/// `o[r] += sum_j s[r][j] * vb[j]` over the block's `nb` keys: [`RB`] rows at a time, in
+/// The score products with intrinsics: the compiler does not keep a `[keys][lanes]`
+/// accumulator tile in registers on its own.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::KB;
+    use std::arch::x86_64::*;
+
+    /// [`super::Isa::scores`] with AVX-512F: 4 keys x 64 query lanes in 16 registers, then
+    /// 4 x 32 and 4 x 16 for the lanes left over.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `lanes % 16 == 0`, `qt.len() >= hd * lanes`,
+    /// `st.len() >= KB * lanes` and every key row holds `hd` values.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_avx512(
+        qt: &[f32],
+        lanes: usize,
+        krows: &[&[f32]; KB],
+        st: &mut [f32],
+        hd: usize,
+    ) {
+        let mut c0 = 0;
+        while c0 < lanes {
+            let left = (lanes - c0) / 16;
+            // SAFETY (all three): lanes `c0..c0 + 16 n` lie within `lanes`, and the
+            // caller's bounds cover the rest.
+            if left >= 4 {
+                unsafe { group_avx512::<4>(qt, lanes, krows, st, hd, c0) };
+                c0 += 64;
+            } else if left >= 2 {
+                unsafe { group_avx512::<2>(qt, lanes, krows, st, hd, c0) };
+                c0 += 32;
+            } else {
+                unsafe { group_avx512::<1>(qt, lanes, krows, st, hd, c0) };
+                c0 += 16;
+            }
+        }
+    }
+
+    /// Lanes `c0..c0 + 16 N` of [`scores_avx512`].
+    ///
+    /// # Safety
+    /// As [`scores_avx512`], and `c0 + 16 N <= lanes`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn group_avx512<const N: usize>(
+        qt: &[f32],
+        lanes: usize,
+        krows: &[&[f32]; KB],
+        st: &mut [f32],
+        hd: usize,
+        c0: usize,
+    ) {
+        for (jb, kg) in krows.chunks_exact(4).enumerate() {
+            let mut acc = [[_mm512_setzero_ps(); N]; 4];
+            for d in 0..hd {
+                // SAFETY: `d * lanes + c0 + 16 N <= hd * lanes <= qt.len()`.
+                let col = unsafe { qt.as_ptr().add(d * lanes + c0) };
+                let mut q = [_mm512_setzero_ps(); N];
+                for (i, x) in q.iter_mut().enumerate() {
+                    // SAFETY: within the column, as above.
+                    *x = unsafe { _mm512_loadu_ps(col.add(16 * i)) };
+                }
+                for (a, kr) in acc.iter_mut().zip(kg) {
+                    // SAFETY: key rows hold `hd` values.
+                    let k = _mm512_set1_ps(unsafe { *kr.get_unchecked(d) });
+                    for (x, &y) in a.iter_mut().zip(&q) {
+                        *x = _mm512_fmadd_ps(k, y, *x);
+                    }
+                }
+            }
+            for (kk, a) in acc.iter().enumerate() {
+                // SAFETY: row `4 jb + kk < KB` of `st`, lanes `c0..c0 + 16 N`.
+                let dst = unsafe { st.as_mut_ptr().add((4 * jb + kk) * lanes + c0) };
+                for (i, x) in a.iter().enumerate() {
+                    // SAFETY: as above.
+                    unsafe { _mm512_storeu_ps(dst.add(16 * i), *x) };
+                }
+            }
+        }
+    }
+
+    /// [`super::Isa::scores`] with AVX2 and FMA: 4 keys x 16 query lanes (8 registers).
+    ///
+    /// # Safety
+    /// As [`scores_avx512`], with AVX2 and FMA instead of AVX-512F.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scores_avx2(
+        qt: &[f32],
+        lanes: usize,
+        krows: &[&[f32]; KB],
+        st: &mut [f32],
+        hd: usize,
+    ) {
+        for c0 in (0..lanes).step_by(16) {
+            for (jb, kg) in krows.chunks_exact(4).enumerate() {
+                let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+                for d in 0..hd {
+                    // SAFETY: `d * lanes + c0 + 16 <= hd * lanes <= qt.len()`.
+                    let col = unsafe { qt.as_ptr().add(d * lanes + c0) };
+                    // SAFETY: within the column, as above.
+                    let q = unsafe { [_mm256_loadu_ps(col), _mm256_loadu_ps(col.add(8))] };
+                    for (a, kr) in acc.iter_mut().zip(kg) {
+                        // SAFETY: key rows hold `hd` values.
+                        let k = _mm256_set1_ps(unsafe { *kr.get_unchecked(d) });
+                        for (x, &y) in a.iter_mut().zip(&q) {
+                            *x = _mm256_fmadd_ps(k, y, *x);
+                        }
+                    }
+                }
+                for (kk, a) in acc.iter().enumerate() {
+                    // SAFETY: row `4 jb + kk < KB` of `st`, lanes `c0..c0 + 16`.
+                    let dst = unsafe { st.as_mut_ptr().add((4 * jb + kk) * lanes + c0) };
+                    // SAFETY: as above.
+                    unsafe {
+                        _mm256_storeu_ps(dst, a[0]);
+                        _mm256_storeu_ps(dst.add(8), a[1]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `o[r] += sum_j st[j][r] * v[j]` over the block's `nb` keys: [`RB`] rows at a time, in
 /// head-dim chunks of `W` lanes, then of [`DC`], then one lane at a time.
 #[inline(always)]
-fn values<const W: usize>(s: &[f32], vb: &[f32], o: &mut [f32], rows: usize, hd: usize, nb: usize) {
+fn values<const W: usize>(
+    st: &[f32],
+    lanes: usize,
+    vrows: &[&[f32]; KB],
+    o: &mut [f32],
+    rows: usize,
+    hd: usize,
+    nb: usize,
+) {
     for rb in (0..rows).step_by(RB) {
-        let p: [&[f32]; RB] = std::array::from_fn(|rr| &s[(rb + rr) * KB..(rb + rr) * KB + nb]);
         let o = &mut o[rb * hd..(rb + RB) * hd];
         let mut dc = 0;
         while dc + W <= hd {
-            values_chunk::<W>(&p, vb, o, hd, dc);
+            values_chunk::<W>(st, lanes, vrows, o, hd, rb, dc, nb);
             dc += W;
         }
         while dc + DC <= hd {
-            values_chunk::<DC>(&p, vb, o, hd, dc);
+            values_chunk::<DC>(st, lanes, vrows, o, hd, rb, dc, nb);
             dc += DC;
         }
-        for (rr, pr) in p.iter().enumerate() {
-            for (j, &pj) in pr.iter().enumerate() {
+        for (srow, vr) in st.chunks_exact(lanes).zip(vrows).take(nb) {
+            for (rr, &p) in srow[rb..rb + RB].iter().enumerate() {
                 for d in dc..hd {
-                    o[rr * hd + d] += pj * vb[j * hd + d];
+                    o[rr * hd + d] += p * vr[d];
                 }
             }
         }
     }
 }
 
-/// Lanes `dc..dc + W` of [`values`] for one register block of rows (`o` holds its rows).
+/// Lanes `dc..dc + W` of [`values`] for the register block of rows `rb..rb + RB` (`o` holds
+/// its rows).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn values_chunk<const W: usize>(p: &[&[f32]; RB], vb: &[f32], o: &mut [f32], hd: usize, dc: usize) {
+fn values_chunk<const W: usize>(
+    st: &[f32],
+    lanes: usize,
+    vrows: &[&[f32]; KB],
+    o: &mut [f32],
+    hd: usize,
+    rb: usize,
+    dc: usize,
+    nb: usize,
+) {
     let mut acc = [[0f32; W]; RB];
     for (rr, a) in acc.iter_mut().enumerate() {
         a.copy_from_slice(&o[rr * hd + dc..rr * hd + dc + W]);
     }
-    let [p0, p1, p2, p3] = *p;
-    let probs = p0.iter().zip(p1).zip(p2).zip(p3);
-    for ((((&a0, &a1), &a2), &a3), vrow) in probs.zip(vb.chunks_exact(hd)) {
+    for (srow, vrow) in st.chunks_exact(lanes).zip(vrows).take(nb) {
+        let p: &[f32; RB] = srow[rb..rb + RB].try_into().expect("RB rows");
         let vr: &[f32; W] = vrow[dc..dc + W].try_into().expect("W lanes");
-        for (rr, pj) in [a0, a1, a2, a3].into_iter().enumerate() {
-            for (a, &x) in acc[rr].iter_mut().zip(vr) {
-                *a = pj.mul_add(x, *a);
+        for (a, &pj) in acc.iter_mut().zip(p) {
+            for (x, &y) in a.iter_mut().zip(vr) {
+                *x = pj.mul_add(y, *x);
             }
         }
     }
