@@ -1,4 +1,5 @@
-//! The forward pass for batches of a few tokens (decode steps), on plain buffers.
+//! The forward pass for batches of a few tokens (decode steps, short prefills), on plain
+//! buffers.
 //!
 //! Design decision: at decode shapes the tensor library's per-op cost (allocation, layout
 //! bookkeeping, copies) and rayon's wake-ups outweighed the arithmetic. This path keeps
@@ -15,8 +16,9 @@ use crate::ForwardSeq;
 use candle_core::{Device, Tensor};
 use leyline_kv::KvStorage;
 
-/// Largest batch (tokens over all sequences) the decode path takes.
-pub(super) const MAX_TOKENS: usize = 16;
+/// Largest batch (tokens over all sequences) the decode path takes: up to there the quantized
+/// kernels beat the f32 GEMM.
+pub(super) const MAX_TOKENS: usize = crate::linear::QUANTIZED_MAX_ROWS;
 
 /// `out = x / rms(x) * w`, row by row.
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
