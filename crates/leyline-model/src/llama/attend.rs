@@ -581,9 +581,9 @@ fn task<T: Copy, const W: usize>(
             prefetch(&k[s * kw + off..s * kw + off + hd]);
             prefetch(&v[s * vw + off..s * vw + off + hd]);
         }
+        let slots: [usize; KB] = std::array::from_fn(|jj| if jj < nb { slot(j0 + jj) } else { 0 });
         if kf.is_none() {
-            for jj in 0..nb {
-                let s = slot(j0 + jj);
+            for (jj, &s) in slots[..nb].iter().enumerate() {
                 let (kr, vr) = (&k[s * kw + off..][..hd], &v[s * vw + off..][..hd]);
                 for (d, &x) in kb[jj * hd..(jj + 1) * hd].iter_mut().zip(kr) {
                     *d = ld.f32(x);
@@ -593,7 +593,6 @@ fn task<T: Copy, const W: usize>(
                 }
             }
         }
-        let slots: [usize; KB] = std::array::from_fn(|jj| if jj < nb { slot(j0 + jj) } else { 0 });
         let zero = &zero[..hd];
         let krows = block_rows(kf, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
         let vrows = block_rows(vf, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
