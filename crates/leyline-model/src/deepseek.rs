@@ -279,7 +279,7 @@ impl DeepseekV2 {
         }
         let norm = w.take("model.norm.weight", &[hd])?;
         let lm_head = if cfg.tie_word_embeddings && !w.has("lm_head.weight") {
-            Linear::from_parts(embed.clone(), None, None)?
+            Linear::tied(&embed, None)?
         } else {
             lin(w, "lm_head", &[cfg.vocab_size, hd])?
         };

@@ -205,7 +205,7 @@ impl Llama {
         let lm_head = if f.has_tensor("output.weight") {
             Linear::load(f, "output")?
         } else {
-            Linear::from_parts(embed.clone(), Some(&embed_q), None)?
+            Linear::tied(&embed, Some(&embed_q))?
         };
         let cfg = LlamaConfig {
             vocab_size: vocab,
@@ -324,10 +324,15 @@ impl CausalLm for Llama {
             head_dim: hd,
         };
         for (li, b) in self.blocks.iter().enumerate() {
-            let xn = candle_nn::ops::rms_norm(&x, &b.attn_norm, eps)?;
-            let mut q = to_rows(&b.q.forward(&xn)?)?;
-            let mut k = to_rows(&b.k.forward(&xn)?)?;
-            let v = to_rows(&b.v.forward(&xn)?)?;
+            let xn = to_rows(&candle_nn::ops::rms_norm(&x, &b.attn_norm, eps)?)?;
+            let (mut q, mut k, mut v) = (
+                vec![0f32; n * h * hd],
+                vec![0f32; n * kvh * hd],
+                vec![0f32; n * kvh * hd],
+            );
+            b.q.forward_rows(&xn, n, &mut q)?;
+            b.k.forward_rows(&xn, n, &mut k)?;
+            b.v.forward_rows(&xn, n, &mut v)?;
             self.apply_rope(&mut q, h, &cos, &sin);
             self.apply_rope(&mut k, kvh, &cos, &sin);
             let w = kvh * hd;
@@ -336,8 +341,9 @@ impl CausalLm for Llama {
             }
             let mut att = vec![0f32; n * h * hd];
             attend::attend(pool, kv, li, shape, &q, seqs, &mut att);
-            let att = Tensor::from_vec(att, (n, h * hd), &Device::Cpu)?;
-            x = (x + b.o.forward(&att)?)?;
+            let mut o = vec![0f32; n * self.cfg.hidden];
+            b.o.forward_rows(&att, n, &mut o)?;
+            x = (x + Tensor::from_vec(o, (n, self.cfg.hidden), &Device::Cpu)?)?;
             let xn = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
             let gate = b.gate.forward(&xn)?.silu()?;
             let up = b.up.forward(&xn)?;
