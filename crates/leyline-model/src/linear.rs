@@ -107,43 +107,61 @@ impl Linear {
         Ok(Self { w, out, inp, q, b })
     }
 
-    /// Whether the layer keeps a quantized form (so [`Self::forward_quantized`] applies).
-    pub fn is_quantized(&self) -> bool {
-        self.q.is_some()
-    }
-
-    /// `y_i = x W_i^T + b_i` for layers sharing the input `x: [m, in]`, on the quantized
-    /// weights, in one region of `pool`.
+    /// `y_i = x W_i^T + b_i` for layers sharing the input `x: [m, in]`. When every layer
+    /// is quantized and `m` is at most [`QUANTIZED_MAX_ROWS`], all products run in one
+    /// region of `pool` (a decode step pays one dispatch for Q, K and V together); otherwise
+    /// each goes through [`Self::forward_rows`].
     ///
     /// # Errors
-    /// [`ModelError::Input`] when a layer has no quantized form.
-    ///
-    /// # Panics
-    /// When `x` or a `y_i` has the wrong length.
-    pub fn forward_quantized(
+    /// Wrong lengths of `x` or a `y_i`.
+    pub fn forward_many(
         pool: &SpinPool,
         x: &[f32],
         m: usize,
         layers: &mut [(&Linear, &mut [f32])],
     ) -> Result<()> {
+        let quantized = m <= QUANTIZED_MAX_ROWS && layers.iter().all(|(l, _)| l.q.is_some());
+        if !quantized {
+            for (l, y) in layers.iter_mut() {
+                l.forward_rows(x, m, y)?;
+            }
+            return Ok(());
+        }
         let mut jobs = Vec::with_capacity(layers.len());
         for (l, y) in layers.iter_mut() {
-            let q = l.q.as_ref().ok_or_else(|| {
-                ModelError::Input("layer has no quantized weights for the decode path".into())
-            })?;
-            jobs.push((q, &mut **y));
+            l.check_lengths(x, m, y)?;
+            if let Some(q) = &l.q {
+                jobs.push((q, &mut **y));
+            }
         }
         QMatrix::matmul_many(pool, x, m, &mut jobs);
         for (l, y) in layers.iter_mut() {
-            if let Some(b) = &l.b {
-                for row in y.chunks_exact_mut(b.len()) {
-                    for (o, bi) in row.iter_mut().zip(b) {
-                        *o += bi;
-                    }
+            l.add_bias(y);
+        }
+        Ok(())
+    }
+
+    fn check_lengths(&self, x: &[f32], m: usize, y: &[f32]) -> Result<()> {
+        if x.len() != m * self.inp || y.len() != m * self.out {
+            return Err(ModelError::Input(format!(
+                "linear layer [{}, {}]: input of {} values and output of {} for {m} rows",
+                self.out,
+                self.inp,
+                x.len(),
+                y.len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn add_bias(&self, y: &mut [f32]) {
+        if let Some(b) = &self.b {
+            for row in y.chunks_exact_mut(self.out) {
+                for (o, bi) in row.iter_mut().zip(b) {
+                    *o += bi;
                 }
             }
         }
-        Ok(())
     }
 
     /// `x: [rows, in]` to `[rows, out]`.
@@ -164,15 +182,7 @@ impl Linear {
     /// # Errors
     /// Wrong lengths of `x` or `y`.
     pub fn forward_rows(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
-        if x.len() != m * self.inp || y.len() != m * self.out {
-            return Err(ModelError::Input(format!(
-                "linear layer [{}, {}]: input of {} values and output of {} for {m} rows",
-                self.out,
-                self.inp,
-                x.len(),
-                y.len()
-            )));
-        }
+        self.check_lengths(x, m, y)?;
         match &self.q {
             Some(q) if m <= QUANTIZED_MAX_ROWS => q.matmul(x, m, y),
             _ => match &self.w {
@@ -190,13 +200,7 @@ impl Linear {
                 }
             },
         }
-        if let Some(b) = &self.b {
-            for row in y.chunks_exact_mut(self.out) {
-                for (o, bi) in row.iter_mut().zip(b) {
-                    *o += bi;
-                }
-            }
-        }
+        self.add_bias(y);
         Ok(())
     }
 }

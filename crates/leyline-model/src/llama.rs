@@ -6,14 +6,13 @@
 //! so a later shift rotates the same pairs.
 
 mod attend;
-mod decode;
+mod forward;
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::linear::Linear;
-use crate::pool::SpinPool;
 use crate::{CausalLm, ForwardSeq, ModelInfo};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
 use leyline_kv::{KvGeometry, KvStorage};
 
@@ -125,14 +124,12 @@ impl LlamaConfig {
 }
 
 struct Block {
-    attn_norm: Tensor,
     attn_norm_vals: Vec<f32>,
     ffn_norm_vals: Vec<f32>,
     q: Linear,
     k: Linear,
     v: Linear,
     o: Linear,
-    ffn_norm: Tensor,
     gate: Linear,
     up: Linear,
     down: Linear,
@@ -144,12 +141,9 @@ pub struct Llama {
     info: ModelInfo,
     embed: Tensor,
     blocks: Vec<Block>,
-    norm: Tensor,
     norm_vals: Vec<f32>,
     lm_head: Linear,
     inv_freq: Vec<f64>,
-    /// Every projection is quantized, so small batches take [`decode`]'s path.
-    decode_ok: bool,
 }
 
 impl Llama {
@@ -190,8 +184,6 @@ impl Llama {
             blocks.push(Block {
                 attn_norm_vals: to_rows(&attn_norm)?,
                 ffn_norm_vals: to_rows(&ffn_norm)?,
-                attn_norm,
-                ffn_norm,
                 q,
                 k,
                 v,
@@ -225,19 +217,15 @@ impl Llama {
             rope: cfg.rope,
         };
         let inv_freq = cfg.rope.inv_freq();
-        let mut m = Self {
+        Ok(Self {
             cfg,
             info,
             embed,
             blocks,
             norm_vals: to_rows(&norm)?,
-            norm,
             lm_head,
             inv_freq,
-            decode_ok: false,
-        };
-        m.decode_ok = m.decode_path_ok();
-        Ok(m)
+        })
     }
 
     /// The model's hyper-parameters.
@@ -302,62 +290,6 @@ impl CausalLm for Llama {
 
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
         crate::check_batch(&self.info, kv, seqs)?;
-        let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
-        if self.decode_ok && n <= decode::MAX_TOKENS {
-            return self.forward_small(kv, seqs);
-        }
-        let crate::FlatBatch {
-            tokens,
-            positions,
-            new_slots,
-        } = crate::FlatBatch::new(seqs);
-        let n = tokens.len();
-        let (cos, sin) = self.rope_tables(&positions);
-        let ids = Tensor::from_vec(tokens, n, &Device::Cpu)?;
-        let mut x = self.embed.index_select(&ids, 0)?;
-        let (h, kvh, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
-        let eps = self.cfg.rms_eps as f32;
-        let pool = SpinPool::global();
-        let shape = attend::Heads {
-            heads: h,
-            kv_heads: kvh,
-            head_dim: hd,
-        };
-        for (li, b) in self.blocks.iter().enumerate() {
-            let xn = to_rows(&candle_nn::ops::rms_norm(&x, &b.attn_norm, eps)?)?;
-            let (mut q, mut k, mut v) = (
-                vec![0f32; n * h * hd],
-                vec![0f32; n * kvh * hd],
-                vec![0f32; n * kvh * hd],
-            );
-            b.q.forward_rows(&xn, n, &mut q)?;
-            b.k.forward_rows(&xn, n, &mut k)?;
-            b.v.forward_rows(&xn, n, &mut v)?;
-            self.apply_rope(&mut q, h, &cos, &sin);
-            self.apply_rope(&mut k, kvh, &cos, &sin);
-            let w = kvh * hd;
-            for (i, &slot) in new_slots.iter().enumerate() {
-                kv.write(li, slot, &k[i * w..(i + 1) * w], &v[i * w..(i + 1) * w])?;
-            }
-            let mut att = vec![0f32; n * h * hd];
-            attend::attend(pool, kv, li, shape, &q, seqs, &mut att);
-            let mut o = vec![0f32; n * self.cfg.hidden];
-            b.o.forward_rows(&att, n, &mut o)?;
-            x = (x + Tensor::from_vec(o, (n, self.cfg.hidden), &Device::Cpu)?)?;
-            let xn = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
-            let gate = b.gate.forward(&xn)?.silu()?;
-            let up = b.up.forward(&xn)?;
-            x = (x + b.down.forward(&(gate * up)?)?)?;
-        }
-        // Only the rows whose logits are wanted go through the head.
-        let (rows, counts) = crate::logit_rows(seqs);
-        if rows.is_empty() {
-            return Ok(vec![Vec::new(); seqs.len()]);
-        }
-        let nrows = rows.len();
-        let idx = Tensor::from_vec(rows, nrows, &Device::Cpu)?;
-        let xs = candle_nn::ops::rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
-        let logits = to_rows(&self.lm_head.forward(&xs)?.to_dtype(DType::F32)?)?;
-        Ok(crate::split_logits(&logits, &counts, self.info.vocab_size))
+        self.forward_buffers(kv, seqs)
     }
 }

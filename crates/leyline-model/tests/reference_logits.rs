@@ -253,7 +253,7 @@ fn check_positions(name: &str, p0: usize, rows: &[f32], vocab: usize, tol: f32) 
     worst
 }
 
-/// Small batches (here at most 16 tokens) take the decode path (quantized projections, attention
+/// Small batches (here at most 16 tokens) run the projections on the quantized weights (attention
 /// reading the pool in place). Two prompts advance together in uneven chunks, down to one
 /// token per call, and every position is checked against transformers, for each dtype.
 #[test]

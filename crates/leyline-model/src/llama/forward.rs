@@ -1,11 +1,11 @@
-//! The forward pass for batches of a few tokens (decode steps, short prefills), on plain
-//! buffers.
+//! The forward pass over plain buffers, for every batch size.
 //!
-//! Design decision: at decode shapes the tensor library's per-op cost (allocation, layout
-//! bookkeeping, copies) and rayon's wake-ups outweighed the arithmetic. This path keeps
-//! activations in reused `Vec<f32>` buffers, runs projections on the quantized weights
-//! through the spinning [`SpinPool`] (Q/K/V and gate/up share one dispatch), and attends with
-//! the prefill path's kernel, which reads the pool's key and value rows in place.
+//! Design decision: the tensor library's per-op cost (allocation, layout bookkeeping, copies)
+//! outweighed the arithmetic at decode shapes and cost several percent at prefill shapes.
+//! Activations live in `Vec<f32>` buffers; each projection picks its kernel by row count
+//! ([`Linear::forward_many`]: the quantized weights through the spinning [`SpinPool`] for a
+//! few rows, Q/K/V and gate/up sharing one dispatch; gemm on the f32 weights above that), and
+//! attention reads the pool's key and value rows in place.
 
 use super::attend;
 use super::Llama;
@@ -15,10 +15,6 @@ use crate::pool::SpinPool;
 use crate::ForwardSeq;
 use candle_core::{Device, Tensor};
 use leyline_kv::KvStorage;
-
-/// Largest batch (tokens over all sequences) the decode path takes: up to there the quantized
-/// kernels beat the f32 GEMM.
-pub(super) const MAX_TOKENS: usize = crate::linear::QUANTIZED_MAX_ROWS;
 
 /// `out = x / rms(x) * w`, row by row.
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -39,19 +35,9 @@ fn add_into(acc: &mut [f32], y: &[f32]) {
 }
 
 impl Llama {
-    /// Whether every projection has quantized weights (the decode path needs them).
-    pub(super) fn decode_path_ok(&self) -> bool {
-        self.lm_head.is_quantized()
-            && self.blocks.iter().all(|b| {
-                [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down]
-                    .iter()
-                    .all(|l| l.is_quantized())
-            })
-    }
-
-    /// The forward pass of a small batch (at most [`MAX_TOKENS`] tokens); same contract as
-    /// [`crate::CausalLm::forward`], whose checks the caller has run.
-    pub(super) fn forward_small(
+    /// The forward pass; same contract as [`crate::CausalLm::forward`], whose checks the
+    /// caller has run.
+    pub(super) fn forward_buffers(
         &self,
         kv: &mut KvStorage,
         seqs: &[ForwardSeq<'_>],
@@ -86,7 +72,7 @@ impl Llama {
         };
         for (li, b) in self.blocks.iter().enumerate() {
             rms_norm(&x, &b.attn_norm_vals, eps, &mut xn);
-            Linear::forward_quantized(
+            Linear::forward_many(
                 pool,
                 &xn,
                 n,
@@ -98,14 +84,14 @@ impl Llama {
                 kv.write(li, slot, &k[i * w..(i + 1) * w], &v[i * w..(i + 1) * w])?;
             }
             attend::attend(pool, kv, li, shape, &q, seqs, &mut att);
-            Linear::forward_quantized(pool, &att, n, &mut [(&b.o, &mut y)])?;
+            Linear::forward_many(pool, &att, n, &mut [(&b.o, &mut y)])?;
             add_into(&mut x, &y);
             rms_norm(&x, &b.ffn_norm_vals, eps, &mut xn);
-            Linear::forward_quantized(pool, &xn, n, &mut [(&b.gate, &mut gate), (&b.up, &mut up)])?;
+            Linear::forward_many(pool, &xn, n, &mut [(&b.gate, &mut gate), (&b.up, &mut up)])?;
             for (g, u) in gate.iter_mut().zip(&up) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }
-            Linear::forward_quantized(pool, &gate, n, &mut [(&b.down, &mut y)])?;
+            Linear::forward_many(pool, &gate, n, &mut [(&b.down, &mut y)])?;
             add_into(&mut x, &y);
         }
         let (rows, counts) = crate::logit_rows(seqs);
@@ -119,7 +105,7 @@ impl Llama {
             rms_norm(&x[r * hid..(r + 1) * hid], &self.norm_vals, eps, dst);
         }
         let mut logits = vec![0f32; m * self.info.vocab_size];
-        Linear::forward_quantized(pool, &xs, m, &mut [(&self.lm_head, &mut logits)])?;
+        Linear::forward_many(pool, &xs, m, &mut [(&self.lm_head, &mut logits)])?;
         Ok(crate::split_logits(&logits, &counts, self.info.vocab_size))
     }
 }
