@@ -11,6 +11,7 @@
 pub mod chat;
 pub mod deepseek;
 pub mod error;
+mod fastmath;
 pub mod gguf;
 pub mod linear;
 pub mod llama;

@@ -870,7 +870,7 @@ mod tests {
                 let raw = random_ggml(kind, rows, cols, &mut rng);
                 let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
                 let w = dequant_ref(kind, &raw);
-                for m in [1, 3, 16] {
+                for m in [1, 3, 6, 16] {
                     let x: Vec<f32> = (0..m * cols).map(|_| rng.unit()).collect();
                     for path in paths() {
                         let mut y = vec![f32::NAN; m * rows];

@@ -15,6 +15,7 @@
 //! so that both threads stay busy, and scores are dot products of the few query rows with
 //! the key rows, which wastes no vector lanes on absent rows.
 
+use crate::fastmath::exp2;
 use crate::pool::SpinPool;
 use crate::ForwardSeq;
 use half::f16;
@@ -161,35 +162,6 @@ impl Load<u16> for FromF16 {
     #[inline(always)]
     fn in_place(self, _: &[u16]) -> Option<&[f32]> {
         None
-    }
-}
-
-/// `2^x` for `x <= 0` (what the online softmax needs), within 2e-7 relative, and exactly 0
-/// below `2^-126` (masked scores are `-inf`). Branch-free, so loops over it vectorize.
-#[inline(always)]
-fn exp2(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
-    let xc = x.max(-126.0);
-    // Round to nearest through the f32 mantissa: the low bits of `y` then hold `n`.
-    let y = xc + MAGIC;
-    let n = y - MAGIC;
-    let f = xc - n;
-    // Taylor series of e^(f ln 2) on |f| <= 0.5, degree 7.
-    let p = 1.525_273_4e-5_f32;
-    let p = p.mul_add(f, 1.540_353e-4);
-    let p = p.mul_add(f, 1.333_355_8e-3);
-    let p = p.mul_add(f, 9.618_129e-3);
-    let p = p.mul_add(f, 5.550_411e-2);
-    let p = p.mul_add(f, 2.402_265e-1);
-    let p = p.mul_add(f, std::f32::consts::LN_2);
-    let p = p.mul_add(f, 1.0);
-    // `n + 127` as a biased exponent, without a float-to-int conversion.
-    let e = y.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23;
-    let r = p * f32::from_bits(e);
-    if x < -126.0 {
-        0.0
-    } else {
-        r
     }
 }
 
@@ -1127,20 +1099,5 @@ mod tests {
                 check(KvDtype::F32, shape, plan, 2);
             }
         }
-    }
-
-    #[test]
-    fn exp2_is_accurate_on_the_softmax_range() {
-        let mut worst = 0f64;
-        let mut x = -126.0f32;
-        while x <= 0.0 {
-            let want = (x as f64).exp2();
-            let got = exp2(x) as f64;
-            worst = worst.max(((got - want) / want).abs());
-            x += 0.003_7;
-        }
-        assert!(worst < 3e-7, "worst relative error {worst:e}");
-        assert_eq!(exp2(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp2(0.0), 1.0);
     }
 }

@@ -88,9 +88,7 @@ impl Llama {
             add_into(&mut x, &y);
             rms_norm(&x, &b.ffn_norm_vals, eps, &mut xn);
             Linear::forward_many(pool, &xn, n, &mut [(&b.gate, &mut gate), (&b.up, &mut up)])?;
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            }
+            crate::fastmath::silu_mul(&mut gate, &up);
             Linear::forward_many(pool, &gate, n, &mut [(&b.down, &mut y)])?;
             add_into(&mut x, &y);
         }
