@@ -30,48 +30,52 @@ pub(crate) fn exp2(x: f32) -> f32 {
     }
 }
 
-/// `g * sigmoid(g) * u` elementwise into `g` (SwiGLU's gate), within a few ulp of the f64
-/// value. Compiled once more for AVX-512 / AVX2+FMA and chosen at run time: in code built for
+/// SwiGLU: `out = g * sigmoid(g) * u` elementwise, where each row of `gu` holds `g` and then
+/// `u`, `width` values each (the fused gate/up product), within a few ulp of the f64 value.
+/// Compiled once more for AVX-512 / AVX2+FMA and chosen at run time: in code built for
 /// baseline x86-64, `mul_add` is a library call per element.
-pub(crate) fn silu_mul(g: &mut [f32], u: &[f32]) {
+pub(crate) fn silu_mul(gu: &[f32], width: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { silu_mul_avx512(g, u) };
+            return unsafe { silu_mul_avx512(gu, width, out) };
         }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { silu_mul_avx2(g, u) };
+            return unsafe { silu_mul_avx2(gu, width, out) };
         }
     }
-    silu_mul_portable(g, u);
+    silu_mul_portable(gu, width, out);
 }
 
 /// # Safety
 /// The CPU must support AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn silu_mul_avx512(g: &mut [f32], u: &[f32]) {
-    silu_mul_portable(g, u);
+unsafe fn silu_mul_avx512(gu: &[f32], width: usize, out: &mut [f32]) {
+    silu_mul_portable(gu, width, out);
 }
 
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn silu_mul_avx2(g: &mut [f32], u: &[f32]) {
-    silu_mul_portable(g, u);
+unsafe fn silu_mul_avx2(gu: &[f32], width: usize, out: &mut [f32]) {
+    silu_mul_portable(gu, width, out);
 }
 
 #[inline(always)]
-fn silu_mul_portable(g: &mut [f32], u: &[f32]) {
-    for (x, &v) in g.iter_mut().zip(u) {
-        // e^-|x| <= 1 never overflows; sigmoid(-|x|) = e / (1 + e).
-        let e = exp2(-x.abs() * std::f32::consts::LOG2_E);
-        let s = 1.0 / (1.0 + e);
-        let sig = if *x >= 0.0 { s } else { e * s };
-        *x = *x * sig * v;
+fn silu_mul_portable(gu: &[f32], width: usize, out: &mut [f32]) {
+    for (row, o) in gu.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
+        let (g, u) = row.split_at(width);
+        for ((o, &x), &v) in o.iter_mut().zip(g).zip(u) {
+            // e^-|x| <= 1 never overflows; sigmoid(-|x|) = e / (1 + e).
+            let e = exp2(-x.abs() * std::f32::consts::LOG2_E);
+            let s = 1.0 / (1.0 + e);
+            let sig = if x >= 0.0 { s } else { e * s };
+            *o = x * sig * v;
+        }
     }
 }
 
@@ -98,11 +102,12 @@ mod tests {
     fn silu_mul_matches_f64() {
         let xs: Vec<f32> = (0..20_001).map(|i| (i as f32 - 10_000.0) * 0.004).collect();
         let us: Vec<f32> = xs.iter().map(|x| 0.5 - x * 0.01).collect();
-        let mut g = xs.clone();
-        silu_mul(&mut g, &us);
+        let gu: Vec<f32> = xs.iter().chain(&us).copied().collect();
+        let mut g = vec![f32::NAN; xs.len()];
+        silu_mul(&gu, xs.len(), &mut g);
         // The portable loop is what runs on CPUs without AVX2; same values.
-        let mut portable = xs.clone();
-        silu_mul_portable(&mut portable, &us);
+        let mut portable = vec![f32::NAN; xs.len()];
+        silu_mul_portable(&gu, xs.len(), &mut portable);
         for ((&x, &u), (&got, &p)) in xs.iter().zip(&us).zip(g.iter().zip(&portable)) {
             assert_eq!(
                 got.to_bits(),
@@ -117,8 +122,12 @@ mod tests {
             let err = (f64::from(got) - want).abs();
             assert!(err <= tol, "x = {x}: {got} vs {want}");
         }
-        let mut big = [100.0f32, -100.0, 0.0];
-        silu_mul(&mut big, &[1.0, 1.0, 1.0]);
-        assert_eq!(big, [100.0, -0.0, 0.0]);
+        // Two rows: each row's gate meets its own up values.
+        let gu = [
+            100.0f32, -100.0, 0.0, 1.0, 1.0, 1.0, 0.0, 50.0, 80.0, 7.0, 2.0, -1.0,
+        ];
+        let mut big = [f32::NAN; 6];
+        silu_mul(&gu, 3, &mut big);
+        assert_eq!(big, [100.0, -0.0, 0.0, 0.0, 100.0, -80.0]);
     }
 }

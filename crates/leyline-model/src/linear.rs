@@ -205,6 +205,99 @@ impl Linear {
     }
 }
 
+/// Layers that read one input (Q/K/V, gate/up), run as one product. Their f32 weights are
+/// concatenated along the output, so many rows make one GEMM: the input is packed once and
+/// the threads split one wide product instead of three narrow ones. Few rows run each
+/// part's quantized weights in one pool region, as [`Linear::forward_many`] does.
+pub struct FusedLinear {
+    /// The concatenated f32 weight and bias; no quantized form.
+    whole: Linear,
+    /// The parts' quantized forms, when every part has one.
+    q: Option<Vec<QMatrix>>,
+}
+
+impl FusedLinear {
+    /// Fuses layers of equal input width. The f32 weights move into one concatenated matrix
+    /// (no extra copy is kept); a part without a bias adds zeros when another has one.
+    ///
+    /// # Errors
+    /// No parts, input widths that differ, or a part whose weight is shared (a tied head).
+    pub fn new(parts: Vec<Linear>) -> Result<Self> {
+        let Some(inp) = parts.first().map(|p| p.inp) else {
+            return Err(ModelError::Input("fusing zero layers".into()));
+        };
+        if let Some(p) = parts.iter().find(|p| p.inp != inp) {
+            return Err(ModelError::Input(format!(
+                "fusing layers of input widths {inp} and {}",
+                p.inp
+            )));
+        }
+        let out: usize = parts.iter().map(|p| p.out).sum();
+        let b = parts.iter().any(|p| p.b.is_some()).then(|| {
+            parts
+                .iter()
+                .flat_map(|p| match &p.b {
+                    Some(b) => b.clone(),
+                    None => vec![0.0; p.out],
+                })
+                .collect()
+        });
+        let mut cols = Vec::with_capacity(parts.len());
+        let mut q = Some(Vec::with_capacity(parts.len()));
+        for p in parts {
+            match p.w {
+                F32Weight::ColMajor(wt) => cols.push((p.out, wt)),
+                F32Weight::Shared(_) => {
+                    return Err(ModelError::Input("a shared weight cannot be fused".into()))
+                }
+            }
+            q = q.zip(p.q).map(|(mut v, pq)| {
+                v.push(pq);
+                v
+            });
+        }
+        // Column-major W^T is [in, out] row-major: row k of the whole is row k of each part.
+        let mut wt = Vec::with_capacity(inp * out);
+        for k in 0..inp {
+            for (o, c) in &cols {
+                wt.extend_from_slice(&c[k * o..(k + 1) * o]);
+            }
+        }
+        let whole = Linear {
+            w: F32Weight::ColMajor(wt),
+            out,
+            inp,
+            q: None,
+            b,
+        };
+        Ok(Self { whole, q })
+    }
+
+    /// Total output width (the parts' widths summed).
+    pub fn out(&self) -> usize {
+        self.whole.out
+    }
+
+    /// `y: [m, out] = x: [m, in] [W_0 | W_1 | ...]^T + [b_0 | b_1 | ...]`: each row of `y`
+    /// holds the parts' outputs side by side, in the order they were fused. At most
+    /// [`QUANTIZED_MAX_ROWS`] rows run the parts' quantized weights in one pool region.
+    ///
+    /// # Errors
+    /// Wrong lengths of `x` or `y`.
+    pub fn forward(&self, pool: &SpinPool, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+        self.whole.check_lengths(x, m, y)?;
+        match &self.q {
+            Some(q) if m <= QUANTIZED_MAX_ROWS => {
+                let mats: Vec<&QMatrix> = q.iter().collect();
+                QMatrix::matmul_concat(pool, x, m, &mats, y);
+                self.whole.add_bias(y);
+                Ok(())
+            }
+            _ => self.whole.forward_rows(x, m, y),
+        }
+    }
+}
+
 /// `y: [m, out] = x: [m, inp] W^T` with `W(i, k) = w[i * rs + k * cs]` for `(rs, cs) =
 /// strides`, on gemm's f32 kernels (its run-time dispatch picks AVX-512 where the CPU has it).
 ///
@@ -327,5 +420,66 @@ mod tests {
         }
         let mut y = vec![0f32; 2 * out];
         assert!(owned.forward_rows(&values(inp, 9), 2, &mut y).is_err());
+    }
+
+    #[test]
+    fn fused_parts_match_a_scalar_reference_on_both_paths() {
+        // Q8_0 parts (widths of 32) so both the quantized path (m <= 32) and the GEMM run, on
+        // the same dequantized weights; the middle part has no bias.
+        let inp = 64;
+        let outs = [40, 24, 72];
+        let mut parts = Vec::new();
+        let mut refs = Vec::new();
+        for (i, &out) in outs.iter().enumerate() {
+            let t = Tensor::from_vec(values(out * inp, 10 + i as u64), (out, inp), &Device::Cpu)
+                .unwrap();
+            let q = QTensor::quantize(&t, GgmlDType::Q8_0).unwrap();
+            let w = q.dequantize(&Device::Cpu).unwrap();
+            let b = (i != 1).then(|| values(out, 20 + i as u64));
+            let bt = b
+                .clone()
+                .map(|b| Tensor::from_vec(b, out, &Device::Cpu).unwrap());
+            refs.push((
+                w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                b.unwrap_or_else(|| vec![0.0; out]),
+            ));
+            parts.push(Linear::from_parts(w, Some(&q), bt).unwrap());
+        }
+        let fused = FusedLinear::new(parts).unwrap();
+        let pool = SpinPool::global();
+        let width: usize = outs.iter().sum();
+        assert_eq!(fused.out(), width);
+        for m in [1, 5, 32, 33, 70] {
+            let x = values(m * inp, 30 + m as u64);
+            let mut y = vec![f32::NAN; m * width];
+            fused.forward(pool, &x, m, &mut y).unwrap();
+            let mut col = 0;
+            for ((w, b), &out) in refs.iter().zip(&outs) {
+                let want = reference(w, b, &x, m, out, inp);
+                for (i, &exp) in want.iter().enumerate() {
+                    let got = y[i / out * width + col + i % out];
+                    assert!(
+                        (f64::from(got) - exp).abs() <= 1e-5 * (1.0 + exp.abs()),
+                        "m = {m}, part at column {col}, output {i}: {got} vs {exp}"
+                    );
+                }
+                col += out;
+            }
+        }
+        let mut short = vec![0f32; width - 1];
+        assert!(fused.forward(pool, &values(inp, 1), 1, &mut short).is_err());
+        let narrow = Linear::from_parts(
+            Tensor::from_vec(values(8 * 32, 2), (8, 32), &Device::Cpu).unwrap(),
+            None,
+            None,
+        )
+        .unwrap();
+        let wide = Linear::from_parts(
+            Tensor::from_vec(values(8 * 64, 3), (8, 64), &Device::Cpu).unwrap(),
+            None,
+            None,
+        )
+        .unwrap();
+        assert!(FusedLinear::new(vec![narrow, wide]).is_err());
     }
 }

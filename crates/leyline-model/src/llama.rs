@@ -10,7 +10,7 @@ mod forward;
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::linear::Linear;
+use crate::linear::{FusedLinear, Linear};
 use crate::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{Device, Tensor};
 use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
@@ -126,12 +126,11 @@ impl LlamaConfig {
 struct Block {
     attn_norm_vals: Vec<f32>,
     ffn_norm_vals: Vec<f32>,
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// Q, K, V.
+    qkv: FusedLinear,
     o: Linear,
-    gate: Linear,
-    up: Linear,
+    /// Gate, up.
+    gate_up: FusedLinear,
     down: Linear,
 }
 
@@ -168,12 +167,9 @@ impl Llama {
         let mut blocks = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             let mut lin = |n: &str| Linear::load(f, &format!("blk.{i}.{n}"));
-            let q = lin("attn_q")?;
-            let k = lin("attn_k")?;
-            let v = lin("attn_v")?;
+            let qkv = FusedLinear::new(vec![lin("attn_q")?, lin("attn_k")?, lin("attn_v")?])?;
             let o = lin("attn_output")?;
-            let gate = lin("ffn_gate")?;
-            let up = lin("ffn_up")?;
+            let gate_up = FusedLinear::new(vec![lin("ffn_gate")?, lin("ffn_up")?])?;
             let down = lin("ffn_down")?;
             let attn_norm = f
                 .tensor(&format!("blk.{i}.attn_norm.weight"))?
@@ -184,12 +180,9 @@ impl Llama {
             blocks.push(Block {
                 attn_norm_vals: to_rows(&attn_norm)?,
                 ffn_norm_vals: to_rows(&ffn_norm)?,
-                q,
-                k,
-                v,
+                qkv,
                 o,
-                gate,
-                up,
+                gate_up,
                 down,
             });
         }
@@ -248,16 +241,17 @@ impl Llama {
         (cos, sin)
     }
 
-    fn apply_rope(&self, x: &mut [f32], heads: usize, cos: &[f32], sin: &[f32]) {
+    /// Rotates the first `heads` heads of each `stride`-wide row of `x` (row `t` at position
+    /// `t` of the tables).
+    fn apply_rope(&self, x: &mut [f32], stride: usize, heads: usize, cos: &[f32], sin: &[f32]) {
         let hd = self.cfg.head_dim;
         let half = self.inv_freq.len();
-        let row = heads * hd;
-        for (t, xr) in x.chunks_exact_mut(row).enumerate() {
+        for (t, xr) in x.chunks_exact_mut(stride).enumerate() {
             let (c, s) = (
                 &cos[t * half..(t + 1) * half],
                 &sin[t * half..(t + 1) * half],
             );
-            for h in xr.chunks_exact_mut(hd) {
+            for h in xr[..heads * hd].chunks_exact_mut(hd) {
                 match self.cfg.rope.layout {
                     RotaryLayout::Interleaved => {
                         for i in 0..half {

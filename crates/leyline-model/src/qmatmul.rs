@@ -276,7 +276,7 @@ impl QMatrix {
                     self.rows_into(path, t * tile, x, m, out);
                 });
         }
-        feature_major_to_rows(&yt, m, y);
+        feature_major_to_rows(&yt, m, y, self.rows, 0);
     }
 
     /// Several products `y_i = x W_i^T` (same `x: [m, cols]`, `y_i: [m, rows_i]`) in one
@@ -286,53 +286,99 @@ impl QMatrix {
     /// # Panics
     /// On the length mismatches of [`Self::matmul`].
     pub fn matmul_many(pool: &SpinPool, x: &[f32], m: usize, jobs: &mut [(&QMatrix, &mut [f32])]) {
-        let parts = pool.threads();
         for (w, y) in jobs.iter() {
             assert_eq!(x.len(), m * w.cols, "x must be [m, cols]");
             assert_eq!(y.len(), m * w.rows, "y must be [m, rows]");
         }
-        // Feature-major scratch for m > 1 (the kernels write [rows, m]); y itself for m == 1.
-        let mut scratch: Vec<Vec<f32>> = if m > 1 {
-            jobs.iter().map(|(w, _)| vec![0f32; w.rows * m]).collect()
-        } else {
-            Vec::new()
-        };
-        {
-            let mut pieces: Vec<Vec<Mutex<&mut [f32]>>> = Vec::with_capacity(jobs.len());
-            let targets: Vec<(&QMatrix, &mut [f32])> = if m > 1 {
-                jobs.iter()
-                    .zip(scratch.iter_mut())
-                    .map(|((w, _), s)| (*w, s.as_mut_slice()))
-                    .collect()
-            } else {
-                jobs.iter_mut().map(|(w, y)| (*w, &mut **y)).collect()
-            };
-            let mats: Vec<&QMatrix> = targets.iter().map(|(w, _)| *w).collect();
-            for (w, mut out) in targets {
-                let mut v = Vec::with_capacity(parts);
-                for p in 0..parts {
-                    let r = split(w.rows, p, parts, 4);
-                    let (head, tail) = out.split_at_mut(r.len() * m);
-                    v.push(Mutex::new(head));
-                    out = tail;
-                }
-                pieces.push(v);
+        if m == 1 {
+            // y_i is already [rows_i, 1]: written in place.
+            Self::feature_major_many(pool, x, 1, jobs.iter_mut().map(|(w, y)| (*w, &mut **y)));
+            return;
+        }
+        let mut scratch: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; w.rows * m]).collect();
+        Self::feature_major_many(
+            pool,
+            x,
+            m,
+            jobs.iter()
+                .zip(scratch.iter_mut())
+                .map(|((w, _), s)| (*w, s.as_mut_slice())),
+        );
+        for ((w, y), yt) in jobs.iter_mut().zip(&scratch) {
+            feature_major_to_rows(yt, m, y, w.rows, 0);
+        }
+    }
+
+    /// `y = x [W_0 | W_1 | ...]^T` for `y: [m, sum of rows_i]`, each row of `y` holding the
+    /// products side by side, in one region of `pool` (as [`Self::matmul_many`]).
+    ///
+    /// # Panics
+    /// If `x.len() != m * cols` of some matrix or `y` is not `[m, sum of rows_i]`.
+    pub fn matmul_concat(pool: &SpinPool, x: &[f32], m: usize, mats: &[&QMatrix], y: &mut [f32]) {
+        let width: usize = mats.iter().map(|w| w.rows).sum();
+        assert_eq!(y.len(), m * width, "y must be [m, sum of rows]");
+        if m == 1 {
+            let mut jobs = Vec::with_capacity(mats.len());
+            let mut rest = y;
+            for &w in mats {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(w.rows);
+                jobs.push((w, head));
+                rest = tail;
             }
-            let path = KernelPath::best();
-            pool.run(&|tid, n| {
-                for (w, piece) in mats.iter().zip(&pieces) {
-                    let r = split(w.rows, tid, n, 4);
-                    if r.is_empty() {
-                        continue;
-                    }
-                    let mut out = piece[tid].lock().unwrap_or_else(|e| e.into_inner());
-                    w.rows_into(path, r.start, x, m, &mut out);
+            Self::matmul_many(pool, x, 1, &mut jobs);
+            return;
+        }
+        for w in mats {
+            assert_eq!(x.len(), m * w.cols, "x must be [m, cols]");
+        }
+        let mut scratch: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.rows * m]).collect();
+        Self::feature_major_many(
+            pool,
+            x,
+            m,
+            mats.iter()
+                .zip(scratch.iter_mut())
+                .map(|(w, s)| (*w, s.as_mut_slice())),
+        );
+        let mut col = 0;
+        for (w, yt) in mats.iter().zip(&scratch) {
+            feature_major_to_rows(yt, m, y, width, col);
+            col += w.rows;
+        }
+    }
+
+    /// The products of [`Self::matmul_many`] into feature-major `[rows_i, m]` targets.
+    fn feature_major_many<'a>(
+        pool: &SpinPool,
+        x: &[f32],
+        m: usize,
+        targets: impl Iterator<Item = (&'a QMatrix, &'a mut [f32])>,
+    ) {
+        let parts = pool.threads();
+        let mut pieces: Vec<Vec<Mutex<&mut [f32]>>> = Vec::new();
+        let mut mats: Vec<&QMatrix> = Vec::new();
+        for (w, mut out) in targets {
+            let mut v = Vec::with_capacity(parts);
+            for p in 0..parts {
+                let r = split(w.rows, p, parts, 4);
+                let (head, tail) = out.split_at_mut(r.len() * m);
+                v.push(Mutex::new(head));
+                out = tail;
+            }
+            pieces.push(v);
+            mats.push(w);
+        }
+        let path = KernelPath::best();
+        pool.run(&|tid, n| {
+            for (w, piece) in mats.iter().zip(&pieces) {
+                let r = split(w.rows, tid, n, 4);
+                if r.is_empty() {
+                    continue;
                 }
-            });
-        }
-        for ((_, y), yt) in jobs.iter_mut().zip(&scratch) {
-            feature_major_to_rows(yt, m, y);
-        }
+                let mut out = piece[tid].lock().unwrap_or_else(|e| e.into_inner());
+                w.rows_into(path, r.start, x, m, &mut out);
+            }
+        });
     }
 
     /// Computes rows `r0 .. r0 + out.len() / m` into `out: [n, m]`.
@@ -360,12 +406,12 @@ impl QMatrix {
     }
 }
 
-/// Transposes the kernels' feature-major output `yt: [rows, m]` into `y: [m, rows]`.
-fn feature_major_to_rows(yt: &[f32], m: usize, y: &mut [f32]) {
-    let rows = yt.len() / m;
+/// Transposes the kernels' feature-major output `yt: [rows, m]` into columns `col ..` of
+/// `y: [m, stride]`.
+fn feature_major_to_rows(yt: &[f32], m: usize, y: &mut [f32], stride: usize, col: usize) {
     for (r, ys) in yt.chunks_exact(m).enumerate() {
         for (i, &v) in ys.iter().enumerate() {
-            y[i * rows + r] = v;
+            y[i * stride + col + r] = v;
         }
     }
 }

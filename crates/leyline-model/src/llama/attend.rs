@@ -46,6 +46,14 @@ pub(crate) struct Heads {
     pub head_dim: usize,
 }
 
+/// The batch's query rows: row `t` starts at `t * stride` and holds every head's query
+/// (rotated, unscaled) in its first `heads * head_dim` values; the rest of a row is not read.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Queries<'a> {
+    pub rows: &'a [f32],
+    pub stride: usize,
+}
+
 /// One (sequence, kv head, query-token block) piece of the work.
 struct Task<'a> {
     seq: &'a ForwardSeq<'a>,
@@ -165,15 +173,15 @@ impl Load<u16> for FromF16 {
     }
 }
 
-/// Writes into `out: [n, heads * head_dim]` the causal attention of the batch's queries
-/// `q: [n, heads * head_dim]` (rotated, unscaled) over each sequence's context followed by its
-/// new slots, reading keys and values from `kv` at `layer`. The new slots must be written.
+/// Writes into `out: [n, heads * head_dim]` the causal attention of the batch's queries `q`
+/// over each sequence's context followed by its new slots, reading keys and values from `kv`
+/// at `layer`. The new slots must be written.
 pub(crate) fn attend(
     pool: &SpinPool,
     kv: &KvStorage,
     layer: usize,
     shape: Heads,
-    q: &[f32],
+    q: Queries<'_>,
     seqs: &[ForwardSeq<'_>],
     out: &mut [f32],
 ) {
@@ -188,7 +196,7 @@ fn attend_with(
     kv: &KvStorage,
     layer: usize,
     shape: Heads,
-    q: &[f32],
+    q: Queries<'_>,
     seqs: &[ForwardSeq<'_>],
     out: &mut [f32],
 ) {
@@ -352,7 +360,7 @@ fn write_out(
 /// What one task reads.
 struct Job<'a> {
     task: &'a Task<'a>,
-    q: &'a [f32],
+    q: Queries<'a>,
     shape: Heads,
     kw: usize,
     vw: usize,
@@ -512,8 +520,8 @@ fn task<T: Copy, const W: usize>(
         let dst = &mut qb[r * hd..(r + 1) * hd];
         if r < rows {
             let head = task.kv_head * g + r % g;
-            let src = (task.row + task.t0 + r / g) * h * hd + head * hd;
-            for (d, &x) in dst.iter_mut().zip(&q[src..src + hd]) {
+            let src = (task.row + task.t0 + r / g) * q.stride + head * hd;
+            for (d, &x) in dst.iter_mut().zip(&q.rows[src..src + hd]) {
                 *d = x * c;
             }
         } else {
@@ -1038,9 +1046,19 @@ mod tests {
         let q: Vec<f32> = (0..n * h * hd).map(|_| rng.next() * 2.0).collect();
         let pool = SpinPool::new(threads);
         let want = reference(&kv, layer, shape, &q, &seqs);
+        // Rows wider than the queries (as in the fused Q/K/V buffer), padding unread.
+        let stride = h * hd + 5;
+        let padded: Vec<f32> = q
+            .chunks_exact(h * hd)
+            .flat_map(|r| r.iter().copied().chain([f32::NAN; 5]))
+            .collect();
         for isa in Isa::available() {
             let mut out = vec![f32::NAN; n * h * hd];
-            attend_with(isa, &pool, &kv, layer, shape, &q, &seqs, &mut out);
+            let q = Queries {
+                rows: &padded,
+                stride,
+            };
+            attend_with(isa, &pool, &kv, layer, shape, q, &seqs, &mut out);
             let (mut num, mut den) = (0f64, 0f64);
             for (a, b) in out.iter().zip(&want) {
                 num += (*a as f64 - b).powi(2);

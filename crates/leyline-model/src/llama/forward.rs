@@ -3,9 +3,10 @@
 //! Design decision: the tensor library's per-op cost (allocation, layout bookkeeping, copies)
 //! outweighed the arithmetic at decode shapes and cost several percent at prefill shapes.
 //! Activations live in `Vec<f32>` buffers; each projection picks its kernel by row count
-//! ([`Linear::forward_many`]: the quantized weights through the spinning [`SpinPool`] for a
-//! few rows, Q/K/V and gate/up sharing one dispatch; gemm on the f32 weights above that), and
-//! attention reads the pool's key and value rows in place.
+//! ([`Linear::forward_many`], [`crate::linear::FusedLinear::forward`]: the quantized weights
+//! through the spinning [`SpinPool`] for a few rows, Q/K/V and gate/up sharing one dispatch;
+//! above that one gemm on the f32 weights, Q/K/V and gate/up concatenated into one product
+//! each), and attention reads the pool's key and value rows in place.
 
 use super::attend;
 use super::Llama;
@@ -60,11 +61,14 @@ impl Llama {
             .flatten_all()?
             .to_vec1::<f32>()?;
         let mut xn = vec![0f32; n * hid];
-        let (mut q, mut att) = (vec![0f32; n * h * hd], vec![0f32; n * h * hd]);
-        let (mut k, mut v) = (vec![0f32; n * kvh * hd], vec![0f32; n * kvh * hd]);
-        let (mut gate, mut up) = (vec![0f32; n * ffn], vec![0f32; n * ffn]);
+        // Q/K/V side by side in each row, then gate/up: what the fused products write.
+        let (qw, w) = (h * hd, kvh * hd);
+        let qkv_w = qw + 2 * w;
+        let mut qkv = vec![0f32; n * qkv_w];
+        let mut att = vec![0f32; n * qw];
+        let mut gate_up = vec![0f32; n * 2 * ffn];
+        let mut act = vec![0f32; n * ffn];
         let mut y = vec![0f32; n * hid];
-        let w = kvh * hd;
         let shape = attend::Heads {
             heads: h,
             kv_heads: kvh,
@@ -72,24 +76,23 @@ impl Llama {
         };
         for (li, b) in self.blocks.iter().enumerate() {
             rms_norm(&x, &b.attn_norm_vals, eps, &mut xn);
-            Linear::forward_many(
-                pool,
-                &xn,
-                n,
-                &mut [(&b.q, &mut q), (&b.k, &mut k), (&b.v, &mut v)],
-            )?;
-            self.apply_rope(&mut q, h, &cos, &sin);
-            self.apply_rope(&mut k, kvh, &cos, &sin);
-            for (i, &slot) in new_slots.iter().enumerate() {
-                kv.write(li, slot, &k[i * w..(i + 1) * w], &v[i * w..(i + 1) * w])?;
+            b.qkv.forward(pool, &xn, n, &mut qkv)?;
+            // Queries and keys are the first h + kvh heads of a row.
+            self.apply_rope(&mut qkv, qkv_w, h + kvh, &cos, &sin);
+            for (row, &slot) in qkv.chunks_exact(qkv_w).zip(&new_slots) {
+                kv.write(li, slot, &row[qw..qw + w], &row[qw + w..qw + 2 * w])?;
             }
-            attend::attend(pool, kv, li, shape, &q, seqs, &mut att);
+            let q = attend::Queries {
+                rows: &qkv,
+                stride: qkv_w,
+            };
+            attend::attend(pool, kv, li, shape, q, seqs, &mut att);
             Linear::forward_many(pool, &att, n, &mut [(&b.o, &mut y)])?;
             add_into(&mut x, &y);
             rms_norm(&x, &b.ffn_norm_vals, eps, &mut xn);
-            Linear::forward_many(pool, &xn, n, &mut [(&b.gate, &mut gate), (&b.up, &mut up)])?;
-            crate::fastmath::silu_mul(&mut gate, &up);
-            Linear::forward_many(pool, &gate, n, &mut [(&b.down, &mut y)])?;
+            b.gate_up.forward(pool, &xn, n, &mut gate_up)?;
+            crate::fastmath::silu_mul(&gate_up, ffn, &mut act);
+            Linear::forward_many(pool, &act, n, &mut [(&b.down, &mut y)])?;
             add_into(&mut x, &y);
         }
         let (rows, counts) = crate::logit_rows(seqs);
