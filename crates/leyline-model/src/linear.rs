@@ -189,15 +189,9 @@ impl Linear {
                 F32Weight::ColMajor(wt) => {
                     gemm_into(self.out, self.inp, wt, (1, self.out), x, m, y)
                 }
-                F32Weight::Shared(t) => {
-                    let (storage, layout) = t.storage_and_layout();
-                    let Storage::Cpu(cpu) = &*storage else {
-                        return Err(ModelError::Input("a tied head must live on the CPU".into()));
-                    };
-                    let start = layout.start_offset();
-                    let w = &cpu.as_slice::<f32>()?[start..start + self.out * self.inp];
+                F32Weight::Shared(t) => with_f32_rows(t, |w| {
                     gemm_into(self.out, self.inp, w, (self.inp, 1), x, m, y);
-                }
+                })?,
             },
         }
         self.add_bias(y);
@@ -296,6 +290,26 @@ impl FusedLinear {
             _ => self.whole.forward_rows(x, m, y),
         }
     }
+}
+
+/// Runs `f` on the values of a contiguous f32 CPU tensor in place (row-major), without the
+/// copy that `to_vec` makes.
+///
+/// # Errors
+/// A tensor that is not on the CPU, not f32 or not contiguous.
+pub(crate) fn with_f32_rows<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Err(ModelError::Input(
+            "a shared f32 table must live on the CPU".into(),
+        ));
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Err(ModelError::Input(
+            "a shared f32 table must be contiguous".into(),
+        ));
+    };
+    Ok(f(&cpu.as_slice::<f32>()?[start..end]))
 }
 
 /// `y: [m, out] = x: [m, inp] W^T` with `W(i, k) = w[i * rs + k * cs]` for `(rs, cs) =

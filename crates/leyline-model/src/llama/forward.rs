@@ -14,7 +14,6 @@ use crate::error::Result;
 use crate::linear::Linear;
 use crate::pool::SpinPool;
 use crate::ForwardSeq;
-use candle_core::{Device, Tensor};
 use leyline_kv::KvStorage;
 
 /// `out = x / rms(x) * w`, row by row.
@@ -54,12 +53,14 @@ impl Llama {
         let (hid, h, kvh, hd, ffn) = (c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn);
         let eps = c.rms_eps as f32;
         let (cos, sin) = self.rope_tables(&positions);
-        let ids = Tensor::from_vec(tokens, n, &Device::Cpu)?;
-        let mut x = self
-            .embed
-            .index_select(&ids, 0)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        let mut x = Vec::with_capacity(n * hid);
+        crate::linear::with_f32_rows(&self.embed, |table| {
+            for &t in &tokens {
+                // check_batch has kept ids inside the vocabulary.
+                let t = t as usize;
+                x.extend_from_slice(&table[t * hid..(t + 1) * hid]);
+            }
+        })?;
         let mut xn = vec![0f32; n * hid];
         // Q/K/V side by side in each row, then gate/up: what the fused products write.
         let (qw, w) = (h * hd, kvh * hd);
