@@ -4,7 +4,6 @@
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use leyline_model::linear::{FusedLinear, Linear};
-use leyline_model::pool::SpinPool;
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -17,7 +16,6 @@ fn layer(out: usize, inp: usize, seed: usize) -> Linear {
 }
 
 fn groups(c: &mut Criterion) {
-    let pool = SpinPool::global();
     // (name, input width, output widths): attention's Q/K/V and the MLP's gate/up.
     let cases: [(&str, usize, &[usize]); 2] = [
         ("qkv 576->576+192+192", 576, &[576, 192, 192]),
@@ -62,7 +60,7 @@ fn groups(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::new(format!("{name} fused"), m), &m, |b, &m| {
                 b.iter(|| {
                     fused
-                        .forward(pool, black_box(&x), m, &mut y)
+                        .forward(black_box(&x), m, &mut y)
                         .expect("lengths match")
                 })
             });

@@ -107,40 +107,6 @@ impl Linear {
         Ok(Self { w, out, inp, q, b })
     }
 
-    /// `y_i = x W_i^T + b_i` for layers sharing the input `x: [m, in]`. When every layer
-    /// is quantized and `m` is at most [`QUANTIZED_MAX_ROWS`], all products run in one
-    /// region of `pool` (a decode step pays one dispatch for Q, K and V together); otherwise
-    /// each goes through [`Self::forward_rows`].
-    ///
-    /// # Errors
-    /// Wrong lengths of `x` or a `y_i`.
-    pub fn forward_many(
-        pool: &SpinPool,
-        x: &[f32],
-        m: usize,
-        layers: &mut [(&Linear, &mut [f32])],
-    ) -> Result<()> {
-        let quantized = m <= QUANTIZED_MAX_ROWS && layers.iter().all(|(l, _)| l.q.is_some());
-        if !quantized {
-            for (l, y) in layers.iter_mut() {
-                l.forward_rows(x, m, y)?;
-            }
-            return Ok(());
-        }
-        let mut jobs = Vec::with_capacity(layers.len());
-        for (l, y) in layers.iter_mut() {
-            l.check_lengths(x, m, y)?;
-            if let Some(q) = &l.q {
-                jobs.push((q, &mut **y));
-            }
-        }
-        QMatrix::matmul_many(pool, x, m, &mut jobs);
-        for (l, y) in layers.iter_mut() {
-            l.add_bias(y);
-        }
-        Ok(())
-    }
-
     fn check_lengths(&self, x: &[f32], m: usize, y: &[f32]) -> Result<()> {
         if x.len() != m * self.inp || y.len() != m * self.out {
             return Err(ModelError::Input(format!(
@@ -177,14 +143,17 @@ impl Linear {
     }
 
     /// `y: [m, out] = x: [m, in] W^T + b`: on the quantized weights for at most
-    /// [`QUANTIZED_MAX_ROWS`] rows, through the f32 GEMM otherwise.
+    /// [`QUANTIZED_MAX_ROWS`] rows (one region of the global [`SpinPool`]), through the f32
+    /// GEMM otherwise.
     ///
     /// # Errors
     /// Wrong lengths of `x` or `y`.
     pub fn forward_rows(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         self.check_lengths(x, m, y)?;
         match &self.q {
-            Some(q) if m <= QUANTIZED_MAX_ROWS => q.matmul(x, m, y),
+            Some(q) if m <= QUANTIZED_MAX_ROWS => {
+                QMatrix::matmul_many(SpinPool::global(), x, m, &mut [(q, &mut *y)])
+            }
             _ => match &self.w {
                 F32Weight::ColMajor(wt) => {
                     gemm_into(self.out, self.inp, wt, (1, self.out), x, m, y)
@@ -201,8 +170,8 @@ impl Linear {
 
 /// Layers that read one input (Q/K/V, gate/up), run as one product. Their f32 weights are
 /// concatenated along the output, so many rows make one GEMM: the input is packed once and
-/// the threads split one wide product instead of three narrow ones. Few rows run each
-/// part's quantized weights in one pool region, as [`Linear::forward_many`] does.
+/// the threads split one wide product instead of three narrow ones. Few rows run the
+/// parts' quantized weights in one region of the global [`SpinPool`].
 pub struct FusedLinear {
     /// The concatenated f32 weight and bias; no quantized form.
     whole: Linear,
@@ -278,12 +247,12 @@ impl FusedLinear {
     ///
     /// # Errors
     /// Wrong lengths of `x` or `y`.
-    pub fn forward(&self, pool: &SpinPool, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+    pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         self.whole.check_lengths(x, m, y)?;
         match &self.q {
             Some(q) if m <= QUANTIZED_MAX_ROWS => {
                 let mats: Vec<&QMatrix> = q.iter().collect();
-                QMatrix::matmul_concat(pool, x, m, &mats, y);
+                QMatrix::matmul_concat(SpinPool::global(), x, m, &mats, y);
                 self.whole.add_bias(y);
                 Ok(())
             }
@@ -460,13 +429,12 @@ mod tests {
             parts.push(Linear::from_parts(w, Some(&q), bt).unwrap());
         }
         let fused = FusedLinear::new(parts).unwrap();
-        let pool = SpinPool::global();
         let width: usize = outs.iter().sum();
         assert_eq!(fused.out(), width);
         for m in [1, 5, 32, 33, 70] {
             let x = values(m * inp, 30 + m as u64);
             let mut y = vec![f32::NAN; m * width];
-            fused.forward(pool, &x, m, &mut y).unwrap();
+            fused.forward(&x, m, &mut y).unwrap();
             let mut col = 0;
             for ((w, b), &out) in refs.iter().zip(&outs) {
                 let want = reference(w, b, &x, m, out, inp);
@@ -481,7 +449,7 @@ mod tests {
             }
         }
         let mut short = vec![0f32; width - 1];
-        assert!(fused.forward(pool, &values(inp, 1), 1, &mut short).is_err());
+        assert!(fused.forward(&values(inp, 1), 1, &mut short).is_err());
         let narrow = Linear::from_parts(
             Tensor::from_vec(values(8 * 32, 2), (8, 32), &Device::Cpu).unwrap(),
             None,

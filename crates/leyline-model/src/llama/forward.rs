@@ -3,15 +3,15 @@
 //! Design decision: the tensor library's per-op cost (allocation, layout bookkeeping, copies)
 //! outweighed the arithmetic at decode shapes and cost several percent at prefill shapes.
 //! Activations live in `Vec<f32>` buffers; each projection picks its kernel by row count
-//! ([`Linear::forward_many`], [`crate::linear::FusedLinear::forward`]: the quantized weights
-//! through the spinning [`SpinPool`] for a few rows, Q/K/V and gate/up sharing one dispatch;
-//! above that one gemm on the f32 weights, Q/K/V and gate/up concatenated into one product
-//! each), and attention reads the pool's key and value rows in place.
+//! ([`crate::linear::Linear::forward_rows`], [`crate::linear::FusedLinear::forward`]: the
+//! quantized weights through the spinning [`SpinPool`] for a few rows, Q/K/V and gate/up
+//! sharing one dispatch; above that one gemm on the f32 weights, Q/K/V and gate/up
+//! concatenated into one product each), and attention reads the pool's key and value rows in
+//! place.
 
 use super::attend;
 use super::Llama;
 use crate::error::Result;
-use crate::linear::Linear;
 use crate::pool::SpinPool;
 use crate::ForwardSeq;
 use leyline_kv::KvStorage;
@@ -77,7 +77,7 @@ impl Llama {
         };
         for (li, b) in self.blocks.iter().enumerate() {
             rms_norm(&x, &b.attn_norm_vals, eps, &mut xn);
-            b.qkv.forward(pool, &xn, n, &mut qkv)?;
+            b.qkv.forward(&xn, n, &mut qkv)?;
             // Queries and keys are the first h + kvh heads of a row.
             self.apply_rope(&mut qkv, qkv_w, h + kvh, &cos, &sin);
             for (row, &slot) in qkv.chunks_exact(qkv_w).zip(&new_slots) {
@@ -88,12 +88,12 @@ impl Llama {
                 stride: qkv_w,
             };
             attend::attend(pool, kv, li, shape, q, seqs, &mut att);
-            Linear::forward_many(pool, &att, n, &mut [(&b.o, &mut y)])?;
+            b.o.forward_rows(&att, n, &mut y)?;
             add_into(&mut x, &y);
             rms_norm(&x, &b.ffn_norm_vals, eps, &mut xn);
-            b.gate_up.forward(pool, &xn, n, &mut gate_up)?;
+            b.gate_up.forward(&xn, n, &mut gate_up)?;
             crate::fastmath::silu_mul(&gate_up, ffn, &mut act);
-            Linear::forward_many(pool, &act, n, &mut [(&b.down, &mut y)])?;
+            b.down.forward_rows(&act, n, &mut y)?;
             add_into(&mut x, &y);
         }
         let (rows, counts) = crate::logit_rows(seqs);
@@ -107,7 +107,7 @@ impl Llama {
             rms_norm(&x[r * hid..(r + 1) * hid], &self.norm_vals, eps, dst);
         }
         let mut logits = vec![0f32; m * self.info.vocab_size];
-        Linear::forward_many(pool, &xs, m, &mut [(&self.lm_head, &mut logits)])?;
+        self.lm_head.forward_rows(&xs, m, &mut logits)?;
         Ok(crate::split_logits(&logits, &counts, self.info.vocab_size))
     }
 }
