@@ -8,6 +8,7 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod mem;
 pub mod radix;
 pub mod rope;
 pub mod rotate;

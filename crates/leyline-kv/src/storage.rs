@@ -95,29 +95,29 @@ pub const ROW_ALIGN: usize = 64;
 /// over-allocated vector and the offset of that boundary in it (the vector never grows, so
 /// the offset stays valid).
 #[derive(Debug)]
-struct Aligned<T> {
-    buf: Vec<T>,
+struct Aligned<T: crate::mem::Zeroable> {
+    buf: crate::mem::HugeBuf<T>,
     start: usize,
     len: usize,
 }
 
-impl<T: Copy + Default> Aligned<T> {
+impl<T: crate::mem::Zeroable> Aligned<T> {
     fn zeroed(len: usize) -> Self {
         let size = std::mem::size_of::<T>();
-        let buf = vec![T::default(); len + ROW_ALIGN / size];
+        let buf = crate::mem::HugeBuf::zeroed(len + ROW_ALIGN / size);
         let start = (ROW_ALIGN - buf.as_ptr() as usize % ROW_ALIGN) % ROW_ALIGN / size;
         Self { buf, start, len }
     }
 }
 
-impl<T> std::ops::Deref for Aligned<T> {
+impl<T: crate::mem::Zeroable> std::ops::Deref for Aligned<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         &self.buf[self.start..self.start + self.len]
     }
 }
 
-impl<T> std::ops::DerefMut for Aligned<T> {
+impl<T: crate::mem::Zeroable> std::ops::DerefMut for Aligned<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         &mut self.buf[self.start..self.start + self.len]
     }

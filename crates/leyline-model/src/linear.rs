@@ -8,6 +8,7 @@ use crate::pool::SpinPool;
 use crate::qmatmul::QMatrix;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
+use leyline_kv::mem::HugeBuf;
 
 /// A linear layer `y = x W^T + b`.
 pub struct Linear {
@@ -24,7 +25,7 @@ enum F32Weight {
     /// Row-major, gemm packed the whole weight again on every call: a [1536, 576] product
     /// of 17 / 128 / 512 rows took 1.16 / 3.98 / 11.1 ms that way against 0.61 / 3.51 / 11.3
     /// ms in place (1 thread, hot caches), and SmolLM2's prefill of 128 tokens gained 12%.
-    ColMajor(Vec<f32>),
+    ColMajor(HugeBuf<f32>),
     /// Row-major, shared with an embedding table (a tied head); packed per call.
     Shared(Tensor),
 }
@@ -60,7 +61,9 @@ impl Linear {
     /// that candle cannot wrap.
     pub fn from_parts(w: Tensor, q: Option<&QTensor>, b: Option<Tensor>) -> Result<Self> {
         let (out, inp) = w.dims2()?;
-        let wt = w.t()?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let t = w.t()?.contiguous()?;
+        let mut wt = HugeBuf::zeroed(out * inp);
+        with_f32_rows(&t, |src| wt.copy_from_slice(src))?;
         Self::build(F32Weight::ColMajor(wt), out, inp, q, b)
     }
 
@@ -220,10 +223,12 @@ impl FusedLinear {
             });
         }
         // Column-major W^T is [in, out] row-major: row k of the whole is row k of each part.
-        let mut wt = Vec::with_capacity(inp * out);
-        for k in 0..inp {
+        let mut wt = HugeBuf::zeroed(inp * out);
+        for (k, row) in wt.chunks_exact_mut(out).enumerate() {
+            let mut col = 0;
             for (o, c) in &cols {
-                wt.extend_from_slice(&c[k * o..(k + 1) * o]);
+                row[col..col + o].copy_from_slice(&c[k * o..(k + 1) * o]);
+                col += o;
             }
         }
         let whole = Linear {

@@ -1,0 +1,251 @@
+//! Large buffers on transparent huge pages.
+//!
+//! At long context a step reads every cached key and value of its sequences: tens of
+//! megabytes per layer pass on 4 KiB pages, that is thousands of page walks, and the
+//! hardware prefetchers stop at every page boundary. Where the kernel gives transparent
+//! huge pages only on request (`madvise`, the common default), the KV pool and the large
+//! f32 weights ask for them. They get a mapping of their own: memory the allocator hands
+//! out again already has its small pages, and advice does not replace those. (Buffers much
+//! smaller than 2 MiB gain nothing: a huge page must fit whole inside the mapping.)
+
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+
+/// Bytes of a transparent huge page on x86-64 and (4 KiB-granule) aarch64.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Element types whose all-zero bytes are a valid value.
+///
+/// # Safety
+/// Implementors must be plain data: no padding, no invalid bit patterns, no drop glue.
+pub unsafe trait Zeroable: Copy + Default {}
+// SAFETY: primitive numbers; every bit pattern (zero included) is a value.
+unsafe impl Zeroable for f32 {}
+// SAFETY: as above.
+unsafe impl Zeroable for u16 {}
+// SAFETY: as above.
+unsafe impl Zeroable for u8 {}
+
+/// A zeroed buffer of fixed length in an anonymous mapping of its own (Linux), whose whole
+/// 2 MiB pages the kernel is asked to back with transparent huge pages; the pages are not
+/// touched here, so the first write to each faults in a huge page where the kernel has one.
+/// Elsewhere a plain vector.
+pub struct HugeBuf<T: Zeroable> {
+    #[cfg(target_os = "linux")]
+    map: linux::Mapping<T>,
+    #[cfg(not(target_os = "linux"))]
+    map: Vec<T>,
+}
+
+impl<T: Zeroable> HugeBuf<T> {
+    /// `len` zeroed elements.
+    ///
+    /// # Panics
+    /// If the size overflows or the system has no memory to map (as `Vec` aborts).
+    pub fn zeroed(len: usize) -> Self {
+        #[cfg(target_os = "linux")]
+        let map = linux::Mapping::zeroed(len);
+        #[cfg(not(target_os = "linux"))]
+        let map = vec![T::default(); len];
+        Self { map }
+    }
+}
+
+impl<T: Zeroable> Deref for HugeBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.map
+    }
+}
+
+impl<T: Zeroable> DerefMut for HugeBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.map
+    }
+}
+
+impl<T: Zeroable> Clone for HugeBuf<T> {
+    fn clone(&self) -> Self {
+        let mut c = Self::zeroed(self.len());
+        c.copy_from_slice(self);
+        c
+    }
+}
+
+impl<T: Zeroable> fmt::Debug for HugeBuf<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "HugeBuf({} x {})",
+            self.len(),
+            std::any::type_name::<T>()
+        )
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod linux {
+    use super::{Zeroable, HUGE_PAGE};
+    use std::alloc::{handle_alloc_error, Layout};
+    use std::ops::{Deref, DerefMut};
+    use std::ptr::NonNull;
+
+    /// `len` elements inside a private anonymous mapping of `bytes` bytes at `base`.
+    pub(super) struct Mapping<T> {
+        ptr: NonNull<T>,
+        len: usize,
+        base: usize,
+        bytes: usize,
+    }
+
+    // SAFETY: the mapping is owned memory like a `Vec<T>`'s; sending or sharing it is as
+    // safe as sending or sharing `T`s.
+    unsafe impl<T: Send> Send for Mapping<T> {}
+    // SAFETY: as above; `&Mapping` only hands out `&[T]`.
+    unsafe impl<T: Sync> Sync for Mapping<T> {}
+
+    impl<T: Zeroable> Mapping<T> {
+        pub(super) fn zeroed(len: usize) -> Self {
+            let layout = Layout::array::<T>(len).expect("buffer size overflows");
+            if layout.size() == 0 {
+                return Self {
+                    ptr: NonNull::dangling(),
+                    len,
+                    base: 0,
+                    bytes: 0,
+                };
+            }
+            // Room to start the data on a huge-page boundary.
+            let bytes = layout.size() + HUGE_PAGE;
+            // SAFETY: a fresh private anonymous mapping; no existing memory is involved.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    bytes,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if base == libc::MAP_FAILED {
+                handle_alloc_error(layout);
+            }
+            let skip = (base as usize).next_multiple_of(HUGE_PAGE) - base as usize;
+            // SAFETY: `[base, base + bytes)` is the mapping just made; MADV_HUGEPAGE only sets
+            // how the kernel backs it and neither reads, writes nor unmaps any of it. A
+            // refusal (a kernel without transparent huge pages) leaves small pages.
+            unsafe {
+                libc::madvise(base, bytes, libc::MADV_HUGEPAGE);
+            }
+            // SAFETY: `skip < HUGE_PAGE`, so `base + skip` plus `layout.size()` bytes stay in
+            // the mapping; mmap returns page-aligned memory, aligned for any primitive `T`.
+            let data = unsafe { base.cast::<u8>().add(skip).cast::<T>() };
+            Self {
+                ptr: NonNull::new(data).expect("mmap never returns null on success"),
+                len,
+                base: base as usize,
+                bytes,
+            }
+        }
+    }
+
+    impl<T> Deref for Mapping<T> {
+        type Target = [T];
+        fn deref(&self) -> &[T] {
+            // SAFETY: `ptr` points at `len` initialized (zeroed, then written) `T`s in the live
+            // mapping, or is dangling with `len * size_of::<T>() == 0`.
+            unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        }
+    }
+
+    impl<T> DerefMut for Mapping<T> {
+        fn deref_mut(&mut self) -> &mut [T] {
+            // SAFETY: as in `deref`, and `&mut self` makes this the only borrow.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        }
+    }
+
+    impl<T> Drop for Mapping<T> {
+        fn drop(&mut self) {
+            if self.bytes > 0 {
+                // SAFETY: `[base, base + bytes)` is the mapping `zeroed` made, unmapped once
+                // here; no borrow of it outlives `self`.
+                unsafe {
+                    libc::munmap(self.base as *mut libc::c_void, self.bytes);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `AnonHugePages` kilobytes of the mapping holding `addr`, from `/proc/self/smaps`.
+    fn huge_kib_at(addr: usize) -> Option<u64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((lo, hi)) = range.split_once('-') {
+                    if let (Ok(lo), Ok(hi)) =
+                        (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+                    {
+                        inside = (lo..hi).contains(&addr);
+                        continue;
+                    }
+                }
+            }
+            if inside {
+                if let Some(v) = line.strip_prefix("AnonHugePages:") {
+                    return v.trim().trim_end_matches("kB").trim().parse().ok();
+                }
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn buffers_read_zero_keep_writes_and_clone() {
+        for len in [0, 1, 1000, 3 * HUGE_PAGE / 4 + 17] {
+            let mut v: HugeBuf<f32> = HugeBuf::zeroed(len);
+            assert_eq!(v.len(), len);
+            assert!(v.iter().all(|&x| x == 0.0));
+            for (i, x) in v.iter_mut().enumerate().step_by(1021) {
+                *x = i as f32;
+            }
+            let c = v.clone();
+            drop(v);
+            for (i, &x) in c.iter().enumerate() {
+                let want = if i % 1021 == 0 { i as f32 } else { 0.0 };
+                assert_eq!(x, want, "element {i} of {len}");
+            }
+        }
+        let b: HugeBuf<u16> = HugeBuf::zeroed(3);
+        assert_eq!(format!("{b:?}"), "HugeBuf(3 x u16)");
+    }
+
+    /// Where the kernel gives huge pages on request, a written buffer holds some. The kernel
+    /// may lack free huge pages; this machine class has had them every time (see
+    /// BENCHMARKS.md), so a failure here means the advice was lost.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn written_buffers_sit_on_huge_pages_where_the_kernel_offers_them() {
+        let offered = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .map(|s| s.contains("[always]") || s.contains("[madvise]"))
+            .unwrap_or(false);
+        if !offered {
+            eprintln!("transparent huge pages are off on this kernel; nothing to check");
+            return;
+        }
+        let mut v: HugeBuf<u8> = HugeBuf::zeroed(8 * HUGE_PAGE);
+        v.fill(1);
+        let kib = huge_kib_at(v.as_ptr() as usize).expect("the buffer's mapping in smaps");
+        assert!(
+            kib > 0,
+            "no huge pages in an advised, written 16 MiB buffer"
+        );
+    }
+}
