@@ -155,7 +155,7 @@ impl Linear {
         self.check_lengths(x, m, y)?;
         match &self.q {
             Some(q) if m <= QUANTIZED_MAX_ROWS => {
-                QMatrix::matmul_many(SpinPool::global(), x, m, &mut [(q, &mut *y)])
+                QMatrix::matmul_concat(SpinPool::global(), x, m, &[q], y)
             }
             _ => match &self.w {
                 F32Weight::ColMajor(wt) => {

@@ -279,57 +279,30 @@ impl QMatrix {
         feature_major_to_rows(&yt, m, y, self.rows, 0);
     }
 
-    /// Several products `y_i = x W_i^T` (same `x: [m, cols]`, `y_i: [m, rows_i]`) in one
-    /// region of `pool`: every thread computes its share of the rows of every matrix, so a
-    /// decode step pays one dispatch for, e.g., the Q, K and V projections together.
-    ///
-    /// # Panics
-    /// On the length mismatches of [`Self::matmul`].
-    pub fn matmul_many(pool: &SpinPool, x: &[f32], m: usize, jobs: &mut [(&QMatrix, &mut [f32])]) {
-        for (w, y) in jobs.iter() {
-            assert_eq!(x.len(), m * w.cols, "x must be [m, cols]");
-            assert_eq!(y.len(), m * w.rows, "y must be [m, rows]");
-        }
-        if m == 1 {
-            // y_i is already [rows_i, 1]: written in place.
-            Self::feature_major_many(pool, x, 1, jobs.iter_mut().map(|(w, y)| (*w, &mut **y)));
-            return;
-        }
-        let mut scratch: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; w.rows * m]).collect();
-        Self::feature_major_many(
-            pool,
-            x,
-            m,
-            jobs.iter()
-                .zip(scratch.iter_mut())
-                .map(|((w, _), s)| (*w, s.as_mut_slice())),
-        );
-        for ((w, y), yt) in jobs.iter_mut().zip(&scratch) {
-            feature_major_to_rows(yt, m, y, w.rows, 0);
-        }
-    }
-
-    /// `y = x [W_0 | W_1 | ...]^T` for `y: [m, sum of rows_i]`, each row of `y` holding the
-    /// products side by side, in one region of `pool` (as [`Self::matmul_many`]).
+    /// `y = x [W_0 | W_1 | ...]^T` for `x: [m, cols]` and `y: [m, sum of rows_i]`, each row of
+    /// `y` holding the products side by side, in one region of `pool`: every thread computes
+    /// its share of the rows of every matrix, so a decode step pays one dispatch for, e.g.,
+    /// the Q, K and V projections together.
     ///
     /// # Panics
     /// If `x.len() != m * cols` of some matrix or `y` is not `[m, sum of rows_i]`.
     pub fn matmul_concat(pool: &SpinPool, x: &[f32], m: usize, mats: &[&QMatrix], y: &mut [f32]) {
         let width: usize = mats.iter().map(|w| w.rows).sum();
         assert_eq!(y.len(), m * width, "y must be [m, sum of rows]");
+        for w in mats {
+            assert_eq!(x.len(), m * w.cols, "x must be [m, cols]");
+        }
         if m == 1 {
-            let mut jobs = Vec::with_capacity(mats.len());
+            // One row: each product is a slice of it, already in the kernels' [rows_i, 1].
+            let mut targets = Vec::with_capacity(mats.len());
             let mut rest = y;
             for &w in mats {
                 let (head, tail) = std::mem::take(&mut rest).split_at_mut(w.rows);
-                jobs.push((w, head));
+                targets.push((w, head));
                 rest = tail;
             }
-            Self::matmul_many(pool, x, 1, &mut jobs);
+            Self::feature_major_many(pool, x, 1, targets.into_iter());
             return;
-        }
-        for w in mats {
-            assert_eq!(x.len(), m * w.cols, "x must be [m, cols]");
         }
         let mut scratch: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.rows * m]).collect();
         Self::feature_major_many(
@@ -347,7 +320,7 @@ impl QMatrix {
         }
     }
 
-    /// The products of [`Self::matmul_many`] into feature-major `[rows_i, m]` targets.
+    /// The products of [`Self::matmul_concat`] into feature-major `[rows_i, m]` targets.
     fn feature_major_many<'a>(
         pool: &SpinPool,
         x: &[f32],

@@ -54,11 +54,11 @@ fn all_paths_all_row_counts_match_candle() {
     }
 }
 
-/// `matmul_many` (several matrices, one pool region, rows split across threads) against
+/// `matmul_concat` (several matrices, one pool region, rows split across threads) against
 /// candle on the dequantized weights, for pools of 1-3 threads and odd row counts that do
 /// not split evenly.
 #[test]
-fn matmul_many_splits_rows_across_threads_correctly() {
+fn matmul_concat_splits_rows_across_threads_correctly() {
     use leyline_model::pool::SpinPool;
     let shapes = [(192usize, 576usize), (4099, 576), (13, 64)];
     let mats: Vec<(QMatrix, Tensor)> = shapes
@@ -79,18 +79,20 @@ fn matmul_many_splits_rows_across_threads_correctly() {
             // The first two share an input width; the third runs alone.
             let x = Tensor::randn(0f32, 1.0, (m, 576), &Device::Cpu).unwrap();
             let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-            let mut y0 = vec![f32::NAN; m * 192];
-            let mut y1 = vec![f32::NAN; m * 4099];
-            QMatrix::matmul_many(
-                &pool,
-                &xs,
-                m,
-                &mut [(&mats[0].0, &mut y0), (&mats[1].0, &mut y1)],
+            let mut y01 = vec![f32::NAN; m * (192 + 4099)];
+            QMatrix::matmul_concat(&pool, &xs, m, &[&mats[0].0, &mats[1].0], &mut y01);
+            let (y0, y1): (Vec<f32>, Vec<f32>) = (
+                y01.chunks_exact(192 + 4099)
+                    .flat_map(|r| r[..192].to_vec())
+                    .collect(),
+                y01.chunks_exact(192 + 4099)
+                    .flat_map(|r| r[192..].to_vec())
+                    .collect(),
             );
             let x2 = Tensor::randn(0f32, 1.0, (m, 64), &Device::Cpu).unwrap();
             let xs2: Vec<f32> = x2.flatten_all().unwrap().to_vec1().unwrap();
             let mut y2 = vec![f32::NAN; m * 13];
-            QMatrix::matmul_many(&pool, &xs2, m, &mut [(&mats[2].0, &mut y2)]);
+            QMatrix::matmul_concat(&pool, &xs2, m, &[&mats[2].0], &mut y2);
             for (got, (input, wd)) in [
                 (&y0, (&x, &mats[0].1)),
                 (&y1, (&x, &mats[1].1)),
