@@ -92,8 +92,8 @@ impl KvGeometry {
 pub const ROW_ALIGN: usize = 64;
 
 /// A zeroed buffer of `len` elements whose first one sits on a [`ROW_ALIGN`] boundary: an
-/// over-allocated vector and the offset of that boundary in it (the vector never grows, so
-/// the offset stays valid).
+/// over-allocated [`crate::mem::HugeBuf`] and the offset of that boundary in it (0 where the
+/// buffer is a page-aligned mapping; it never grows, so the offset stays valid).
 #[derive(Debug)]
 struct Aligned<T: crate::mem::Zeroable> {
     buf: crate::mem::HugeBuf<T>,

@@ -267,7 +267,7 @@ impl FusedLinear {
 }
 
 /// Runs `f` on the values of a contiguous f32 CPU tensor in place (row-major), without the
-/// copy that `to_vec` makes.
+/// copy that `to_vec` makes: a tied head's or the embedding's table, a weight being loaded.
 ///
 /// # Errors
 /// A tensor that is not on the CPU, not f32 or not contiguous.
@@ -275,12 +275,12 @@ pub(crate) fn with_f32_rows<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Resul
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
         return Err(ModelError::Input(
-            "a shared f32 table must live on the CPU".into(),
+            "an f32 weight or table must live on the CPU".into(),
         ));
     };
     let Some((start, end)) = layout.contiguous_offsets() else {
         return Err(ModelError::Input(
-            "a shared f32 table must be contiguous".into(),
+            "an f32 weight or table must be contiguous".into(),
         ));
     };
     Ok(f(&cpu.as_slice::<f32>()?[start..end]))
