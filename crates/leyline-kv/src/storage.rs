@@ -7,7 +7,7 @@
 //! rotates `k` rows and never reads `v`.
 
 use crate::error::{KvError, Result};
-use half::{bf16, f16};
+use crate::rotate::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 /// Storage element type of the pool. Rotation math is always f32; this is only how the
 /// numbers rest in memory.
@@ -175,12 +175,12 @@ impl Rows {
             Rows::F32(b) => b[offset..offset + src.len()].copy_from_slice(src),
             Rows::F16(b) => {
                 for (d, s) in b[offset..offset + src.len()].iter_mut().zip(src) {
-                    *d = f16::from_f32(*s).to_bits();
+                    *d = f32_to_f16(*s);
                 }
             }
             Rows::Bf16(b) => {
                 for (d, s) in b[offset..offset + src.len()].iter_mut().zip(src) {
-                    *d = bf16::from_f32(*s).to_bits();
+                    *d = f32_to_bf16(*s);
                 }
             }
         }
@@ -191,13 +191,12 @@ impl Rows {
             Rows::F32(b) => dst.copy_from_slice(&b[offset..offset + dst.len()]),
             Rows::F16(b) => {
                 for (d, s) in dst.iter_mut().zip(&b[offset..]) {
-                    *d = f16::from_bits(*s).to_f32();
+                    *d = f16_to_f32(*s);
                 }
             }
             Rows::Bf16(b) => {
                 for (d, s) in dst.iter_mut().zip(&b[offset..]) {
-                    // bf16 -> f32 is a shift of the bits: exact and vectorizable.
-                    *d = f32::from_bits((*s as u32) << 16);
+                    *d = bf16_to_f32(*s);
                 }
             }
         }

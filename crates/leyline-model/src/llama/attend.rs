@@ -18,7 +18,6 @@
 use crate::fastmath::exp2;
 use crate::pool::SpinPool;
 use crate::ForwardSeq;
-use half::f16;
 use leyline_kv::storage::RowsRef;
 use leyline_kv::KvStorage;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -150,7 +149,7 @@ struct FromBf16;
 impl Load<u16> for FromBf16 {
     #[inline(always)]
     fn f32(self, b: u16) -> f32 {
-        f32::from_bits((b as u32) << 16)
+        leyline_kv::rotate::bf16_to_f32(b)
     }
     #[inline(always)]
     fn in_place(self, _: &[u16]) -> Option<&[f32]> {
@@ -165,7 +164,7 @@ struct FromF16;
 impl Load<u16> for FromF16 {
     #[inline(always)]
     fn f32(self, b: u16) -> f32 {
-        f16::from_bits(b).to_f32()
+        leyline_kv::rotate::f16_to_f32(b)
     }
     #[inline(always)]
     fn in_place(self, _: &[u16]) -> Option<&[f32]> {
