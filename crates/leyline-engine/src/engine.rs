@@ -1,17 +1,18 @@
 //! The scheduler: continuous batching over the shared slot pool with prefix reuse.
 //!
 //! Each [`Engine::step`] admits waiting requests (longest cached prefix first reused, the
-//! rest of the prompt reserved in the pool, evicting unlocked prefixes when short), then runs
-//! ONE forward over every running sequence: a decode token for each sequence that has one,
-//! and prefill chunks for the others within a token budget (`prefill_chunk`, or the smaller
-//! `decode_prefill_chunk` when the step also decodes), so a long prompt never stalls decodes
-//! for long. The budget goes to the prompt with the fewest tokens left first
-//! ([`PrefillOrder`]): a plain turn or a spliced edit does not wait behind another
-//! session's long re-prefill, and a prompt passed over `prefill_patience` times goes first
-//! from then on. Every prefilled chunk of lineage-free prompt goes into the prefix tree at once,
-//! so a request that shares a prompt prefix with one still prefilling waits for that
-//! prefill (a step or a few) instead of computing the same prefix again; finished sequences
-//! leave their KV in the tree for later hits.
+//! rest of the prompt reserved in the pool, evicting unlocked prefixes when short, then idle
+//! sessions' KV, least recently used first), then runs ONE forward over every running
+//! sequence: a decode token for each sequence that has one, and prefill chunks for the
+//! others within a token budget (`prefill_chunk`, or the smaller `decode_prefill_chunk` when
+//! the step also decodes), so a long prompt never stalls decodes for long. The budget goes
+//! to the prompt with the fewest tokens left first ([`PrefillOrder`]): a plain turn or a
+//! spliced edit does not wait behind another session's long re-prefill, and a prompt passed
+//! over `prefill_patience` times goes first from then on. Every prefilled chunk of
+//! lineage-free prompt goes into the prefix tree at once, so a request that shares a prompt
+//! prefix with one still prefilling waits for that prefill (a step or a few) instead of
+//! computing the same prefix again; finished sequences leave their KV in the tree for later
+//! hits.
 //!
 //! Slot ownership: a running sequence owns one reference on each slot it allocated; the
 //! cached prefix it started from is pinned by a lock on the tree node instead. On finish the
@@ -629,12 +630,10 @@ impl Engine {
         let room = self.max_sequence_len() - prompt_len;
         let need = prompt_len - cached + w.req.max_tokens.min(room);
         let mut alloc = self.cache.alloc_evicting(need);
-        // With nothing running, nothing frees slots by itself: idle sessions' KV goes, least
-        // recently used first, before the request is refused.
-        while matches!(alloc, Err(KvError::PoolExhausted { .. }))
-            && self.running.is_empty()
-            && self.shed_idle_session()?
-        {
+        // Idle sessions' KV goes next, least recently used first: running sequences would
+        // free none of it by finishing (a session keeps its KV), so waiting for them only
+        // delays the same loss.
+        while matches!(alloc, Err(KvError::PoolExhausted { .. })) && self.shed_idle_session()? {
             alloc = self.cache.alloc_evicting(need);
         }
         match alloc {

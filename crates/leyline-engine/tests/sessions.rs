@@ -297,6 +297,55 @@ fn an_amortize_replacement_is_prefilled_work_not_a_cache_hit() {
     e.check_no_leaks().unwrap();
 }
 
+#[test]
+fn a_request_that_does_not_fit_sheds_an_idle_session_instead_of_waiting() {
+    let mut e = engine(1024);
+    let (a, b) = (e.create_session(), e.create_session());
+    turn(
+        &mut e,
+        a,
+        &filler("alpha", 400),
+        Vec::new(),
+        Mode::Amortize,
+        4,
+    );
+    turn(
+        &mut e,
+        b,
+        &filler("beta", 400),
+        Vec::new(),
+        Mode::Amortize,
+        4,
+    );
+    // A plain request that keeps running for 64 steps (no stop tokens).
+    let (long, long_out) = request(filler("delta", 20), 64);
+    e.submit(long);
+    e.step().unwrap();
+    // The sessions pin ~810 slots and the running request ~84 of 1024; this needs ~490.
+    let (req, out) = request(filler("gamma", 480), 4);
+    e.submit(req);
+    while out.lock().unwrap().tokens.is_empty() {
+        assert!(e.has_work(), "the request ended without a token");
+        e.step().unwrap();
+        let o = out.lock().unwrap();
+        assert!(o.failed.is_none(), "{:?}", o.failed);
+    }
+    assert!(
+        long_out.lock().unwrap().finished.is_none(),
+        "the request waited for the running one to finish"
+    );
+    assert_eq!(e.metrics().snapshot().sessions_shed, 1);
+    assert_eq!(e.session_info(a).unwrap().tokens.len(), 0, "a kept its KV");
+    assert!(
+        e.session_info(b).unwrap().tokens.len() >= 400,
+        "b lost its KV"
+    );
+    e.run_to_completion().unwrap();
+    assert_eq!(long_out.lock().unwrap().tokens.len(), 64);
+    assert_eq!(out.lock().unwrap().tokens.len(), 4);
+    e.check_no_leaks().unwrap();
+}
+
 /// About `n` tokens of text unlike any other `tag`'s.
 fn filler(tag: &str, n: usize) -> Vec<u32> {
     let mut text = String::new();
