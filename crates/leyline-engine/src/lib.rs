@@ -17,7 +17,7 @@ pub mod sampling;
 pub mod session;
 
 pub use engine::{
-    Engine, EngineConfig, PrefillOrder, StepReport, DEFAULT_DECODE_PREFILL_CHUNK,
+    Engine, EngineConfig, PrefillOrder, StepReport, DEFAULT_DECODE_PREFILL_CHUNK, DEFAULT_KV_DTYPE,
     DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_PATIENCE,
 };
 pub use error::{EngineError, Result};

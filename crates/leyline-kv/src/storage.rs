@@ -11,10 +11,9 @@ use crate::rotate::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 /// Storage element type of the pool. Rotation math is always f32; this is only how the
 /// numbers rest in memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KvDtype {
     /// 4 bytes, exact.
-    #[default]
     F32,
     /// IEEE half precision.
     F16,

@@ -69,8 +69,8 @@ pub struct ModelArgs {
     /// model, fetched on first use.
     #[arg(long, short = 'm', env = "LEYLINE_MODEL")]
     pub model: Option<PathBuf>,
-    /// KV cache storage type: f32, f16 or bf16.
-    #[arg(long, default_value = "f32")]
+    /// KV cache storage type: f16, bf16 or f32 (exact, twice the memory).
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_KV_DTYPE)]
     pub kv_dtype: KvDtype,
     /// KV pool size in slots (tokens); default: the model's context length (`serve`: four
     /// times that, room for several sessions).
