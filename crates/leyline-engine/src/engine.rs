@@ -636,9 +636,12 @@ impl Engine {
         let mut alloc = self.cache.alloc_evicting(need);
         // Idle sessions' KV goes next, least recently used first: running sequences would
         // free none of it by finishing (a session keeps its KV), so waiting for them only
-        // delays the same loss.
-        while matches!(alloc, Err(KvError::PoolExhausted { .. })) && self.shed_idle_session()? {
-            alloc = self.cache.alloc_evicting(need);
+        // delays the same loss. Unless even shedding all of it leaves too little room: then
+        // the request waits (or is refused) and no session loses its KV for nothing.
+        if matches!(alloc, Err(KvError::PoolExhausted { .. })) && self.shedding_can_fit(need) {
+            while matches!(alloc, Err(KvError::PoolExhausted { .. })) && self.shed_idle_session()? {
+                alloc = self.cache.alloc_evicting(need);
+            }
         }
         match alloc {
             Ok((slots, removed)) => {
@@ -696,6 +699,24 @@ impl Engine {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Whether `need` slots could be found with every idle session's KV gone: what running
+    /// sequences and busy sessions hold stays (slots they share are counted once per holder,
+    /// so this errs toward no).
+    fn shedding_can_fit(&self, need: usize) -> bool {
+        let running: usize = self
+            .running
+            .iter()
+            .map(|r| r.slots.len() + r.reserved.len())
+            .sum();
+        let busy: usize = self
+            .sessions
+            .values()
+            .filter(|s| s.busy)
+            .map(|s| s.slots.len())
+            .sum();
+        need + running + busy <= self.kv.capacity()
     }
 
     /// Zeroes the storage of freed slots that held forgotten (revoked) KV or KV computed

@@ -372,6 +372,45 @@ fn a_request_that_does_not_fit_sheds_an_idle_session_instead_of_waiting() {
     e.check_no_leaks().unwrap();
 }
 
+#[test]
+fn no_session_is_shed_when_shedding_cannot_make_room() {
+    let mut e = engine(1024);
+    let a = e.create_session();
+    turn(
+        &mut e,
+        a,
+        &filler("alpha", 400),
+        Vec::new(),
+        Mode::Amortize,
+        4,
+    );
+    // A running request holds ~560 slots: with a's ~400 gone there would still be only ~460
+    // free, short of the next request's ~490.
+    let (long, long_out) = request(filler("delta", 500), 64);
+    e.submit(long);
+    e.step().unwrap();
+    let (req, out) = request(filler("gamma", 480), 4);
+    e.submit(req);
+    e.step().unwrap();
+    assert_eq!(
+        e.metrics().snapshot().sessions_shed,
+        0,
+        "a was shed for nothing"
+    );
+    assert!(
+        e.session_info(a).unwrap().tokens.len() >= 400,
+        "a lost its KV"
+    );
+    // Once the running request ends, its KV is evictable and the waiting one fits.
+    e.run_to_completion().unwrap();
+    assert_eq!(long_out.lock().unwrap().tokens.len(), 64);
+    let o = out.lock().unwrap();
+    assert!(o.failed.is_none(), "{:?}", o.failed);
+    assert_eq!(o.tokens.len(), 4);
+    assert_eq!(e.metrics().snapshot().sessions_shed, 0);
+    e.check_no_leaks().unwrap();
+}
+
 /// About `n` tokens of text unlike any other `tag`'s.
 fn filler(tag: &str, n: usize) -> Vec<u32> {
     let mut text = String::new();
