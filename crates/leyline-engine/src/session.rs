@@ -341,9 +341,7 @@ impl Engine {
 
         // Mutation starts here.
         let lineage = s.lineage;
-        for &(src, dst) in &plan.cow {
-            self.kv.copy_slot(src, dst)?;
-        }
+        self.kv.copy_slots(&plan.cow)?;
         let geometry = info.geometry;
         let path = KernelPath::detect();
         for (delta, slots) in plan.rotation_groups() {

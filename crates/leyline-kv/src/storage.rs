@@ -391,17 +391,25 @@ impl KvStorage {
         Ok(())
     }
 
-    /// Copies every layer's rows of `src` into `dst` (copy-on-write before a rotation).
+    /// Copies every layer's rows of each `(src, dst)` pair's `src` into its `dst`
+    /// (copy-on-write before a rotation), in pair order. Layer by layer, so each row buffer
+    /// is walked once instead of once per slot.
     ///
     /// # Errors
-    /// Out-of-range slot.
-    pub fn copy_slot(&mut self, src: u32, dst: u32) -> Result<()> {
-        self.check_slot(src)?;
-        self.check_slot(dst)?;
+    /// Out-of-range slot; nothing is copied then.
+    pub fn copy_slots(&mut self, pairs: &[(u32, u32)]) -> Result<()> {
+        for &(src, dst) in pairs {
+            self.check_slot(src)?;
+            self.check_slot(dst)?;
+        }
         let (kw, vw) = (self.geometry.k_width(), self.geometry.v_width);
         for l in &mut self.layers {
-            l.k.copy_within(src as usize * kw, dst as usize * kw, kw);
-            l.v.copy_within(src as usize * vw, dst as usize * vw, vw);
+            for &(src, dst) in pairs {
+                l.k.copy_within(src as usize * kw, dst as usize * kw, kw);
+            }
+            for &(src, dst) in pairs {
+                l.v.copy_within(src as usize * vw, dst as usize * vw, vw);
+            }
         }
         Ok(())
     }
@@ -468,11 +476,18 @@ mod tests {
             s.gather_v(1, &[2, 0], &mut out).unwrap();
             assert_eq!(&out[..8], &v[..]);
             assert!(!s.slot_is_zero(2).unwrap());
-            s.copy_slot(2, 3).unwrap();
+            // Slot 0 is still zero: copying it over slot 1 must not be a no-op.
+            s.write(1, 1, &v, &k).unwrap();
+            assert!(s.copy_slots(&[(2, 3), (9, 1)]).is_err(), "out of range");
+            assert!(!s.slot_is_zero(1).unwrap(), "a refused copy changed a slot");
+            s.copy_slots(&[(2, 3), (0, 1)]).unwrap();
+            assert!(s.slot_is_zero(1).unwrap());
             s.zero_slot(2).unwrap();
             assert!(s.slot_is_zero(2).unwrap());
             s.gather_k(1, &[3], &mut out[..8]).unwrap();
             assert_eq!(&out[..8], &k[..]);
+            s.gather_v(1, &[3], &mut out[..8]).unwrap();
+            assert_eq!(&out[..8], &v[..]);
         }
     }
 
