@@ -476,10 +476,11 @@ mod tests {
             s.gather_v(1, &[2, 0], &mut out).unwrap();
             assert_eq!(&out[..8], &v[..]);
             assert!(!s.slot_is_zero(2).unwrap());
-            // Slot 0 is still zero: copying it over slot 1 must not be a no-op.
-            s.write(1, 1, &v, &k).unwrap();
+            // A batch with one bad slot copies nothing, not even its valid first pair.
             assert!(s.copy_slots(&[(2, 3), (9, 1)]).is_err(), "out of range");
-            assert!(!s.slot_is_zero(1).unwrap(), "a refused copy changed a slot");
+            assert!(s.slot_is_zero(3).unwrap(), "a refused batch copied a pair");
+            // Every pair is copied: slot 1 (written) takes slot 0's zeros.
+            s.write(1, 1, &v, &k).unwrap();
             s.copy_slots(&[(2, 3), (0, 1)]).unwrap();
             assert!(s.slot_is_zero(1).unwrap());
             s.zero_slot(2).unwrap();

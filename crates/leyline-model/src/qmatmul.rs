@@ -224,18 +224,13 @@ impl QMatrix {
         self.rows * (self.cols / BLOCK) * self.kind.block_bytes()
     }
 
-    /// `y = x W^T` for `x: [m, cols]` and `y: [m, rows]` (row-major), on the fastest path.
+    /// `y = x W^T` for `x: [m, cols]` and `y: [m, rows]` (row-major) on a chosen kernel
+    /// path, split over rayon's threads: for tests and benchmarks that compare the paths. The
+    /// engine's products go through [`Self::matmul_concat`].
     ///
     /// # Panics
-    /// If `x.len() != m * cols` or `y.len() != m * rows`.
-    pub fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        self.matmul_with(KernelPath::best(), x, m, y);
-    }
-
-    /// [`Self::matmul`] on a chosen path (tests, benchmarks).
-    ///
-    /// # Panics
-    /// If the path is not available on this CPU, or on the length mismatches of `matmul`.
+    /// If the path is not available on this CPU, `x.len() != m * cols` or
+    /// `y.len() != m * rows`.
     pub fn matmul_with(&self, path: KernelPath, x: &[f32], m: usize, y: &mut [f32]) {
         assert!(
             path.is_available(),
