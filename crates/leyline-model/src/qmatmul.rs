@@ -440,9 +440,16 @@ mod scalar {
     }
 }
 
+/// Activation rows up to which the kernels dequantize weights in registers for each chunk of
+/// at most 4 rows; above it a tile's rows are dequantized once into an f32 buffer that every
+/// chunk then reads, so the conversion is not repeated per chunk. Measured on SmolLM2's
+/// decode shapes (2 threads, AVX-512): see BENCHMARKS.md, "Few-row products".
+const DIRECT_MAX_M: usize = 4;
+
 /// Defines `rows`, the driver of one ISA's tile kernels: for each tile of `R` output rows
 /// (`R1` when m == 1, else `RM`; single rows for the remainder) it converts the tile's
-/// scales to f32, then runs `$q41` / `$q80::<R, M>` for chunks of `M <= 4` activation rows.
+/// scales to f32, then runs `q4_1` / `q8_0::<R, M>` for chunks of `M <= 4` activation rows,
+/// or, above [`DIRECT_MAX_M`] rows, `dequant` once and `f32_tile::<R, M>` per chunk.
 #[cfg(target_arch = "x86_64")]
 macro_rules! tile_driver {
     ($feat:literal, $r1:literal, $rm:literal, $scales:ident) => {
@@ -466,6 +473,12 @@ macro_rules! tile_driver {
             let r_tile = if m == 1 { $r1 } else { $rm };
             let mut dbuf = vec![0f32; r_tile * g.sb];
             let mut mbuf = vec![0f32; r_tile * g.sb];
+            let cols = g.nb * BLOCK;
+            let mut wbuf = if m > DIRECT_MAX_M {
+                vec![0f32; r_tile * cols]
+            } else {
+                Vec::new()
+            };
             let mut r = 0;
             while r < n {
                 let rt = if n - r >= r_tile { r_tile } else { 1 };
@@ -491,6 +504,40 @@ macro_rules! tile_driver {
                 for off in (ahead..end).step_by(64) {
                     // SAFETY: off < rows.len(), a valid address; prefetch never faults.
                     unsafe { _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(off) as *const i8) };
+                }
+                if m > DIRECT_MAX_M {
+                    // SAFETY: rows r .. r + rt lie in `rows` and their scales were converted
+                    // above; wbuf holds r_tile * cols floats, x holds m rows and out n * m.
+                    unsafe {
+                        dequant(
+                            kind,
+                            g,
+                            rows[r * g.stride..].as_ptr(),
+                            rt,
+                            &dbuf,
+                            &mbuf,
+                            &mut wbuf,
+                        );
+                        let mut i = 0;
+                        while i < m {
+                            let mc = (m - i).min(4);
+                            let (w, xi) = (wbuf.as_ptr(), x[i * cols..].as_ptr());
+                            let o = out[r * m + i..].as_mut_ptr();
+                            match (rt == 1, mc) {
+                                (true, 1) => f32_tile::<1, 1>(w, xi, cols, o, m),
+                                (true, 2) => f32_tile::<1, 2>(w, xi, cols, o, m),
+                                (true, 3) => f32_tile::<1, 3>(w, xi, cols, o, m),
+                                (true, _) => f32_tile::<1, 4>(w, xi, cols, o, m),
+                                (false, 1) => f32_tile::<$rm, 1>(w, xi, cols, o, m),
+                                (false, 2) => f32_tile::<$rm, 2>(w, xi, cols, o, m),
+                                (false, 3) => f32_tile::<$rm, 3>(w, xi, cols, o, m),
+                                (false, _) => f32_tile::<$rm, 4>(w, xi, cols, o, m),
+                            }
+                            i += mc;
+                        }
+                    }
+                    r += rt;
+                    continue;
                 }
                 let mut i = 0;
                 while i < m {
@@ -553,10 +600,10 @@ struct Tile {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{GgmlKind, RowGeom, Tile, BLOCK, PREFETCH, SLACK};
+    use super::{GgmlKind, RowGeom, Tile, BLOCK, DIRECT_MAX_M, PREFETCH, SLACK};
     use std::arch::x86_64::*;
 
-    tile_driver!("avx512f", 4, 2, scales);
+    tile_driver!("avx512f", 4, 4, scales);
 
     /// Converts the f16 scales of the row at `row` into `dbuf[j * sb..]`, `mbuf[j * sb..]`.
     ///
@@ -587,73 +634,179 @@ mod avx512 {
         }
     }
 
+    /// One accumulator per (row, activation row); each block's activation floats are loaded
+    /// once and meet all `R` dequantized rows, so loads do not outnumber the products.
+    ///
     /// # Safety
     /// AVX-512F; `t` describes R rows and M activation rows as [`Tile`] says, all in bounds.
     #[target_feature(enable = "avx512f")]
     unsafe fn q4_1<const R: usize, const M: usize>(t: &Tile) {
         let cols = t.g.nb * BLOCK;
-        let mut acc = [[[_mm512_setzero_ps(); 2]; M]; R];
+        let mut acc = [[_mm512_setzero_ps(); M]; R];
         let low = _mm512_set1_epi32(0x0f);
         for b in 0..t.g.nb {
-            for (j, acc_j) in acc.iter_mut().enumerate() {
-                // SAFETY: b < nb and j < R, so the 16 quant bytes, the scale floats and the
-                // activation floats read here lie inside the tile (caller's contract).
-                unsafe {
+            // SAFETY: b < nb, j < R and i < M, so the 16 quant bytes, the scale floats and
+            // the activation floats read here lie inside the tile (caller's contract).
+            unsafe {
+                let w: [[__m512; 2]; R] = std::array::from_fn(|j| {
                     let qp = t.w.add(j * t.g.stride + t.g.qs_off + b * 16);
                     let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qp as *const __m128i));
                     let d = _mm512_set1_ps(*t.d.add(j * t.g.sb + b));
                     let mn = _mm512_set1_ps(*t.mn.add(j * t.g.sb + b));
-                    let w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, mn);
-                    let w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, mn);
-                    for (i, a) in acc_j.iter_mut().enumerate() {
-                        let xb = t.x.add(i * cols + b * BLOCK);
-                        a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a[0]);
-                        a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb.add(16)), a[1]);
+                    [
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, mn),
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, mn),
+                    ]
+                });
+                for i in 0..M {
+                    let xb = t.x.add(i * cols + b * BLOCK);
+                    let (x0, x1) = (_mm512_loadu_ps(xb), _mm512_loadu_ps(xb.add(16)));
+                    for (a, wj) in acc.iter_mut().zip(&w) {
+                        a[i] = _mm512_fmadd_ps(wj[1], x1, _mm512_fmadd_ps(wj[0], x0, a[i]));
                     }
                 }
             }
         }
-        for (j, acc_j) in acc.iter().enumerate() {
-            for (i, a) in acc_j.iter().enumerate() {
-                // SAFETY: (j, i) is inside the tile's outputs.
-                unsafe {
-                    *t.out.add(j * t.ostride + i) = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]))
-                };
-            }
-        }
+        store(t, &acc);
     }
 
+    /// As [`q4_1`], for Q8_0 rows (`w = d * q`).
+    ///
     /// # Safety
     /// AVX-512F; `t` describes R rows and M activation rows as [`Tile`] says, all in bounds.
     #[target_feature(enable = "avx512f")]
     unsafe fn q8_0<const R: usize, const M: usize>(t: &Tile) {
         let cols = t.g.nb * BLOCK;
-        let mut acc = [[[_mm512_setzero_ps(); 2]; M]; R];
+        let mut acc = [[_mm512_setzero_ps(); M]; R];
         for b in 0..t.g.nb {
-            for (j, acc_j) in acc.iter_mut().enumerate() {
-                // SAFETY: b < nb and j < R, so the 32 quant bytes, the scale and the
-                // activation floats read here lie inside the tile (caller's contract).
-                unsafe {
+            // SAFETY: b < nb, j < R and i < M, so the 32 quant bytes, the scale and the
+            // activation floats read here lie inside the tile (caller's contract).
+            unsafe {
+                let w: [[__m512; 2]; R] = std::array::from_fn(|j| {
                     let qp = t.w.add(j * t.g.stride + t.g.qs_off + b * 32);
                     let q0 = _mm_loadu_si128(qp as *const __m128i);
                     let q1 = _mm_loadu_si128(qp.add(16) as *const __m128i);
                     let d = _mm512_set1_ps(*t.d.add(j * t.g.sb + b));
-                    let w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-                    let w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
-                    for (i, a) in acc_j.iter_mut().enumerate() {
-                        let xb = t.x.add(i * cols + b * BLOCK);
-                        a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a[0]);
-                        a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb.add(16)), a[1]);
+                    [
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d),
+                    ]
+                });
+                for i in 0..M {
+                    let xb = t.x.add(i * cols + b * BLOCK);
+                    let (x0, x1) = (_mm512_loadu_ps(xb), _mm512_loadu_ps(xb.add(16)));
+                    for (a, wj) in acc.iter_mut().zip(&w) {
+                        a[i] = _mm512_fmadd_ps(wj[1], x1, _mm512_fmadd_ps(wj[0], x0, a[i]));
+                    }
+                }
+            }
+        }
+        store(t, &acc);
+    }
+
+    /// Dequantizes `rt` rows starting at `row` into `wbuf: [rt, cols]`, from the scales
+    /// `scales` converted into `dbuf` / `mbuf`.
+    ///
+    /// # Safety
+    /// AVX-512F; `row` starts `rt` whole rows of geometry `g`; the buffers hold `rt` rows.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dequant(
+        kind: GgmlKind,
+        g: RowGeom,
+        row: *const u8,
+        rt: usize,
+        dbuf: &[f32],
+        mbuf: &[f32],
+        wbuf: &mut [f32],
+    ) {
+        let cols = g.nb * BLOCK;
+        assert!(wbuf.len() >= rt * cols && dbuf.len() >= rt * g.sb && mbuf.len() >= rt * g.sb);
+        let low = _mm512_set1_epi32(0x0f);
+        for j in 0..rt {
+            for b in 0..g.nb {
+                let d = _mm512_set1_ps(dbuf[j * g.sb + b]);
+                let dst = wbuf[j * cols + b * BLOCK..].as_mut_ptr();
+                // SAFETY: row j's block b lies in the caller's rows; dst has 32 floats
+                // (asserted above).
+                unsafe {
+                    let qp = row.add(j * g.stride + g.qs_off + b * kind.qs_bytes());
+                    let (w0, w1) = match kind {
+                        GgmlKind::Q4_1 => {
+                            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qp as *const __m128i));
+                            let mn = _mm512_set1_ps(mbuf[j * g.sb + b]);
+                            (
+                                _mm512_fmadd_ps(
+                                    _mm512_cvtepi32_ps(_mm512_and_si512(v, low)),
+                                    d,
+                                    mn,
+                                ),
+                                _mm512_fmadd_ps(
+                                    _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)),
+                                    d,
+                                    mn,
+                                ),
+                            )
+                        }
+                        GgmlKind::Q8_0 => {
+                            let q0 = _mm_loadu_si128(qp as *const __m128i);
+                            let q1 = _mm_loadu_si128(qp.add(16) as *const __m128i);
+                            (
+                                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
+                                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d),
+                            )
+                        }
+                    };
+                    _mm512_storeu_ps(dst, w0);
+                    _mm512_storeu_ps(dst.add(16), w1);
+                }
+            }
+        }
+    }
+
+    /// `out[j * ostride + i] = w_j . x_i` for R rows of `w: [R, cols]` and M rows of
+    /// `x: [M, cols]`, `cols` a multiple of 32.
+    ///
+    /// # Safety
+    /// AVX-512F; `w`, `x` hold R and M rows of `cols` floats, `out` the R x M outputs.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn f32_tile<const R: usize, const M: usize>(
+        w: *const f32,
+        x: *const f32,
+        cols: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); M]; R];
+        for c in (0..cols).step_by(16) {
+            // SAFETY: c + 16 <= cols, inside every row (caller's contract).
+            unsafe {
+                let wv: [__m512; R] = std::array::from_fn(|j| _mm512_loadu_ps(w.add(j * cols + c)));
+                for i in 0..M {
+                    let xv = _mm512_loadu_ps(x.add(i * cols + c));
+                    for (a, &wj) in acc.iter_mut().zip(&wv) {
+                        a[i] = _mm512_fmadd_ps(wj, xv, a[i]);
                     }
                 }
             }
         }
         for (j, acc_j) in acc.iter().enumerate() {
-            for (i, a) in acc_j.iter().enumerate() {
+            for (i, &a) in acc_j.iter().enumerate() {
                 // SAFETY: (j, i) is inside the tile's outputs.
-                unsafe {
-                    *t.out.add(j * t.ostride + i) = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]))
-                };
+                unsafe { *out.add(j * ostride + i) = _mm512_reduce_add_ps(a) };
+            }
+        }
+    }
+
+    /// Writes each accumulator's lane sum to its (row, activation row) output.
+    ///
+    /// # Safety
+    /// AVX-512F; `t.out` has room for the tile's R x M outputs as [`Tile`] says.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store<const R: usize, const M: usize>(t: &Tile, acc: &[[__m512; M]; R]) {
+        for (j, acc_j) in acc.iter().enumerate() {
+            for (i, &a) in acc_j.iter().enumerate() {
+                // SAFETY: (j, i) is inside the tile's outputs.
+                unsafe { *t.out.add(j * t.ostride + i) = _mm512_reduce_add_ps(a) };
             }
         }
     }
@@ -661,7 +814,7 @@ mod avx512 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{GgmlKind, RowGeom, Tile, BLOCK, PREFETCH, SLACK};
+    use super::{GgmlKind, RowGeom, Tile, BLOCK, DIRECT_MAX_M, PREFETCH, SLACK};
     use std::arch::x86_64::*;
 
     tile_driver!("avx2,fma,f16c", 2, 1, scales);
@@ -690,6 +843,92 @@ mod avx2 {
                     let h = _mm_loadu_si128(row.add(2 * g.nb + 2 * k) as *const __m128i);
                     _mm256_storeu_ps(mbuf.as_mut_ptr().add(j * g.sb + k), _mm256_cvtph_ps(h));
                 }
+            }
+        }
+    }
+
+    /// As `avx512::dequant`.
+    ///
+    /// # Safety
+    /// AVX2+FMA+F16C; otherwise as `avx512::dequant`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dequant(
+        kind: GgmlKind,
+        g: RowGeom,
+        row: *const u8,
+        rt: usize,
+        dbuf: &[f32],
+        mbuf: &[f32],
+        wbuf: &mut [f32],
+    ) {
+        let cols = g.nb * BLOCK;
+        assert!(wbuf.len() >= rt * cols && dbuf.len() >= rt * g.sb && mbuf.len() >= rt * g.sb);
+        let low = _mm256_set1_epi32(0x0f);
+        for j in 0..rt {
+            for b in 0..g.nb {
+                let d = _mm256_set1_ps(dbuf[j * g.sb + b]);
+                let dst = wbuf[j * cols + b * BLOCK..].as_mut_ptr();
+                // SAFETY: row j's block b lies in the caller's rows; dst has 32 floats
+                // (asserted above).
+                unsafe {
+                    let qp = row.add(j * g.stride + g.qs_off + b * kind.qs_bytes());
+                    // Values 0..8, 8..16, 16..24, 24..32.
+                    let w = match kind {
+                        GgmlKind::Q4_1 => {
+                            let raw = _mm_loadu_si128(qp as *const __m128i);
+                            let v0 = _mm256_cvtepu8_epi32(raw);
+                            let v1 = _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(raw));
+                            let mn = _mm256_set1_ps(mbuf[j * g.sb + b]);
+                            [
+                                _mm256_and_si256(v0, low),
+                                _mm256_and_si256(v1, low),
+                                _mm256_srli_epi32::<4>(v0),
+                                _mm256_srli_epi32::<4>(v1),
+                            ]
+                            .map(|q| _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, mn))
+                        }
+                        GgmlKind::Q8_0 => [0, 8, 16, 24].map(|k| {
+                            let q = _mm_loadl_epi64(qp.add(k) as *const __m128i);
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d)
+                        }),
+                    };
+                    for (k, v) in w.into_iter().enumerate() {
+                        _mm256_storeu_ps(dst.add(8 * k), v);
+                    }
+                }
+            }
+        }
+    }
+
+    /// As `avx512::f32_tile`, 8 lanes at a time.
+    ///
+    /// # Safety
+    /// AVX2+FMA+F16C; otherwise as `avx512::f32_tile`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f32_tile<const R: usize, const M: usize>(
+        w: *const f32,
+        x: *const f32,
+        cols: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); M]; R];
+        for c in (0..cols).step_by(8) {
+            // SAFETY: c + 8 <= cols, inside every row (caller's contract).
+            unsafe {
+                let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(w.add(j * cols + c)));
+                for i in 0..M {
+                    let xv = _mm256_loadu_ps(x.add(i * cols + c));
+                    for (a, &wj) in acc.iter_mut().zip(&wv) {
+                        a[i] = _mm256_fmadd_ps(wj, xv, a[i]);
+                    }
+                }
+            }
+        }
+        for (j, acc_j) in acc.iter().enumerate() {
+            for (i, &a) in acc_j.iter().enumerate() {
+                // SAFETY: (j, i) is inside the tile's outputs.
+                unsafe { *out.add(j * ostride + i) = hsum(a) };
             }
         }
     }
