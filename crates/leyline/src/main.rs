@@ -80,14 +80,19 @@ pub struct ModelArgs {
 
 #[derive(Args, Clone)]
 struct SamplingArgs {
-    /// Most tokens to generate.
-    #[arg(long, short = 'n', default_value_t = 128)]
+    /// Most tokens to generate (at least 1).
+    #[arg(long, short = 'n', default_value_t = 128, value_parser = at_least_one)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, short = 't', default_value_t = 0.0)]
+    #[arg(
+        long,
+        short = 't',
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
     temperature: f32,
     /// Nucleus sampling: keep the most likely tokens up to this probability mass.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// Keep only the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 0)]
@@ -95,6 +100,15 @@ struct SamplingArgs {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+/// A count that must be positive, as the HTTP API requires of `max_tokens`.
+fn at_least_one(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[derive(Args)]

@@ -103,6 +103,11 @@ fn prompt_longer_than_the_context() {
 fn bad_sampling_values() {
     let out = leyline(&["run", "--prompt", "hi", "--temperature=-1"]);
     assert_one_line_error(&out, &["temperature"]);
+    // A negative number after a space is the value, not an unknown flag.
+    let out = leyline(&["run", "--prompt", "hi", "--temperature", "-1"]);
+    assert_one_line_error(&out, &["temperature must be"]);
+    let out = leyline(&["run", "--prompt", "hi", "--max-tokens", "0"]);
+    assert_one_line_error(&out, &["--max-tokens", "at least 1"]);
 }
 
 #[test]
