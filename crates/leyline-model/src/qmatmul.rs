@@ -704,8 +704,8 @@ mod avx512 {
         store(t, &acc);
     }
 
-    /// Dequantizes `rt` rows starting at `row` into `wbuf: [rt, cols]`, from the scales
-    /// `scales` converted into `dbuf` / `mbuf`.
+    /// Dequantizes `rt` rows starting at `row` into `wbuf: [rt, cols]`, with the f32 scales
+    /// `scales` left in `dbuf` / `mbuf` (row j's at `j * g.sb`).
     ///
     /// # Safety
     /// AVX-512F; `row` starts `rt` whole rows of geometry `g`; the buffers hold `rt` rows.
