@@ -113,6 +113,8 @@ fn model_m1(c: &mut Criterion) {
 
 /// `QMATMUL_PROBE=1 cargo bench -p leyline-model --bench qmatmul`: best-of-N timings of a
 /// decode token's products on 1 and 2 threads (robust to a busy machine), then exit.
+/// `QMATMUL_M` lists the activation rows of those (default 1,4,16), `QMATMUL_CACHE_M` those
+/// of the cache-resident single-matrix timings (default 1), `QMATMUL_REPS` the repetitions.
 fn probe() {
     let mut mats = Vec::new();
     for l in 0..30u64 {
@@ -187,28 +189,34 @@ fn probe() {
         .num_threads(1)
         .build()
         .expect("pool");
+    let in_cache_ms: Vec<usize> = std::env::var("QMATMUL_CACHE_M")
+        .ok()
+        .map(|v| v.split(',').filter_map(|t| t.parse().ok()).collect())
+        .unwrap_or(vec![1]);
     for (kind, rows, cols) in [(GgmlKind::Q4_1, 576, 576), (GgmlKind::Q8_0, 1024, 576)] {
         let w = random_matrix(kind, rows, cols, 5);
         for p in [KernelPath::Avx2, KernelPath::Avx512]
             .into_iter()
             .filter(|p| p.is_available())
         {
-            let x = activations(1, cols);
-            let mut y = vec![0f32; rows];
-            let mut best = f64::MAX;
-            pool.install(|| {
-                for _ in 0..reps * 10 {
-                    let t = std::time::Instant::now();
-                    w.matmul_with(p, black_box(&x), 1, &mut y);
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
-            });
-            println!(
-                "probe in-cache {kind:?} [{rows},{cols}] {p:?} m=1 1 thread: {:.1} us, {:.1} GB/s, {:.1} Gweights/s",
-                best * 1e6,
-                w.weight_bytes() as f64 / best / 1e9,
-                (rows * cols) as f64 / best / 1e9
-            );
+            for &m in &in_cache_ms {
+                let x = activations(m, cols);
+                let mut y = vec![0f32; m * rows];
+                let mut best = f64::MAX;
+                pool.install(|| {
+                    for _ in 0..reps * 10 {
+                        let t = std::time::Instant::now();
+                        w.matmul_with(p, black_box(&x), m, &mut y);
+                        best = best.min(t.elapsed().as_secs_f64());
+                    }
+                });
+                println!(
+                    "probe in-cache {kind:?} [{rows},{cols}] {p:?} m={m} 1 thread: {:.1} us, {:.1} GB/s, {:.1} GMAC/s",
+                    best * 1e6,
+                    w.weight_bytes() as f64 / best / 1e9,
+                    (m * rows * cols) as f64 / best / 1e9
+                );
+            }
         }
     }
     // Plain streaming read of as many bytes, for the memory-bandwidth ceiling.
