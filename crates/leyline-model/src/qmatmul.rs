@@ -634,6 +634,23 @@ mod avx512 {
         }
     }
 
+    /// The 32 weights `d * q + m` of a Q4_1 block whose 16 quant bytes are the lanes of `v`:
+    /// low nibbles (weights 0..16) and high nibbles (16..32). The 16 possible values are made
+    /// once and looked up (`vpermps` reads only an index's low 4 bits), which costs fewer
+    /// instructions than converting every nibble; each value is the same single rounding.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn q4_1_values(v: __m512i, d: __m512, mn: __m512) -> [__m512; 2] {
+        let iota = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        let table = _mm512_fmadd_ps(iota, d, mn);
+        [
+            _mm512_permutexvar_ps(v, table),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), table),
+        ]
+    }
+
     /// One accumulator per (row, activation row); each block's activation floats are loaded
     /// once and meet all `R` dequantized rows, so loads do not outnumber the products.
     ///
@@ -643,7 +660,6 @@ mod avx512 {
     unsafe fn q4_1<const R: usize, const M: usize>(t: &Tile) {
         let cols = t.g.nb * BLOCK;
         let mut acc = [[_mm512_setzero_ps(); M]; R];
-        let low = _mm512_set1_epi32(0x0f);
         for b in 0..t.g.nb {
             // SAFETY: b < nb, j < R and i < M, so the 16 quant bytes, the scale floats and
             // the activation floats read here lie inside the tile (caller's contract).
@@ -653,10 +669,7 @@ mod avx512 {
                     let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qp as *const __m128i));
                     let d = _mm512_set1_ps(*t.d.add(j * t.g.sb + b));
                     let mn = _mm512_set1_ps(*t.mn.add(j * t.g.sb + b));
-                    [
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), d, mn),
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), d, mn),
-                    ]
+                    q4_1_values(v, d, mn)
                 });
                 for i in 0..M {
                     let xb = t.x.add(i * cols + b * BLOCK);
@@ -721,7 +734,6 @@ mod avx512 {
     ) {
         let cols = g.nb * BLOCK;
         assert!(wbuf.len() >= rt * cols && dbuf.len() >= rt * g.sb && mbuf.len() >= rt * g.sb);
-        let low = _mm512_set1_epi32(0x0f);
         for j in 0..rt {
             for b in 0..g.nb {
                 let d = _mm512_set1_ps(dbuf[j * g.sb + b]);
@@ -733,19 +745,8 @@ mod avx512 {
                     let (w0, w1) = match kind {
                         GgmlKind::Q4_1 => {
                             let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qp as *const __m128i));
-                            let mn = _mm512_set1_ps(mbuf[j * g.sb + b]);
-                            (
-                                _mm512_fmadd_ps(
-                                    _mm512_cvtepi32_ps(_mm512_and_si512(v, low)),
-                                    d,
-                                    mn,
-                                ),
-                                _mm512_fmadd_ps(
-                                    _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)),
-                                    d,
-                                    mn,
-                                ),
-                            )
+                            let [w0, w1] = q4_1_values(v, d, _mm512_set1_ps(mbuf[j * g.sb + b]));
+                            (w0, w1)
                         }
                         GgmlKind::Q8_0 => {
                             let q0 = _mm_loadu_si128(qp as *const __m128i);
