@@ -22,7 +22,12 @@ llamacpp_bin() {
                 "llama-cpp-python==$llamacpp_version" -d "$work" >&2
             tar -xzf "$work/llama_cpp_python-$llamacpp_version.tar.gz" -C "$work"
         fi
-        cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        # The instruction sets are named rather than detected (GGML_NATIVE): on a CPU with AMX
+        # this llama.cpp's AMX matmul dies (SIGILL, or SIGSEGV at `ldtilecfg` once the process
+        # holds the AMX permission; seen 2026-12-01), so its AVX-512 kernels are what runs.
+        cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+            -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+            -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
             -DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
         cmake --build "$src/build" --target "$target" -j "$(nproc)" >&2
     fi
