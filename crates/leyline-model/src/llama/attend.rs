@@ -429,6 +429,40 @@ impl Isa {
         }
     }
 
+    /// `st[j][r] = q[r] . k[j]` for one key block and the first `rows` query rows of `qb:
+    /// [lanes][hd]` (scaled, untransposed); lanes from `rows` on are zero.
+    fn scores_direct(
+        self,
+        qb: &[f32],
+        rows: usize,
+        lanes: usize,
+        krows: &[&[f32]; KB],
+        st: &mut [f32],
+        hd: usize,
+    ) {
+        assert!(rows <= lanes && qb.len() >= rows * hd && st.len() >= KB * lanes);
+        assert!(krows.iter().all(|r| r.len() >= hd));
+        match self {
+            // SAFETY: the CPU has AVX-512F (see `run`), `hd` is a multiple of 16, and the
+            // asserts above are the bounds `scores_few_avx512` relies on.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if hd.is_multiple_of(16) => unsafe {
+                x86::scores_few_avx512(qb, rows, lanes, krows, st, hd)
+            },
+            _ => {
+                for (srow, kr) in st.chunks_exact_mut(lanes).zip(krows) {
+                    for (r, x) in srow.iter_mut().enumerate() {
+                        *x = if r < rows {
+                            dot(&qb[r * hd..(r + 1) * hd], kr)
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+            }
+        }
+    }
+
     /// `st[j][r] = q[r] . k[j]` for one key block, from the transposed queries
     /// `qt: [hd][lanes]` (`lanes` a multiple of 16).
     fn scores(self, qt: &[f32], lanes: usize, krows: &[&[f32]; KB], st: &mut [f32], hd: usize) {
@@ -576,15 +610,7 @@ fn task<T: Copy, const W: usize>(
         let krows = block_rows(kf, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
         let vrows = block_rows(vf, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
         if direct {
-            for (srow, kr) in st.chunks_exact_mut(lanes).zip(&krows) {
-                for (r, x) in srow.iter_mut().enumerate() {
-                    *x = if r < rows {
-                        dot(&qb[r * hd..(r + 1) * hd], kr)
-                    } else {
-                        0.0
-                    };
-                }
-            }
+            isa.scores_direct(qb, rows, lanes, &krows, st, hd);
         } else {
             isa.scores(qt, lanes, &krows, st, hd);
         }
@@ -813,6 +839,81 @@ mod x86 {
                 }
             }
         }
+    }
+
+    /// [`super::Isa::scores_direct`] with AVX-512F: per query row, 16 keys' dot products in
+    /// 16 accumulators, summed across lanes together by [`sum16`] and scattered into the
+    /// block's score rows: no per-score chain of horizontal adds.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `hd % 16 == 0`, `rows <= lanes`, `qb.len() >= rows * hd`,
+    /// `st.len() >= KB * lanes` and every key row holds `hd` values.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_few_avx512(
+        qb: &[f32],
+        rows: usize,
+        lanes: usize,
+        krows: &[&[f32]; KB],
+        st: &mut [f32],
+        hd: usize,
+    ) {
+        st[..KB * lanes].fill(0.0);
+        let step = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(lanes as i32),
+        );
+        for r in 0..rows {
+            let q = &qb[r * hd..(r + 1) * hd];
+            for (g, kg) in krows.chunks_exact(16).enumerate() {
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for c in (0..hd).step_by(16) {
+                    // SAFETY: c + 16 <= hd, inside the query row and every key row.
+                    let qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(c)) };
+                    for (a, kr) in acc.iter_mut().zip(kg) {
+                        // SAFETY: as above.
+                        *a =
+                            _mm512_fmadd_ps(qv, unsafe { _mm512_loadu_ps(kr.as_ptr().add(c)) }, *a);
+                    }
+                }
+                // SAFETY: lane j goes to st[(16 g + j) * lanes + r], inside the block's
+                // KB * lanes scores since 16 g + j < KB and r < lanes.
+                unsafe {
+                    _mm512_i32scatter_ps::<4>(
+                        st.as_mut_ptr().add(16 * g * lanes + r),
+                        step,
+                        sum16(&acc),
+                    )
+                };
+            }
+        }
+    }
+
+    /// Lane j of the result is the sum of the 16 lanes of `a[j]`: pairs are merged by
+    /// interleaving and adding, 15 merges in all.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn sum16(a: &[__m512; 16]) -> __m512 {
+        // After the 32-bit then 64-bit interleaves, lane e of 128-bit block b of `s2[q]` holds
+        // block b's sum of `a[4 q + e]`.
+        let s1: [__m512; 8] = std::array::from_fn(|p| {
+            let (x, y) = (a[2 * p], a[2 * p + 1]);
+            _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y))
+        });
+        let s2: [__m512; 4] = std::array::from_fn(|q| {
+            let (x, y) = (_mm512_castps_pd(s1[2 * q]), _mm512_castps_pd(s1[2 * q + 1]));
+            _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
+            )
+        });
+        // Then blocks are summed pairwise: 0x88 takes blocks 0 and 2 of each, 0xdd 1 and 3.
+        let fold = |x: __m512, y: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(x, y),
+                _mm512_shuffle_f32x4::<0xdd>(x, y),
+            )
+        };
+        fold(fold(s2[0], s2[1]), fold(s2[2], s2[3]))
     }
 
     /// [`super::Isa::scores`] with AVX2 and FMA: 4 keys x 16 query lanes (8 registers).
