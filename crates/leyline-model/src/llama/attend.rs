@@ -430,13 +430,16 @@ impl Isa {
     }
 
     /// `st[j][r] = q[r] . k[j]` for one key block and the first `rows` query rows of `qb:
-    /// [lanes][hd]` (scaled, untransposed); lanes from `rows` on are zero.
+    /// [lanes][hd]` (scaled, untransposed); lanes from `rows` on are zero, and so may be the
+    /// scores of keys from `nb` on (the caller masks them).
+    #[allow(clippy::too_many_arguments)]
     fn scores_direct(
         self,
         qb: &[f32],
         rows: usize,
         lanes: usize,
         krows: &[&[f32]; KB],
+        nb: usize,
         st: &mut [f32],
         hd: usize,
     ) {
@@ -447,7 +450,7 @@ impl Isa {
             // asserts above are the bounds `scores_few_avx512` relies on.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 if hd.is_multiple_of(16) => unsafe {
-                x86::scores_few_avx512(qb, rows, lanes, krows, st, hd)
+                x86::scores_few_avx512(qb, rows, lanes, krows, nb, st, hd)
             },
             _ => {
                 for (srow, kr) in st.chunks_exact_mut(lanes).zip(krows) {
@@ -610,7 +613,7 @@ fn task<T: Copy, const W: usize>(
         let krows = block_rows(kf, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
         let vrows = block_rows(vf, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
         if direct {
-            isa.scores_direct(qb, rows, lanes, &krows, st, hd);
+            isa.scores_direct(qb, rows, lanes, &krows, nb, st, hd);
         } else {
             isa.scores(qt, lanes, &krows, st, hd);
         }
@@ -843,7 +846,8 @@ mod x86 {
 
     /// [`super::Isa::scores_direct`] with AVX-512F: per query row, 16 keys' dot products in
     /// 16 accumulators, summed across lanes together by [`sum16`] and scattered into the
-    /// block's score rows: no per-score chain of horizontal adds.
+    /// block's score rows: no per-score chain of horizontal adds. Groups of 16 keys that
+    /// start at or past `nb` are left at zero.
     ///
     /// # Safety
     /// The CPU has AVX-512F; `hd % 16 == 0`, `rows <= lanes`, `qb.len() >= rows * hd`,
@@ -854,6 +858,7 @@ mod x86 {
         rows: usize,
         lanes: usize,
         krows: &[&[f32]; KB],
+        nb: usize,
         st: &mut [f32],
         hd: usize,
     ) {
@@ -864,7 +869,7 @@ mod x86 {
         );
         for r in 0..rows {
             let q = &qb[r * hd..(r + 1) * hd];
-            for (g, kg) in krows.chunks_exact(16).enumerate() {
+            for (g, kg) in krows.chunks_exact(16).take(nb.div_ceil(16)).enumerate() {
                 let mut acc = [_mm512_setzero_ps(); 16];
                 for c in (0..hd).step_by(16) {
                     // SAFETY: c + 16 <= hd, inside the query row and every key row.
