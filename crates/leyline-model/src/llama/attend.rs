@@ -897,7 +897,7 @@ mod x86 {
     /// interleaving and adding, 15 merges in all.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    fn sum16(a: &[__m512; 16]) -> __m512 {
+    pub(super) fn sum16(a: &[__m512; 16]) -> __m512 {
         // After the 32-bit then 64-bit interleaves, lane e of 128-bit block b of `s2[q]` holds
         // block b's sum of `a[4 q + e]`.
         let s1: [__m512; 8] = std::array::from_fn(|p| {
@@ -1175,6 +1175,28 @@ mod tests {
                 "{isa:?} {dtype:?} hd={hd} plan={plan:?}: rel-L2 {rel:e} against the f64 reference"
             );
         }
+    }
+
+    /// The 16-way lane sum alone. Lane i of vector j holds `1024 j + 2^i`, so every sum is
+    /// exact in f32 and a lane taken from another vector, dropped or counted twice changes it.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn sum16_puts_each_vectors_sum_in_its_lane() {
+        use std::arch::x86_64::{__m512, _mm512_loadu_ps, _mm512_storeu_ps};
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("this CPU has no AVX-512F, where the 16-way sum is never used");
+            return;
+        }
+        let rows: Vec<[f32; 16]> = (0..16)
+            .map(|j| std::array::from_fn(|i| j as f32 * 1024.0 + (1u32 << i) as f32))
+            .collect();
+        // SAFETY: the CPU has AVX-512F (checked above); each load reads one 16-float row.
+        let a: [__m512; 16] = std::array::from_fn(|j| unsafe { _mm512_loadu_ps(rows[j].as_ptr()) });
+        let mut got = [0f32; 16];
+        // SAFETY: as above; the store writes the 16 floats of `got`.
+        unsafe { _mm512_storeu_ps(got.as_mut_ptr(), x86::sum16(&a)) };
+        let want: Vec<f32> = rows.iter().map(|r| r.iter().sum()).collect();
+        assert_eq!(got.to_vec(), want);
     }
 
     #[test]
