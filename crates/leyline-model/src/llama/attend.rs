@@ -452,6 +452,12 @@ impl Isa {
             Isa::Avx512 if hd.is_multiple_of(16) => unsafe {
                 x86::scores_few_avx512(qb, rows, lanes, krows, nb, st, hd)
             },
+            // SAFETY: the CPU has AVX2 and FMA (see `run`), `hd` is a multiple of 8, and the
+            // asserts above are the bounds `scores_few_avx2` relies on.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 if hd.is_multiple_of(8) => unsafe {
+                x86::scores_few_avx2(qb, rows, lanes, krows, nb, st, hd)
+            },
             _ => {
                 for (srow, kr) in st.chunks_exact_mut(lanes).zip(krows) {
                     for (r, x) in srow.iter_mut().enumerate() {
@@ -921,6 +927,68 @@ mod x86 {
         fold(fold(s2[0], s2[1]), fold(s2[2], s2[3]))
     }
 
+    /// [`scores_few_avx512`] with AVX2 and FMA: 8 keys at a time, summed by [`sum8`] and
+    /// written lane by lane (AVX2 has no scatter).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `hd % 8 == 0`, and the bounds of [`scores_few_avx512`].
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scores_few_avx2(
+        qb: &[f32],
+        rows: usize,
+        lanes: usize,
+        krows: &[&[f32]; KB],
+        nb: usize,
+        st: &mut [f32],
+        hd: usize,
+    ) {
+        st[..KB * lanes].fill(0.0);
+        let mut sums = [0f32; 8];
+        for r in 0..rows {
+            let q = &qb[r * hd..(r + 1) * hd];
+            for (g, kg) in krows.chunks_exact(8).take(nb.div_ceil(8)).enumerate() {
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for c in (0..hd).step_by(8) {
+                    // SAFETY: c + 8 <= hd, inside the query row and every key row.
+                    let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(c)) };
+                    for (a, kr) in acc.iter_mut().zip(kg) {
+                        // SAFETY: as above.
+                        *a =
+                            _mm256_fmadd_ps(qv, unsafe { _mm256_loadu_ps(kr.as_ptr().add(c)) }, *a);
+                    }
+                }
+                // SAFETY: the store writes the 8 floats of `sums`.
+                unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), sum8(&acc)) };
+                for (j, &x) in sums.iter().enumerate() {
+                    st[(8 * g + j) * lanes + r] = x;
+                }
+            }
+        }
+    }
+
+    /// Lane j of the result is the sum of the 8 lanes of `a[j]`, as [`sum16`] does for 16
+    /// (7 merges: 32-bit and 64-bit interleaves, then one fold of the 128-bit halves).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) fn sum8(a: &[__m256; 8]) -> __m256 {
+        let s1: [__m256; 4] = std::array::from_fn(|p| {
+            let (x, y) = (a[2 * p], a[2 * p + 1]);
+            _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y))
+        });
+        let s2: [__m256; 2] = std::array::from_fn(|q| {
+            let (x, y) = (_mm256_castps_pd(s1[2 * q]), _mm256_castps_pd(s1[2 * q + 1]));
+            _mm256_add_ps(
+                _mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)),
+            )
+        });
+        // 0x20 takes the low halves of both, 0x31 the high halves.
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(s2[0], s2[1]),
+            _mm256_permute2f128_ps::<0x31>(s2[0], s2[1]),
+        )
+    }
+
     /// [`super::Isa::scores`] with AVX2 and FMA: 4 keys x 16 query lanes (8 registers).
     ///
     /// # Safety
@@ -1195,6 +1263,27 @@ mod tests {
         let mut got = [0f32; 16];
         // SAFETY: as above; the store writes the 16 floats of `got`.
         unsafe { _mm512_storeu_ps(got.as_mut_ptr(), x86::sum16(&a)) };
+        let want: Vec<f32> = rows.iter().map(|r| r.iter().sum()).collect();
+        assert_eq!(got.to_vec(), want);
+    }
+
+    /// [`x86::sum8`] as the 16-way test above checks [`x86::sum16`].
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn sum8_puts_each_vectors_sum_in_its_lane() {
+        use std::arch::x86_64::{__m256, _mm256_loadu_ps, _mm256_storeu_ps};
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            eprintln!("this CPU has no AVX2, where the 8-way sum is never used");
+            return;
+        }
+        let rows: Vec<[f32; 8]> = (0..8)
+            .map(|j| std::array::from_fn(|i| j as f32 * 1024.0 + (1u32 << i) as f32))
+            .collect();
+        // SAFETY: the CPU has AVX2 (checked above); each load reads one 8-float row.
+        let a: [__m256; 8] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(rows[j].as_ptr()) });
+        let mut got = [0f32; 8];
+        // SAFETY: as above; the store writes the 8 floats of `got`.
+        unsafe { _mm256_storeu_ps(got.as_mut_ptr(), x86::sum8(&a)) };
         let want: Vec<f32> = rows.iter().map(|r| r.iter().sum()).collect();
         assert_eq!(got.to_vec(), want);
     }
