@@ -1245,47 +1245,51 @@ mod tests {
         }
     }
 
-    /// The 16-way lane sum alone. Lane i of vector j holds `1024 j + 2^i`, so every sum is
-    /// exact in f32 and a lane taken from another vector, dropped or counted twice changes it.
+    /// The lane-sum trees alone ([`x86::sum16`], [`x86::sum8`]). Lane i of vector j holds
+    /// `1024 j + 2^i`, so every sum is exact in f32 and a lane taken from another vector,
+    /// dropped or counted twice changes it.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn sum16_puts_each_vectors_sum_in_its_lane() {
-        use std::arch::x86_64::{__m512, _mm512_loadu_ps, _mm512_storeu_ps};
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            eprintln!("this CPU has no AVX-512F, where the 16-way sum is never used");
-            return;
+    fn lane_sum_trees_put_each_vectors_sum_in_its_lane() {
+        use std::arch::x86_64::*;
+        fn check<const N: usize>(sum: impl Fn(&[[f32; N]; N]) -> [f32; N]) {
+            let rows: [[f32; N]; N] = std::array::from_fn(|j| {
+                std::array::from_fn(|i| j as f32 * 1024.0 + (1u32 << i) as f32)
+            });
+            let want: [f32; N] = std::array::from_fn(|j| rows[j].iter().sum());
+            assert_eq!(sum(&rows), want, "{N}-way lane sums");
         }
-        let rows: Vec<[f32; 16]> = (0..16)
-            .map(|j| std::array::from_fn(|i| j as f32 * 1024.0 + (1u32 << i) as f32))
-            .collect();
-        // SAFETY: the CPU has AVX-512F (checked above); each load reads one 16-float row.
-        let a: [__m512; 16] = std::array::from_fn(|j| unsafe { _mm512_loadu_ps(rows[j].as_ptr()) });
-        let mut got = [0f32; 16];
-        // SAFETY: as above; the store writes the 16 floats of `got`.
-        unsafe { _mm512_storeu_ps(got.as_mut_ptr(), x86::sum16(&a)) };
-        let want: Vec<f32> = rows.iter().map(|r| r.iter().sum()).collect();
-        assert_eq!(got.to_vec(), want);
-    }
-
-    /// [`x86::sum8`] as the 16-way test above checks [`x86::sum16`].
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn sum8_puts_each_vectors_sum_in_its_lane() {
-        use std::arch::x86_64::{__m256, _mm256_loadu_ps, _mm256_storeu_ps};
-        if !std::arch::is_x86_feature_detected!("avx2") {
-            eprintln!("this CPU has no AVX2, where the 8-way sum is never used");
-            return;
+        let mut ran = false;
+        if is_x86_feature_detected!("avx512f") {
+            check::<16>(|rows| {
+                let mut out = [0f32; 16];
+                // SAFETY: the CPU has AVX-512F; each load reads one 16-float row and the
+                // store writes the 16 floats of `out`.
+                unsafe {
+                    let a: [__m512; 16] =
+                        std::array::from_fn(|j| _mm512_loadu_ps(rows[j].as_ptr()));
+                    _mm512_storeu_ps(out.as_mut_ptr(), x86::sum16(&a));
+                }
+                out
+            });
+            ran = true;
         }
-        let rows: Vec<[f32; 8]> = (0..8)
-            .map(|j| std::array::from_fn(|i| j as f32 * 1024.0 + (1u32 << i) as f32))
-            .collect();
-        // SAFETY: the CPU has AVX2 (checked above); each load reads one 8-float row.
-        let a: [__m256; 8] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(rows[j].as_ptr()) });
-        let mut got = [0f32; 8];
-        // SAFETY: as above; the store writes the 8 floats of `got`.
-        unsafe { _mm256_storeu_ps(got.as_mut_ptr(), x86::sum8(&a)) };
-        let want: Vec<f32> = rows.iter().map(|r| r.iter().sum()).collect();
-        assert_eq!(got.to_vec(), want);
+        if is_x86_feature_detected!("avx2") {
+            check::<8>(|rows| {
+                let mut out = [0f32; 8];
+                // SAFETY: the CPU has AVX2; each load reads one 8-float row and the store
+                // writes the 8 floats of `out`.
+                unsafe {
+                    let a: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(rows[j].as_ptr()));
+                    _mm256_storeu_ps(out.as_mut_ptr(), x86::sum8(&a));
+                }
+                out
+            });
+            ran = true;
+        }
+        if !ran {
+            eprintln!("this CPU has neither AVX-512F nor AVX2, where the lane-sum trees are used");
+        }
     }
 
     #[test]
