@@ -492,8 +492,9 @@ impl Isa {
 }
 
 /// `task` compiled for an instruction set; callers must have checked that the CPU has it.
-/// `$w` is the value accumulators' width per row ([`RB`] rows of it fill 16 vector
-/// registers).
+/// `$w` is the value accumulators' width per row: [`RB`] rows of it take 16 of AVX-512's 32
+/// registers, and 8 of AVX2's 16 (at 16 registers, all of them, AVX2 spilled: prefill
+/// attention took 2.5x as long).
 macro_rules! task_for {
     ($name:ident, $features:literal, $w:literal) => {
         #[cfg(target_arch = "x86_64")]
@@ -512,7 +513,7 @@ macro_rules! task_for {
     };
 }
 task_for!(task_avx512, "avx512f", 64);
-task_for!(task_avx2, "avx2,fma", 32);
+task_for!(task_avx2, "avx2,fma", 16);
 
 /// Runs one task into `out` (its rows, token-major, heads within a token).
 ///
