@@ -110,6 +110,11 @@ impl Linear {
         Ok(Self { w, out, inp, q, b })
     }
 
+    /// The quantized form, if the layer has one (for [`QMatrix::share_pages`]).
+    pub(crate) fn quantized_mut(&mut self) -> Option<&mut QMatrix> {
+        self.q.as_mut()
+    }
+
     fn check_lengths(&self, x: &[f32], m: usize, y: &[f32]) -> Result<()> {
         if x.len() != m * self.inp || y.len() != m * self.out {
             return Err(ModelError::Input(format!(
@@ -239,6 +244,11 @@ impl FusedLinear {
             b,
         };
         Ok(Self { whole, q })
+    }
+
+    /// The parts' quantized forms, in order (for [`QMatrix::share_pages`]).
+    pub(crate) fn quantized_mut(&mut self) -> impl Iterator<Item = &mut QMatrix> {
+        self.q.iter_mut().flatten()
     }
 
     /// Total output width (the parts' widths summed).

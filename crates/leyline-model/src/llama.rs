@@ -11,6 +11,7 @@ mod forward;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::linear::{FusedLinear, Linear};
+use crate::qmatmul::QMatrix;
 use crate::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{Device, Tensor};
 use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
@@ -187,11 +188,29 @@ impl Llama {
             });
         }
         let norm = f.tensor("output_norm.weight")?.dequantize(&Device::Cpu)?;
-        let lm_head = if f.has_tensor("output.weight") {
+        let mut lm_head = if f.has_tensor("output.weight") {
             Linear::load(f, "output")?
         } else {
             Linear::tied(&embed, Some(&embed_q))?
         };
+        QMatrix::share_pages(
+            blocks
+                .iter_mut()
+                .flat_map(|b| {
+                    let Block {
+                        qkv,
+                        o,
+                        gate_up,
+                        down,
+                        ..
+                    } = b;
+                    qkv.quantized_mut()
+                        .chain(o.quantized_mut())
+                        .chain(gate_up.quantized_mut())
+                        .chain(down.quantized_mut())
+                })
+                .chain(lm_head.quantized_mut()),
+        );
         let cfg = LlamaConfig {
             vocab_size: vocab,
             ..cfg
