@@ -499,20 +499,20 @@ mod scalar {
 /// decode shapes (2 threads, AVX-512): see BENCHMARKS.md, "Few-row products".
 const DIRECT_MAX_M: usize = 4;
 
-/// Defines `rows`, the driver of one ISA's tile kernels: for each tile of `R` output rows
+/// Defines `$name`, the driver of one ISA's tile kernels: for each tile of `R` output rows
 /// (`R1` when m == 1, else `RM`; single rows for the remainder) it converts the tile's
 /// scales to f32, then runs `q4_1` / `q8_0::<R, M>` for chunks of `M <= 4` activation rows,
 /// or, above [`DIRECT_MAX_M`] rows, `dequant` once and `f32_tile::<R, M>` per chunk.
 #[cfg(target_arch = "x86_64")]
 macro_rules! tile_driver {
-    ($feat:literal, $r1:literal, $rm:literal, $scales:ident) => {
+    ($name:ident, $feat:literal, $r1:literal, $rm:literal, $scales:ident) => {
         /// `rows` holds `n` rows then the slack; `out: [n, m]`, `x: [m, cols]`.
         ///
         /// # Safety
         /// The CPU must support the module's target features; `rows.len() == n * g.stride
         /// + SLACK`, `x.len() == m * cols` and `out.len() == n * m` (checked by `rows_into`).
         #[target_feature(enable = $feat)]
-        pub(super) unsafe fn rows(
+        pub(super) unsafe fn $name(
             kind: GgmlKind,
             g: RowGeom,
             rows: &[u8],
@@ -656,7 +656,217 @@ mod avx512 {
     use super::{GgmlKind, RowGeom, Tile, BLOCK, DIRECT_MAX_M, PREFETCH, SLACK};
     use std::arch::x86_64::*;
 
-    tile_driver!("avx512f", 4, 4, scales);
+    tile_driver!(tiled_rows, "avx512f", 4, 4, scales);
+
+    /// Whether [`rows`] broadcasts weights against transposed activations ([`bcast_rows`])
+    /// instead of running dot-product tiles: from 13 rows, when at most a quarter of the
+    /// vector lanes are padding (13-16 and 24-32 rows). Measured on SmolLM2's decode steps
+    /// (BENCHMARKS.md, "Broadcast tiles"): 0.85-0.90x at 14-16 rows and 0.83-0.89x at 24-32,
+    /// level at 12 and 20, slower at 10.
+    fn bcast_pays(m: usize) -> bool {
+        m > 12 && 4 * m >= 3 * m.div_ceil(16) * 16
+    }
+
+    /// Weight rows per broadcast tile with one (`B1`) and two (`B2`) vectors of activation
+    /// rows: 16 and 24 accumulators.
+    const B1: usize = 16;
+    const B2: usize = 12;
+
+    /// `rows` holds `n` rows then the slack; `out: [n, m]`, `x: [m, cols]`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; the lengths are as `rows_into` checks them.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn rows(
+        kind: GgmlKind,
+        g: RowGeom,
+        rows: &[u8],
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+    ) {
+        // SAFETY: the caller's contract is both functions'.
+        unsafe {
+            if bcast_pays(m) {
+                bcast_rows(kind, g, rows, x, m, out)
+            } else {
+                tiled_rows(kind, g, rows, x, m, out)
+            }
+        }
+    }
+
+    /// The products for many activation rows without horizontal sums: up to 32 activation
+    /// rows are transposed into `xt: [cols][lanes]`, so one weight broadcast meets 16 rows in
+    /// one vector, and a tile's outputs leave its accumulators as rows of `out`. Each block
+    /// of 32 weights of a tile's rows is dequantized once into an L1 buffer that the
+    /// broadcasts read.
+    ///
+    /// # Safety
+    /// As [`rows`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn bcast_rows(
+        kind: GgmlKind,
+        g: RowGeom,
+        rows: &[u8],
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+    ) {
+        let n = (rows.len() - SLACK) / g.stride;
+        let cols = g.nb * BLOCK;
+        assert!(rows.len() == n * g.stride + SLACK && out.len() == n * m);
+        assert!(x.len() == m * cols && m * cols <= i32::MAX as usize);
+        let mut dbuf = vec![0f32; B1.max(B2) * g.sb];
+        let mut mbuf = vec![0f32; B1.max(B2) * g.sb];
+        let mut xt = vec![0f32; cols * 32];
+        for i0 in (0..m).step_by(32) {
+            let mg = (m - i0).min(32);
+            let v = mg.div_ceil(16);
+            let lanes = 16 * v;
+            // Column c of rows i0 .. i0 + mg, gathered 16 rows at a time (zeros past mg).
+            let idx = _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32(cols as i32),
+            );
+            for vi in 0..v {
+                let rows_here = (mg - 16 * vi).min(16);
+                let keep = ((1u32 << rows_here) - 1) as __mmask16;
+                let base = x[(i0 + 16 * vi) * cols..].as_ptr();
+                for c in 0..cols {
+                    // SAFETY: lane i reads x[(i0 + 16 vi + i) * cols + c] only for the rows
+                    // that exist (the mask), inside `x`; the store lies in xt's column c.
+                    unsafe {
+                        let col = _mm512_mask_i32gather_ps::<4>(
+                            _mm512_setzero_ps(),
+                            keep,
+                            idx,
+                            base.add(c),
+                        );
+                        _mm512_storeu_ps(xt.as_mut_ptr().add(c * lanes + 16 * vi), col);
+                    }
+                }
+            }
+            // Lanes of the last vector that hold activation rows.
+            let mask: __mmask16 = (1u32 << (mg - 16 * (v - 1))).wrapping_sub(1) as __mmask16;
+            let full = if v == 1 { B1 } else { B2 };
+            let mut r = 0;
+            while r < n {
+                let rt = if n - r >= full {
+                    full
+                } else if n - r >= 4 {
+                    4
+                } else {
+                    1
+                };
+                for j in 0..rt {
+                    // SAFETY: as in the tile driver: row r + j < n lies in `rows`, and the
+                    // buffers hold B1.max(B2) rows of scales.
+                    unsafe {
+                        scales(
+                            kind,
+                            g,
+                            rows.as_ptr().add((r + j) * g.stride),
+                            j,
+                            &mut dbuf,
+                            &mut mbuf,
+                        )
+                    };
+                }
+                let ahead = (r + rt) * g.stride + PREFETCH;
+                let end = (ahead + rt * g.stride).min(rows.len());
+                for off in (ahead..end).step_by(64) {
+                    // SAFETY: off < rows.len(), a valid address; prefetch never faults.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(off) as *const i8) };
+                }
+                let t = Tile {
+                    w: rows[r * g.stride..].as_ptr(),
+                    g,
+                    d: dbuf.as_ptr(),
+                    mn: mbuf.as_ptr(),
+                    x: xt.as_ptr(),
+                    out: out[r * m + i0..].as_mut_ptr(),
+                    ostride: m,
+                };
+                // SAFETY: rows r .. r + rt <= n and their scales are in the buffers; xt
+                // holds cols x lanes floats; the outputs (r + j) * m + i0 + [0, mg) lie in
+                // `out`, and the mask keeps the stores there.
+                unsafe {
+                    match (kind == GgmlKind::Q4_1, v, rt) {
+                        (true, 1, B1) => bcast::<true, B1, 1>(&t, mask),
+                        (true, 1, 4) => bcast::<true, 4, 1>(&t, mask),
+                        (true, 1, _) => bcast::<true, 1, 1>(&t, mask),
+                        (true, _, B2) => bcast::<true, B2, 2>(&t, mask),
+                        (true, _, 4) => bcast::<true, 4, 2>(&t, mask),
+                        (true, _, _) => bcast::<true, 1, 2>(&t, mask),
+                        (false, 1, B1) => bcast::<false, B1, 1>(&t, mask),
+                        (false, 1, 4) => bcast::<false, 4, 1>(&t, mask),
+                        (false, 1, _) => bcast::<false, 1, 1>(&t, mask),
+                        (false, _, B2) => bcast::<false, B2, 2>(&t, mask),
+                        (false, _, 4) => bcast::<false, 4, 2>(&t, mask),
+                        (false, _, _) => bcast::<false, 1, 2>(&t, mask),
+                    }
+                }
+                r += rt;
+            }
+        }
+    }
+
+    /// One broadcast tile: `R` weight rows against `V` vectors of transposed activation rows
+    /// (`t.x: [cols][16 V]`); row j's outputs go to `t.out + j * t.ostride`, the last
+    /// vector's lanes through `mask`.
+    ///
+    /// # Safety
+    /// AVX-512F; `t` describes R rows in bounds, `t.x` holds `cols * 16 V` floats and the
+    /// masked outputs lie in the caller's buffer.
+    #[inline(never)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn bcast<const Q41: bool, const R: usize, const V: usize>(t: &Tile, mask: __mmask16) {
+        let qs = if Q41 { 16 } else { 32 };
+        let lanes = 16 * V;
+        let mut acc = [[_mm512_setzero_ps(); V]; R];
+        let mut blk = [[0f32; BLOCK]; R];
+        for b in 0..t.g.nb {
+            // SAFETY: b < nb and j < R: the quant bytes and scales lie in the tile's rows,
+            // and xt holds the block's 32 columns of `lanes` floats.
+            unsafe {
+                for (j, dst) in blk.iter_mut().enumerate() {
+                    let at = j * t.g.sb + b;
+                    let mn = if Q41 { *t.mn.add(at) } else { 0.0 };
+                    let w = block_values::<Q41>(
+                        t.w.add(j * t.g.stride + t.g.qs_off + b * qs),
+                        *t.d.add(at),
+                        mn,
+                    );
+                    _mm512_storeu_ps(dst.as_mut_ptr(), w[0]);
+                    _mm512_storeu_ps(dst.as_mut_ptr().add(16), w[1]);
+                }
+                let xb = t.x.add(b * BLOCK * lanes);
+                for kk in 0..BLOCK {
+                    let xv: [__m512; V] =
+                        std::array::from_fn(|v| _mm512_loadu_ps(xb.add(kk * lanes + 16 * v)));
+                    for (a, wj) in acc.iter_mut().zip(&blk) {
+                        let w = _mm512_set1_ps(wj[kk]);
+                        for (av, &xvv) in a.iter_mut().zip(&xv) {
+                            *av = _mm512_fmadd_ps(w, xvv, *av);
+                        }
+                    }
+                }
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            for (v, &av) in a.iter().enumerate() {
+                // SAFETY: row j's outputs, masked on the last vector (caller's contract).
+                unsafe {
+                    let o = t.out.add(j * t.ostride + 16 * v);
+                    if v + 1 < V {
+                        _mm512_storeu_ps(o, av);
+                    } else {
+                        _mm512_mask_storeu_ps(o, mask, av);
+                    }
+                }
+            }
+        }
+    }
 
     /// Converts the f16 scales of the row at `row` into `dbuf[j * sb..]`, `mbuf[j * sb..]`.
     ///
@@ -862,7 +1072,7 @@ mod avx2 {
     use super::{GgmlKind, RowGeom, Tile, BLOCK, DIRECT_MAX_M, PREFETCH, SLACK};
     use std::arch::x86_64::*;
 
-    tile_driver!("avx2,fma,f16c", 2, 1, scales);
+    tile_driver!(rows, "avx2,fma,f16c", 2, 1, scales);
 
     /// Converts the f16 scales of the row at `row` into `dbuf[j * sb..]`, `mbuf[j * sb..]`.
     ///
@@ -1168,7 +1378,7 @@ mod tests {
                 let raw = random_ggml(kind, rows, cols, &mut rng);
                 let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
                 let w = dequant_ref(kind, &raw);
-                for m in [1, 3, 6, 16] {
+                for m in [1, 3, 6, 9, 16, 24, 33] {
                     let x: Vec<f32> = (0..m * cols).map(|_| rng.unit()).collect();
                     for path in paths() {
                         let mut y = vec![f32::NAN; m * rows];
