@@ -5,7 +5,7 @@
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::pool::SpinPool;
-use crate::qmatmul::QMatrix;
+use crate::qmatmul::{KernelPath, QMatrix};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use leyline_kv::mem::HugeBuf;
@@ -30,11 +30,20 @@ enum F32Weight {
     Shared(Tensor),
 }
 
-/// Rows at or below this count use the quantized weights when they exist. Measured on
-/// SmolLM2-135M (1 thread, AVX-512), one forward of 24 / 32 / 40 / 64 tokens: 142 / 220 / 260-287
-/// / 421 ms on the quantized kernels against 179 / 213 / 239-244 / 285 ms through the f32 GEMM.
-/// (Before the GEMM read the weights in place, its fixed cost put the crossover at 64-128.)
-pub(crate) const QUANTIZED_MAX_ROWS: usize = 32;
+/// Rows at or below this count use the quantized weights when they exist. With AVX-512 the
+/// quantized products broadcast weights against 16-32 activation rows at a time, and on
+/// SmolLM2-135M (2 threads, weights on huge pages) a prefill of 64 / 96 / 128 tokens ran at
+/// 695-705 / 700-714 / 676-727 tok/s that way against 373-400 / 462-480 / 679-741 through
+/// the f32 GEMM, which must stream four bytes per weight. Elsewhere the dot-product tiles
+/// cross over near 32 rows (1 thread: 24 / 32 / 40 / 64 tokens in 142 / 220 / 260-287 / 421
+/// ms against 179 / 213 / 239-244 / 285 ms through the GEMM).
+pub(crate) fn quantized_max_rows() -> usize {
+    if KernelPath::best() == KernelPath::Avx512 {
+        96
+    } else {
+        32
+    }
+}
 
 impl Linear {
     /// Loads `{prefix}.weight` (and `{prefix}.bias` when present).
@@ -151,7 +160,7 @@ impl Linear {
     }
 
     /// `y: [m, out] = x: [m, in] W^T + b`: on the quantized weights for at most
-    /// [`QUANTIZED_MAX_ROWS`] rows (one region of the global [`SpinPool`]), through the f32
+    /// [`quantized_max_rows`] rows (one region of the global [`SpinPool`]), through the f32
     /// GEMM otherwise.
     ///
     /// # Errors
@@ -159,7 +168,7 @@ impl Linear {
     pub fn forward_rows(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         self.check_lengths(x, m, y)?;
         match &self.q {
-            Some(q) if m <= QUANTIZED_MAX_ROWS => {
+            Some(q) if m <= quantized_max_rows() => {
                 QMatrix::matmul_concat(SpinPool::global(), x, m, &[q], y)
             }
             _ => match &self.w {
@@ -258,14 +267,14 @@ impl FusedLinear {
 
     /// `y: [m, out] = x: [m, in] [W_0 | W_1 | ...]^T + [b_0 | b_1 | ...]`: each row of `y`
     /// holds the parts' outputs side by side, in the order they were fused. At most
-    /// [`QUANTIZED_MAX_ROWS`] rows run the parts' quantized weights in one pool region.
+    /// [`quantized_max_rows`] rows run the parts' quantized weights in one pool region.
     ///
     /// # Errors
     /// Wrong lengths of `x` or `y`.
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         self.whole.check_lengths(x, m, y)?;
         match &self.q {
-            Some(q) if m <= QUANTIZED_MAX_ROWS => {
+            Some(q) if m <= quantized_max_rows() => {
                 let mats: Vec<&QMatrix> = q.iter().collect();
                 QMatrix::matmul_concat(SpinPool::global(), x, m, &mats, y);
                 self.whole.add_bias(y);
@@ -422,7 +431,7 @@ mod tests {
 
     #[test]
     fn fused_parts_match_a_scalar_reference_on_both_paths() {
-        // Q8_0 parts (widths of 32) so both the quantized path (m <= 32) and the GEMM run, on
+        // Q8_0 parts (widths of 32) so both the quantized path (m <= 32 or 96) and the GEMM run, on
         // the same dequantized weights; the middle part has no bias.
         let inp = 64;
         let outs = [40, 24, 72];
@@ -446,7 +455,7 @@ mod tests {
         let fused = FusedLinear::new(parts).unwrap();
         let width: usize = outs.iter().sum();
         assert_eq!(fused.out(), width);
-        for m in [1, 5, 32, 33, 70] {
+        for m in [1, 5, 32, 33, 70, 97, 130] {
             let x = values(m * inp, 30 + m as u64);
             let mut y = vec![f32::NAN; m * width];
             fused.forward(&x, m, &mut y).unwrap();

@@ -659,12 +659,12 @@ mod avx512 {
     tile_driver!(tiled_rows, "avx512f", 4, 4, scales);
 
     /// Whether [`rows`] broadcasts weights against transposed activations ([`bcast_rows`])
-    /// instead of running dot-product tiles: from 13 rows, when at most a quarter of the
-    /// vector lanes are padding (13-16 and 24-32 rows). Measured on SmolLM2's decode steps
-    /// (BENCHMARKS.md, "Broadcast tiles"): 0.85-0.90x at 14-16 rows and 0.83-0.89x at 24-32,
-    /// level at 12 and 20, slower at 10.
+    /// instead of running dot-product tiles: above 32 rows, and from 13 rows when at most a
+    /// quarter of the vector lanes are padding (13-16 and 24-32 rows). Measured on SmolLM2's
+    /// decode steps (BENCHMARKS.md, "Broadcast tiles"): 0.85-0.90x at 14-16 rows and
+    /// 0.81-0.91x at 24-32, level at 12 and 20, slower at 10.
     fn bcast_pays(m: usize) -> bool {
-        m > 12 && 4 * m >= 3 * m.div_ceil(16) * 16
+        m > 32 || (m > 12 && 4 * m >= 3 * m.div_ceil(16) * 16)
     }
 
     /// Weight rows per broadcast tile with one (`B1`) and two (`B2`) vectors of activation
@@ -1378,7 +1378,7 @@ mod tests {
                 let raw = random_ggml(kind, rows, cols, &mut rng);
                 let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
                 let w = dequant_ref(kind, &raw);
-                for m in [1, 3, 6, 9, 16, 24, 33] {
+                for m in [1, 3, 6, 9, 16, 24, 33, 70] {
                     let x: Vec<f32> = (0..m * cols).map(|_| rng.unit()).collect();
                     for path in paths() {
                         let mut y = vec![f32::NAN; m * rows];
