@@ -613,7 +613,10 @@ fn amortize_in_one_session_leaves_another_untouched() {
 
 #[test]
 fn forget_erases_the_span_and_everything_after_it() {
-    let mut e = engine(4096);
+    // f32 storage: the re-prefill and the cold prefill below run their products in chunks of
+    // other sizes, so on other kernels (quantized or GEMM); f16 storage would turn those
+    // last-bit differences into differences of whole f16 steps.
+    let mut e = engine_with(4096, KvDtype::F32);
     let id = e.create_session();
     let ctx = context();
     turn(&mut e, id, &ctx, Vec::new(), Mode::Forget, 3);
@@ -647,7 +650,7 @@ fn forget_erases_the_span_and_everything_after_it() {
         }
     }
     // A cold prefill of the new tokens gives the same next-token logits (FORGET is exact).
-    let mut e2 = engine(4096);
+    let mut e2 = engine_with(4096, KvDtype::F32);
     let c = e2.create_session();
     let mut prompt = new.tokens.clone();
     prompt.push(new.tokens[0]);
