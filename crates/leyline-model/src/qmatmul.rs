@@ -23,6 +23,21 @@ const SLACK: usize = 64;
 /// How far ahead of the current row tile the kernels prefetch weights.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH: usize = 4096;
+
+/// Asks for the bytes [`PREFETCH`] past the tile of rows `r..r + rt` of `rows` (rows of
+/// `stride` bytes); the tile's own rows are read while those are in flight (hardware
+/// prefetchers stop at pages).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_past_tile(rows: &[u8], stride: usize, r: usize, rt: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let ahead = (r + rt) * stride + PREFETCH;
+    let end = (ahead + rt * stride).min(rows.len());
+    for off in (ahead..end).step_by(64) {
+        // SAFETY: off < rows.len(), a valid address; a prefetch never faults or writes.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(off).cast::<i8>()) };
+    }
+}
 /// Below this many weight bytes (times min(m, 4)) a product runs on the calling thread.
 const SERIAL_BYTES: usize = 96 * 1024;
 
@@ -550,14 +565,7 @@ macro_rules! tile_driver {
                         )
                     };
                 }
-                // Ask for the bytes PREFETCH ahead of this tile; the tile's own rows are
-                // read while those are in flight (hardware prefetchers stop at pages).
-                let ahead = (r + rt) * g.stride + PREFETCH;
-                let end = (ahead + rt * g.stride).min(rows.len());
-                for off in (ahead..end).step_by(64) {
-                    // SAFETY: off < rows.len(), a valid address; prefetch never faults.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(off) as *const i8) };
-                }
+                prefetch_past_tile(rows, g.stride, r, rt);
                 if m > DIRECT_MAX_M {
                     // SAFETY: rows r .. r + rt lie in `rows` and their scales were converted
                     // above; wbuf holds r_tile * cols floats, x holds m rows and out n * m.
@@ -653,7 +661,7 @@ struct Tile {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{GgmlKind, RowGeom, Tile, BLOCK, DIRECT_MAX_M, PREFETCH, SLACK};
+    use super::{prefetch_past_tile, GgmlKind, RowGeom, Tile, BLOCK, DIRECT_MAX_M, SLACK};
     use std::arch::x86_64::*;
 
     tile_driver!(tiled_rows, "avx512f", 4, 4, scales);
@@ -772,12 +780,7 @@ mod avx512 {
                         )
                     };
                 }
-                let ahead = (r + rt) * g.stride + PREFETCH;
-                let end = (ahead + rt * g.stride).min(rows.len());
-                for off in (ahead..end).step_by(64) {
-                    // SAFETY: off < rows.len(), a valid address; prefetch never faults.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(off) as *const i8) };
-                }
+                prefetch_past_tile(rows, g.stride, r, rt);
                 let t = Tile {
                     w: rows[r * g.stride..].as_ptr(),
                     g,
@@ -1069,7 +1072,7 @@ mod avx512 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{GgmlKind, RowGeom, Tile, BLOCK, DIRECT_MAX_M, PREFETCH, SLACK};
+    use super::{prefetch_past_tile, GgmlKind, RowGeom, Tile, BLOCK, DIRECT_MAX_M, SLACK};
     use std::arch::x86_64::*;
 
     tile_driver!(rows, "avx2,fma,f16c", 2, 1, scales);
