@@ -1,11 +1,13 @@
 //! CPU matrix products with GGML-quantized weights (Q4_1, Q8_0) and f32 activations, for
-//! decode shapes (a few activation rows).
+//! decode steps and short prefills (up to 96 activation rows with AVX-512, 32 elsewhere).
 //!
 //! Design decision: activations stay f32 and each 32-weight block is dequantized in
-//! registers (`w = d * q + m`), so results match the f32-dequantized weights up to float
-//! rounding; the weights are read once per call for all activation rows, a tile of output
-//! rows at a time. Rows are split over rayon's pool; the SIMD path (AVX-512F,
-//! AVX2+FMA+F16C, scalar) is chosen at run time.
+//! registers or into an L1 buffer (`w = d * q + m`), so results match the f32-dequantized
+//! weights up to float rounding; the weights are read once per call for up to 32 activation
+//! rows, a tile of output rows at a time. Few rows meet a tile in dot products; from 13 rows,
+//! where little of a vector would be padding, AVX-512 broadcasts each weight against 16
+//! transposed activation rows per vector. Output rows are split over the threads; the SIMD
+//! path (AVX-512F, AVX2+FMA+F16C, scalar) is chosen at run time.
 
 use crate::error::{ModelError, Result};
 use crate::pool::{split, SpinPool};
