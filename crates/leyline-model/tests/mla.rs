@@ -570,8 +570,11 @@ fn a_checkpoint_directory_loads_bare_and_refuses_tokenizer_callers() {
     let e = leyline_model::load_with_tokenizer(&d).err().unwrap();
     assert!(matches!(e, ModelError::NoTokenizer { .. }), "{e}");
     // A directory that is no checkpoint names that problem, not the tokenizer.
-    let empty = std::env::temp_dir().join(format!("leyline-mla-empty-{}", std::process::id()));
-    std::fs::create_dir_all(&empty).unwrap();
+    let scratch = tempfile::Builder::new()
+        .prefix("leyline-mla-empty-")
+        .tempdir()
+        .unwrap();
+    let empty = scratch.path().to_path_buf();
     for e in [
         leyline_model::load_with_tokenizer(&empty).err().unwrap(),
         leyline_model::load_model_path(&empty).err().unwrap(),

@@ -14,10 +14,12 @@ fn leyline(args: &[&str]) -> Output {
         .expect("run the leyline binary")
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("leyline-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A fresh directory, removed with everything in it when the returned guard drops.
+fn scratch_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("leyline-cli-")
+        .tempdir()
+        .expect("create a scratch directory")
 }
 
 /// Asserts a clean failure: non-zero exit, no panic, one line on stderr containing `want`.
@@ -51,7 +53,8 @@ fn missing_model_file() {
 #[test]
 fn truncated_gguf() {
     let bytes = std::fs::read(default_model()).unwrap();
-    let path = scratch("truncated.gguf");
+    let dir = scratch_dir();
+    let path = dir.path().join("truncated.gguf");
     std::fs::write(&path, &bytes[..bytes.len() / 3]).unwrap();
     let out = leyline(&["run", "--prompt", "hi", "--model", path.to_str().unwrap()]);
     assert_one_line_error(&out, &["truncated.gguf", "truncated"]);
@@ -59,7 +62,8 @@ fn truncated_gguf() {
 
 #[test]
 fn not_a_gguf() {
-    let path = scratch("garbage.gguf");
+    let dir = scratch_dir();
+    let path = dir.path().join("garbage.gguf");
     std::fs::write(&path, b"this is not a model").unwrap();
     let out = leyline(&["run", "--prompt", "hi", "--model", path.to_str().unwrap()]);
     assert_one_line_error(&out, &["garbage.gguf", "GGUF"]);
@@ -80,7 +84,8 @@ fn write_gguf(path: &Path, arch: &str) {
 
 #[test]
 fn unsupported_architecture() {
-    let path = scratch("gpt2.gguf");
+    let dir = scratch_dir();
+    let path = dir.path().join("gpt2.gguf");
     write_gguf(&path, "gpt2");
     let out = leyline(&["run", "--prompt", "hi", "--model", path.to_str().unwrap()]);
     assert_one_line_error(&out, &["gpt2.gguf", "unsupported", "gpt2"]);
@@ -149,14 +154,15 @@ fn checkpoint_directory_has_no_tokenizer() {
 
 #[test]
 fn directory_that_is_not_a_checkpoint() {
-    let empty = scratch("empty-dir");
+    let dir = scratch_dir();
+    let empty = dir.path().join("empty-dir");
     std::fs::create_dir_all(&empty).unwrap();
     let e = empty.to_str().unwrap();
     for args in [&["run", "--prompt", "hi"][..], &["verify"]] {
         let out = leyline(&[args, &["--model", e]].concat());
         assert_one_line_error(&out, &[e, "no config.json"]);
     }
-    let llama = scratch("llama-dir");
+    let llama = dir.path().join("llama-dir");
     std::fs::create_dir_all(&llama).unwrap();
     std::fs::write(
         llama.join("config.json"),
