@@ -312,6 +312,9 @@ impl QMatrix {
             return;
         }
         let serial = self.weight_bytes() * m.min(4) < SERIAL_BYTES;
+        let mut xt = Vec::new();
+        prepare(None, path, x, m, self.cols, &mut xt);
+        let xt = xt.as_slice();
         // Rows per task: about four tasks per thread, a multiple of 4 rows.
         let tile = (self
             .rows
@@ -322,10 +325,10 @@ impl QMatrix {
         if m == 1 {
             // y is already [rows, 1]: write it in place.
             if serial {
-                self.rows_into(path, 0, x, 1, y);
+                self.rows_into(path, 0, x, xt, 1, y);
             } else {
                 y.par_chunks_mut(tile).enumerate().for_each(|(t, out)| {
-                    self.rows_into(path, t * tile, x, 1, out);
+                    self.rows_into(path, t * tile, x, xt, 1, out);
                 });
             }
             return;
@@ -333,12 +336,12 @@ impl QMatrix {
         // Compute [rows, m], then transpose into [m, rows].
         let mut yt = vec![0f32; self.rows * m];
         if serial {
-            self.rows_into(path, 0, x, m, &mut yt);
+            self.rows_into(path, 0, x, xt, m, &mut yt);
         } else {
             yt.par_chunks_mut(tile * m)
                 .enumerate()
                 .for_each(|(t, out)| {
-                    self.rows_into(path, t * tile, x, m, out);
+                    self.rows_into(path, t * tile, x, xt, m, out);
                 });
         }
         feature_major_to_rows(&yt, m, y, self.rows, 0);
@@ -357,6 +360,7 @@ impl QMatrix {
         for w in mats {
             assert_eq!(x.len(), m * w.cols, "x must be [m, cols]");
         }
+        let path = KernelPath::best();
         if m == 1 {
             // One row: each product is a slice of it, already in the kernels' [rows_i, 1].
             let mut targets = Vec::with_capacity(mats.len());
@@ -366,29 +370,40 @@ impl QMatrix {
                 targets.push((w, head));
                 rest = tail;
             }
-            Self::feature_major_many(pool, x, 1, targets.into_iter());
+            Self::feature_major_many(pool, path, x, &[], 1, targets.into_iter());
             return;
         }
-        let mut scratch: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.rows * m]).collect();
-        Self::feature_major_many(
-            pool,
-            x,
-            m,
-            mats.iter()
-                .zip(scratch.iter_mut())
-                .map(|(w, s)| (*w, s.as_mut_slice())),
-        );
-        let mut col = 0;
-        for (w, yt) in mats.iter().zip(&scratch) {
-            feature_major_to_rows(yt, m, y, width, col);
-            col += w.rows;
-        }
+        SCRATCH.with_borrow_mut(|Scratch { xt, yt }| {
+            // One transposition (if the kernel wants one) serves every matrix and thread.
+            if let Some(w) = mats.first() {
+                prepare(Some(pool), path, x, m, w.cols, xt);
+            }
+            if yt.len() < m * width {
+                yt.resize(m * width, 0.0);
+            }
+            let mut targets = Vec::with_capacity(mats.len());
+            let mut rest = &mut yt[..m * width];
+            for &w in mats {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(w.rows * m);
+                targets.push((w, head));
+                rest = tail;
+            }
+            Self::feature_major_many(pool, path, x, xt, m, targets.into_iter());
+            let (mut col, mut at) = (0, 0);
+            for w in mats {
+                feature_major_to_rows(&yt[at..at + w.rows * m], m, y, width, col);
+                col += w.rows;
+                at += w.rows * m;
+            }
+        });
     }
 
     /// The products of [`Self::matmul_concat`] into feature-major `[rows_i, m]` targets.
     fn feature_major_many<'a>(
         pool: &SpinPool,
+        path: KernelPath,
         x: &[f32],
+        xt: &[f32],
         m: usize,
         targets: impl Iterator<Item = (&'a QMatrix, &'a mut [f32])>,
     ) {
@@ -406,7 +421,6 @@ impl QMatrix {
             pieces.push(v);
             mats.push(w);
         }
-        let path = KernelPath::best();
         pool.run(&|tid, n| {
             for (w, piece) in mats.iter().zip(&pieces) {
                 let r = split(w.rows, tid, n, 4);
@@ -414,13 +428,22 @@ impl QMatrix {
                     continue;
                 }
                 let mut out = piece[tid].lock().unwrap_or_else(|e| e.into_inner());
-                w.rows_into(path, r.start, x, m, &mut out);
+                w.rows_into(path, r.start, x, xt, m, &mut out);
             }
         });
     }
 
     /// Computes rows `r0 .. r0 + out.len() / m` into `out: [n, m]`.
-    fn rows_into(&self, path: KernelPath, r0: usize, x: &[f32], m: usize, out: &mut [f32]) {
+    /// `xt` is `x` as [`prepare`] leaves it for `path` at `m` rows.
+    fn rows_into(
+        &self,
+        path: KernelPath,
+        r0: usize,
+        x: &[f32],
+        xt: &[f32],
+        m: usize,
+        out: &mut [f32],
+    ) {
         let n = out.len() / m;
         assert!(r0 + n <= self.rows && out.len() == n * m && x.len() == m * self.cols);
         let g = Self::geom_of(self.kind, self.cols);
@@ -436,12 +459,71 @@ impl QMatrix {
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx512 => {
                 // SAFETY: as above; the CPU has AVX-512F.
-                unsafe { avx512::rows(self.kind, g, rows, x, m, out) }
+                unsafe { avx512::rows(self.kind, g, rows, x, xt, m, out) }
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("only the scalar path is available off x86-64"),
         }
     }
+}
+
+/// Buffers of [`QMatrix::matmul_concat`], kept per calling thread between calls.
+#[derive(Default)]
+struct Scratch {
+    /// The activations as [`prepare`] leaves them.
+    xt: Vec<f32>,
+    /// The feature-major products before [`feature_major_to_rows`].
+    yt: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// Puts `x: [m, cols]` into `xt` in the layout the kernel of `path` wants at `m` rows, if it
+/// wants one other than `x` itself (AVX-512's broadcast tiles: transposed groups of 32 rows),
+/// the columns split over `pool`'s threads (or serial without a pool). `xt` only grows.
+fn prepare(
+    pool: Option<&SpinPool>,
+    path: KernelPath,
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    xt: &mut Vec<f32>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if path == KernelPath::Avx512 && avx512::bcast_pays(m) {
+        let len = avx512::transposed_len(m, cols);
+        if xt.len() < len {
+            xt.resize(len, 0.0);
+        }
+        let parts = pool.map_or(1, SpinPool::threads);
+        // Group (of 32 rows) by part: each piece is one group's columns `c`.
+        let mut pieces = Vec::with_capacity(m.div_ceil(32) * parts);
+        let mut rest = &mut xt[..len];
+        for i0 in (0..m).step_by(32) {
+            let lanes = (m - i0).min(32).div_ceil(16) * 16;
+            for p in 0..parts {
+                let c = split(cols, p, parts, 1);
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(c.len() * lanes);
+                pieces.push((i0, c, Mutex::new(head)));
+                rest = tail;
+            }
+        }
+        let job = |tid: usize, _: usize| {
+            for (i0, c, dst) in pieces.iter().skip(tid).step_by(parts) {
+                let mut dst = dst.lock().unwrap_or_else(|e| e.into_inner());
+                // SAFETY: the path is AVX-512, which the caller checked this CPU has.
+                unsafe { avx512::transpose_cols(x, m, cols, *i0, c.clone(), &mut dst) };
+            }
+        };
+        match pool {
+            Some(pool) => pool.run(&job),
+            None => job(0, 1),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (pool, path, x, m, cols, xt);
 }
 
 /// Transposes the kernels' feature-major output `yt: [rows, m]` into columns `col ..` of
@@ -673,7 +755,7 @@ mod avx512 {
     /// quarter of the vector lanes are padding (13-16 and 24-32 rows). Measured on SmolLM2's
     /// decode steps (BENCHMARKS.md, "Broadcast tiles"): 0.85-0.90x at 14-16 rows and
     /// 0.81-0.91x at 24-32, level at 12 and 20, slower at 10.
-    fn bcast_pays(m: usize) -> bool {
+    pub(super) fn bcast_pays(m: usize) -> bool {
         m > 32 || (m > 12 && 4 * m >= 3 * m.div_ceil(16) * 16)
     }
 
@@ -692,23 +774,71 @@ mod avx512 {
         g: RowGeom,
         rows: &[u8],
         x: &[f32],
+        xt: &[f32],
         m: usize,
         out: &mut [f32],
     ) {
         // SAFETY: the caller's contract is both functions'.
         unsafe {
             if bcast_pays(m) {
-                bcast_rows(kind, g, rows, x, m, out)
+                bcast_rows(kind, g, rows, xt, m, out)
             } else {
                 tiled_rows(kind, g, rows, x, m, out)
             }
         }
     }
 
-    /// The products for many activation rows without horizontal sums: up to 32 activation
-    /// rows are transposed into `xt: [cols][lanes]`, so one weight broadcast meets 16 rows in
-    /// one vector, and a tile's outputs leave its accumulators as rows of `out`. Each block
-    /// of 32 weights of a tile's rows is dequantized once into an L1 buffer that the
+    /// Length of [`transpose_cols`]'s layout of `m` rows of `cols` floats: groups of 32 rows,
+    /// the group of rows `i0..` at `xt[i0 * cols..]` as `[cols][16 v]` floats, `v` vectors
+    /// of 16 rows (zeros past `m`).
+    pub(super) fn transposed_len(m: usize, cols: usize) -> usize {
+        cols * m.div_ceil(16) * 16
+    }
+
+    /// Columns `c` of the group of rows `i0 .. i0 + 32` (or to `m`) of `x: [m, cols]` into
+    /// `dst: [c.len()][16 v]`, that group's piece of [`transposed_len`]'s layout.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn transpose_cols(
+        x: &[f32],
+        m: usize,
+        cols: usize,
+        i0: usize,
+        c: std::ops::Range<usize>,
+        dst: &mut [f32],
+    ) {
+        assert!(x.len() == m * cols && m * cols <= i32::MAX as usize && i0 < m);
+        assert!(c.end <= cols);
+        let mg = (m - i0).min(32);
+        let v = mg.div_ceil(16);
+        let lanes = 16 * v;
+        assert_eq!(dst.len(), c.len() * lanes);
+        let idx = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(cols as i32),
+        );
+        for vi in 0..v {
+            let rows_here = (mg - 16 * vi).min(16);
+            let keep = ((1u32 << rows_here) - 1) as __mmask16;
+            let base = x[(i0 + 16 * vi) * cols..].as_ptr();
+            for (k, cc) in c.clone().enumerate() {
+                // SAFETY: lane i reads x[(i0 + 16 vi + i) * cols + cc] only for the rows
+                // that exist (the mask), inside `x`; the store lies in dst's column k.
+                unsafe {
+                    let col =
+                        _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), keep, idx, base.add(cc));
+                    _mm512_storeu_ps(dst.as_mut_ptr().add(k * lanes + 16 * vi), col);
+                }
+            }
+        }
+    }
+
+    /// The products for many activation rows without horizontal sums: the activations come
+    /// transposed (`xt`, [`transposed_len`]'s layout), so one weight broadcast meets 16 rows
+    /// in one vector, and a tile's outputs leave its accumulators as rows of `out`. Each
+    /// block of 32 weights of a tile's rows is dequantized once into an L1 buffer that the
     /// broadcasts read.
     ///
     /// # Safety
@@ -718,44 +848,20 @@ mod avx512 {
         kind: GgmlKind,
         g: RowGeom,
         rows: &[u8],
-        x: &[f32],
+        xt: &[f32],
         m: usize,
         out: &mut [f32],
     ) {
         let n = (rows.len() - SLACK) / g.stride;
         let cols = g.nb * BLOCK;
         assert!(rows.len() == n * g.stride + SLACK && out.len() == n * m);
-        assert!(x.len() == m * cols && m * cols <= i32::MAX as usize);
+        assert!(xt.len() >= transposed_len(m, cols));
         let mut dbuf = vec![0f32; B1.max(B2) * g.sb];
         let mut mbuf = vec![0f32; B1.max(B2) * g.sb];
-        let mut xt = vec![0f32; cols * 32];
         for i0 in (0..m).step_by(32) {
             let mg = (m - i0).min(32);
             let v = mg.div_ceil(16);
-            let lanes = 16 * v;
-            // Column c of rows i0 .. i0 + mg, gathered 16 rows at a time (zeros past mg).
-            let idx = _mm512_mullo_epi32(
-                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                _mm512_set1_epi32(cols as i32),
-            );
-            for vi in 0..v {
-                let rows_here = (mg - 16 * vi).min(16);
-                let keep = ((1u32 << rows_here) - 1) as __mmask16;
-                let base = x[(i0 + 16 * vi) * cols..].as_ptr();
-                for c in 0..cols {
-                    // SAFETY: lane i reads x[(i0 + 16 vi + i) * cols + c] only for the rows
-                    // that exist (the mask), inside `x`; the store lies in xt's column c.
-                    unsafe {
-                        let col = _mm512_mask_i32gather_ps::<4>(
-                            _mm512_setzero_ps(),
-                            keep,
-                            idx,
-                            base.add(c),
-                        );
-                        _mm512_storeu_ps(xt.as_mut_ptr().add(c * lanes + 16 * vi), col);
-                    }
-                }
-            }
+            let xg = &xt[i0 * cols..];
             // Lanes of the last vector that hold activation rows.
             let mask: __mmask16 = (1u32 << (mg - 16 * (v - 1))).wrapping_sub(1) as __mmask16;
             let full = if v == 1 { B1 } else { B2 };
@@ -788,11 +894,11 @@ mod avx512 {
                     g,
                     d: dbuf.as_ptr(),
                     mn: mbuf.as_ptr(),
-                    x: xt.as_ptr(),
+                    x: xg.as_ptr(),
                     out: out[r * m + i0..].as_mut_ptr(),
                     ostride: m,
                 };
-                // SAFETY: rows r .. r + rt <= n and their scales are in the buffers; xt
+                // SAFETY: rows r .. r + rt <= n and their scales are in the buffers; xg
                 // holds cols x lanes floats; the outputs (r + j) * m + i0 + [0, mg) lie in
                 // `out`, and the mask keeps the stores there.
                 unsafe {
@@ -1458,6 +1564,46 @@ mod tests {
                     &y,
                     &format!("shared, concat [{rows},{cols}]"),
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn concatenated_products_match_the_reference_at_every_row_count() {
+        // One activation layout (transposed once per call for the broadcast tiles) feeds
+        // every matrix and thread; three threads split the columns unevenly.
+        let mut rng = Rng(17);
+        let cols = 320;
+        let specs = [
+            (GgmlKind::Q4_1, 72),
+            (GgmlKind::Q8_0, 40),
+            (GgmlKind::Q4_1, 8),
+        ];
+        let mut mats = Vec::new();
+        let mut refs = Vec::new();
+        for &(kind, rows) in &specs {
+            let raw = random_ggml(kind, rows, cols, &mut rng);
+            mats.push(QMatrix::from_ggml(kind, &raw, rows, cols).unwrap());
+            refs.push(dequant_ref(kind, &raw));
+        }
+        let width: usize = mats.iter().map(QMatrix::rows).sum();
+        let pools = [SpinPool::new(1), SpinPool::new(3)];
+        for pool in &pools {
+            for m in [1, 6, 13, 16, 24, 32, 33, 47, 70, 96] {
+                let x: Vec<f32> = (0..m * cols).map(|_| rng.unit()).collect();
+                let mut y = vec![f32::NAN; m * width];
+                let refs_of: Vec<&QMatrix> = mats.iter().collect();
+                QMatrix::matmul_concat(pool, &x, m, &refs_of, &mut y);
+                let mut col = 0;
+                for (qm, w) in mats.iter().zip(&refs) {
+                    let rows = qm.rows();
+                    let part: Vec<f32> = (0..m)
+                        .flat_map(|i| y[i * width + col..i * width + col + rows].to_vec())
+                        .collect();
+                    let what = format!("concat, {} threads, m={m}, rows {rows}", pool.threads());
+                    check(w, rows, cols, &x, m, &part, &what);
+                    col += rows;
+                }
             }
         }
     }
