@@ -3,10 +3,10 @@
 //!
 //! Design decision: activations stay f32 and each 32-weight block is dequantized in
 //! registers or into an L1 buffer (`w = d * q + m`), so results match the f32-dequantized
-//! weights up to float rounding; the weights are read once per call for up to 32 activation
-//! rows, a tile of output rows at a time. Few rows meet a tile in dot products; from 13 rows,
-//! where little of a vector would be padding, AVX-512 broadcasts each weight against 16
-//! transposed activation rows per vector. Output rows are split over the threads; the SIMD
+//! weights up to float rounding. Few rows meet a tile of weight rows in dot products, the
+//! weights read once per 32 activation rows; from 13 rows, where little of a vector would be
+//! padding, AVX-512 broadcasts each weight against 16 transposed activation rows per vector,
+//! up to 64 rows per pass over the weights. Output rows are split over the threads; the SIMD
 //! path (AVX-512F, AVX2+FMA+F16C, scalar) is chosen at run time.
 
 use crate::error::{ModelError, Result};
@@ -501,8 +501,8 @@ fn prepare(
         // Group (of 32 rows) by part: each piece is one group's columns `c`.
         let mut pieces = Vec::with_capacity(m.div_ceil(32) * parts);
         let mut rest = &mut xt[..len];
-        for i0 in (0..m).step_by(32) {
-            let lanes = (m - i0).min(32).div_ceil(16) * 16;
+        for i0 in (0..m).step_by(avx512::GROUP) {
+            let lanes = (m - i0).min(avx512::GROUP).div_ceil(16) * 16;
             for p in 0..parts {
                 let c = split(cols, p, parts, 1);
                 let (head, tail) = std::mem::take(&mut rest).split_at_mut(c.len() * lanes);
@@ -759,10 +759,20 @@ mod avx512 {
         m > 32 || (m > 12 && 4 * m >= 3 * m.div_ceil(16) * 16)
     }
 
-    /// Weight rows per broadcast tile with one (`B1`) and two (`B2`) vectors of activation
-    /// rows: 16 and 24 accumulators.
-    const B1: usize = 16;
-    const B2: usize = 12;
+    /// Activation rows per pass over the weights: up to four vectors of 16.
+    pub(super) const GROUP: usize = 64;
+
+    /// Weight rows per broadcast tile against `v` vectors of activation rows: as many as
+    /// keep `rows * v` accumulators, `v` activation vectors and a broadcast within the 32
+    /// registers (16, 24, 24 and 24 accumulators).
+    const fn tile_rows(v: usize) -> usize {
+        match v {
+            1 => 16,
+            2 => 12,
+            3 => 8,
+            _ => 6,
+        }
+    }
 
     /// `rows` holds `n` rows then the slack; `out: [n, m]`, `x: [m, cols]`.
     ///
@@ -788,14 +798,14 @@ mod avx512 {
         }
     }
 
-    /// Length of [`transpose_cols`]'s layout of `m` rows of `cols` floats: groups of 32 rows,
-    /// the group of rows `i0..` at `xt[i0 * cols..]` as `[cols][16 v]` floats, `v` vectors
-    /// of 16 rows (zeros past `m`).
+    /// Length of [`transpose_cols`]'s layout of `m` rows of `cols` floats: groups of
+    /// [`GROUP`] rows, the group of rows `i0..` at `xt[i0 * cols..]` as `[cols][16 v]`
+    /// floats, `v` vectors of 16 rows (zeros past `m`).
     pub(super) fn transposed_len(m: usize, cols: usize) -> usize {
         cols * m.div_ceil(16) * 16
     }
 
-    /// Columns `c` of the group of rows `i0 .. i0 + 32` (or to `m`) of `x: [m, cols]` into
+    /// Columns `c` of the group of rows `i0 .. i0 + GROUP` (or to `m`) of `x: [m, cols]` into
     /// `dst: [c.len()][16 v]`, that group's piece of [`transposed_len`]'s layout.
     ///
     /// # Safety
@@ -811,7 +821,7 @@ mod avx512 {
     ) {
         assert!(x.len() == m * cols && m * cols <= i32::MAX as usize && i0 < m);
         assert!(c.end <= cols);
-        let mg = (m - i0).min(32);
+        let mg = (m - i0).min(GROUP);
         let v = mg.div_ceil(16);
         let lanes = 16 * v;
         assert_eq!(dst.len(), c.len() * lanes);
@@ -856,15 +866,16 @@ mod avx512 {
         let cols = g.nb * BLOCK;
         assert!(rows.len() == n * g.stride + SLACK && out.len() == n * m);
         assert!(xt.len() >= transposed_len(m, cols));
-        let mut dbuf = vec![0f32; B1.max(B2) * g.sb];
-        let mut mbuf = vec![0f32; B1.max(B2) * g.sb];
-        for i0 in (0..m).step_by(32) {
-            let mg = (m - i0).min(32);
+        let most = tile_rows(1);
+        let mut dbuf = vec![0f32; most * g.sb];
+        let mut mbuf = vec![0f32; most * g.sb];
+        for i0 in (0..m).step_by(GROUP) {
+            let mg = (m - i0).min(GROUP);
             let v = mg.div_ceil(16);
             let xg = &xt[i0 * cols..];
             // Lanes of the last vector that hold activation rows.
             let mask: __mmask16 = (1u32 << (mg - 16 * (v - 1))).wrapping_sub(1) as __mmask16;
-            let full = if v == 1 { B1 } else { B2 };
+            let full = tile_rows(v);
             let mut r = 0;
             while r < n {
                 let rt = if n - r >= full {
@@ -876,7 +887,7 @@ mod avx512 {
                 };
                 for j in 0..rt {
                     // SAFETY: as in the tile driver: row r + j < n lies in `rows`, and the
-                    // buffers hold B1.max(B2) rows of scales.
+                    // buffers hold `most` >= rt rows of scales.
                     unsafe {
                         scales(
                             kind,
@@ -902,22 +913,50 @@ mod avx512 {
                 // holds cols x lanes floats; the outputs (r + j) * m + i0 + [0, mg) lie in
                 // `out`, and the mask keeps the stores there.
                 unsafe {
-                    match (kind == GgmlKind::Q4_1, v, rt) {
-                        (true, 1, B1) => bcast::<true, B1, 1>(&t, mask),
-                        (true, 1, 4) => bcast::<true, 4, 1>(&t, mask),
-                        (true, 1, _) => bcast::<true, 1, 1>(&t, mask),
-                        (true, _, B2) => bcast::<true, B2, 2>(&t, mask),
-                        (true, _, 4) => bcast::<true, 4, 2>(&t, mask),
-                        (true, _, _) => bcast::<true, 1, 2>(&t, mask),
-                        (false, 1, B1) => bcast::<false, B1, 1>(&t, mask),
-                        (false, 1, 4) => bcast::<false, 4, 1>(&t, mask),
-                        (false, 1, _) => bcast::<false, 1, 1>(&t, mask),
-                        (false, _, B2) => bcast::<false, B2, 2>(&t, mask),
-                        (false, _, 4) => bcast::<false, 4, 2>(&t, mask),
-                        (false, _, _) => bcast::<false, 1, 2>(&t, mask),
+                    if kind == GgmlKind::Q4_1 {
+                        bcast_tile::<true>(&t, v, rt, full, mask)
+                    } else {
+                        bcast_tile::<false>(&t, v, rt, full, mask)
                     }
                 }
                 r += rt;
+            }
+        }
+    }
+
+    /// [`bcast`] for `v` activation vectors and a tile of `rt` rows: `full` (the most for
+    /// `v`), 4 or 1.
+    ///
+    /// # Safety
+    /// As [`bcast`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn bcast_tile<const Q41: bool>(
+        t: &Tile,
+        v: usize,
+        rt: usize,
+        full: usize,
+        mask: __mmask16,
+    ) {
+        const T1: usize = tile_rows(1);
+        const T2: usize = tile_rows(2);
+        const T3: usize = tile_rows(3);
+        const T4: usize = tile_rows(4);
+        let rt = if rt == full { 0 } else { rt };
+        // SAFETY: the caller's contract.
+        unsafe {
+            match (v, rt) {
+                (1, 0) => bcast::<Q41, T1, 1>(t, mask),
+                (2, 0) => bcast::<Q41, T2, 2>(t, mask),
+                (3, 0) => bcast::<Q41, T3, 3>(t, mask),
+                (_, 0) => bcast::<Q41, T4, 4>(t, mask),
+                (1, 4) => bcast::<Q41, 4, 1>(t, mask),
+                (2, 4) => bcast::<Q41, 4, 2>(t, mask),
+                (3, 4) => bcast::<Q41, 4, 3>(t, mask),
+                (_, 4) => bcast::<Q41, 4, 4>(t, mask),
+                (1, _) => bcast::<Q41, 1, 1>(t, mask),
+                (2, _) => bcast::<Q41, 1, 2>(t, mask),
+                (3, _) => bcast::<Q41, 1, 3>(t, mask),
+                (_, _) => bcast::<Q41, 1, 4>(t, mask),
             }
         }
     }
