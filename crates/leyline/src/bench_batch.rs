@@ -25,6 +25,11 @@ pub struct BatchArgs {
     /// attend over this much context per sequence (prefilled first, not timed).
     #[arg(long, default_value_t = 32)]
     pub context: usize,
+    /// Leading tokens of `--context` that every decoding sequence shares, as agent sessions
+    /// share a system prompt: prefilled once before the sequences start, whose prompts then
+    /// reuse it from the prefix cache. 0: nothing shared.
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix: usize,
     /// Prompt length of the TTFT measurement.
     #[arg(long, default_value_t = 2048)]
     pub ttft_prompt: usize,
@@ -88,6 +93,13 @@ pub fn run(a: BatchArgs) -> Result<()> {
     if a.context == 0 {
         bail!("--context must be at least 1 token");
     }
+    if a.shared_prefix >= a.context {
+        bail!(
+            "--shared-prefix ({}) must be shorter than --context ({})",
+            a.shared_prefix,
+            a.context
+        );
+    }
     let lm = load_model(&a.model)?;
     // The first sequences decode while later ones prefill: they get tokens for those steps
     // and then for `steps` with all `n` sequences decoding.
@@ -110,9 +122,18 @@ pub fn run(a: BatchArgs) -> Result<()> {
         if a.context > 256 {
             eprintln!("batch {n}: prefilling {n} x {} tokens", a.context);
         }
+        let prefix = tokens(&lm, a.shared_prefix, 777_000)?;
+        if !prefix.is_empty() {
+            e.submit(request(prefix.clone(), 1, Arc::default()));
+            e.run_to_completion()?;
+        }
+        let mut usages = Vec::with_capacity(n);
         for i in 0..n {
-            let prompt = tokens(&lm, a.context, i * 1000)?;
-            e.submit(request(prompt, max_tokens(n), Arc::default()));
+            let mut prompt = prefix.clone();
+            prompt.extend(tokens(&lm, a.context - a.shared_prefix, i * 1000)?);
+            let usage = Arc::new(Mutex::new(None));
+            e.submit(request(prompt, max_tokens(n), Arc::clone(&usage)));
+            usages.push(usage);
         }
         let mut times = Vec::new();
         while e.has_work() {
@@ -124,6 +145,19 @@ pub fn run(a: BatchArgs) -> Result<()> {
         }
         if times.is_empty() {
             bail!("no pure decode step with {n} sequences was seen");
+        }
+        for u in &usages {
+            let cached = u
+                .lock()
+                .ok()
+                .and_then(|u| u.as_ref().map(|u| u.cached_tokens));
+            if cached.unwrap_or(0) + 1 < a.shared_prefix {
+                bail!(
+                    "a sequence reused {} of the {} shared prefix tokens",
+                    cached.unwrap_or(0),
+                    a.shared_prefix
+                );
+            }
         }
         let step = median(times);
         decode.push((n, step, n as f64 / step));
@@ -180,6 +214,7 @@ pub fn run(a: BatchArgs) -> Result<()> {
                 "model": lm.model.info().name,
                 "kv_dtype": a.model.kv_dtype.name(),
                 "context": a.context,
+                "shared_prefix": a.shared_prefix,
                 "decode": d,
                 "ttft_prompt": a.ttft_prompt,
                 "ttft_prefix": a.ttft_prefix,

@@ -13,7 +13,11 @@
 //! Decode batches have one query token per sequence, so few tasks and few rows per task: a
 //! task then covers part of the context only (its running max and sum merged afterwards),
 //! so that both threads stay busy, and scores are dot products of the few query rows with
-//! the key rows, which wastes no vector lanes on absent rows.
+//! the key rows, which wastes no vector lanes on absent rows. Decoding sequences whose
+//! contexts begin with the same slots (agent sessions behind one system prompt, as the
+//! prefix tree shares it) read that prefix once: its tasks hold every such sequence's query
+//! rows, each sequence's own tasks cover the keys after it, and the parts are merged the
+//! same way.
 
 use crate::fastmath::exp2;
 use crate::pool::SpinPool;
@@ -53,27 +57,31 @@ pub(crate) struct Queries<'a> {
     pub stride: usize,
 }
 
-/// One (sequence, kv head, query-token block) piece of the work.
+/// One piece of the work: the query tokens of one sequence (a block of its new tokens) or of
+/// several decoding sequences that share a context prefix, one kv head, and a stretch of keys.
 struct Task<'a> {
+    /// The sequence whose context and new slots hold the keys (for a shared prefix: any of
+    /// the sequences, they hold the same slots there).
     seq: &'a ForwardSeq<'a>,
-    /// First row of the sequence in the flat batch.
-    row: usize,
     kv_head: usize,
-    /// Query tokens `t0..t1` of the sequence's new tokens.
-    t0: usize,
-    t1: usize,
-    /// Keys `k0..k1` of the sequence's context followed by its new tokens.
+    /// Per query token: its row in the flat batch, and where its `g` rows' partial sums
+    /// go in the merge buffers (unread unless `merged`).
+    toks: Vec<(usize, usize)>,
+    /// Keys from here on are masked for some rows: row `r` sees key `j` iff
+    /// `j < diag + r / g + 1`.
+    diag: usize,
+    /// Keys `k0..k1` of `seq`'s context followed by its new tokens.
     k0: usize,
     k1: usize,
-    /// Tasks that split this one's keys (1: none), and this task's offset into the merge
-    /// buffers of the split rows.
-    parts: usize,
-    merge_row: usize,
+    /// Whether other tasks cover other keys of the same query rows (partial sums merged).
+    merged: bool,
+    /// Whether this is the task with the first keys of its rows (it finishes the merge).
+    first: bool,
 }
 
 impl Task<'_> {
     fn rows(&self, g: usize) -> usize {
-        (self.t1 - self.t0) * g
+        self.toks.len() * g
     }
 }
 
@@ -208,9 +216,78 @@ fn attend_with(
     let units: usize = seqs.iter().map(|s| s.tokens.len().div_ceil(QB) * kvh).sum();
     let wanted = TASKS_PER_THREAD * pool.threads();
     let mut tasks = Vec::new();
-    let (mut row, mut merge_rows) = (0, 0);
-    for s in seqs {
-        let (t, ctx) = (s.tokens.len(), s.context.len());
+    let mut merge_rows = 0;
+    // Decoding sequences that share a context prefix read it once, in tasks that hold all
+    // their query rows; their own tasks cover the keys after it, and the parts are merged.
+    let rows_at: Vec<usize> = seqs
+        .iter()
+        .scan(0, |at, s| {
+            let r = *at;
+            *at += s.tokens.len();
+            Some(r)
+        })
+        .collect();
+    let mut shared = vec![0usize; seqs.len()];
+    let mut base = vec![0usize; seqs.len()];
+    for (members, len) in shared_prefixes(seqs) {
+        for chunk in members.chunks(QB) {
+            for &i in chunk {
+                shared[i] = len;
+                base[i] = merge_rows;
+                merge_rows += kvh * g;
+            }
+            let parts = wanted
+                .div_ceil(kvh * members.len().div_ceil(QB))
+                .min(len / MIN_SPLIT)
+                .max(1);
+            let bound = |p: usize| p * len / parts / KB * KB;
+            for kv_head in 0..kvh {
+                let toks: Vec<(usize, usize)> = chunk
+                    .iter()
+                    .map(|&i| (rows_at[i], base[i] + kv_head * g))
+                    .collect();
+                for p in 0..parts {
+                    tasks.push(Task {
+                        seq: &seqs[chunk[0]],
+                        kv_head,
+                        toks: toks.clone(),
+                        diag: len,
+                        k0: bound(p),
+                        k1: bound(p + 1),
+                        merged: true,
+                        first: p == 0,
+                    });
+                }
+            }
+        }
+    }
+    for (i, s) in seqs.iter().enumerate() {
+        let (t, ctx, row) = (s.tokens.len(), s.context.len(), rows_at[i]);
+        if shared[i] > 0 {
+            // One new token; the keys from the end of the shared prefix on.
+            let skip = shared[i];
+            let parts = wanted.div_ceil(units).min((ctx - skip) / MIN_SPLIT).max(1);
+            let bound = |p: usize| skip + p * (ctx - skip) / parts / KB * KB;
+            for kv_head in 0..kvh {
+                for p in 0..parts {
+                    tasks.push(Task {
+                        seq: s,
+                        kv_head,
+                        toks: vec![(row, base[i] + kv_head * g)],
+                        diag: ctx,
+                        k0: bound(p),
+                        k1: if p + 1 == parts {
+                            ctx + 1
+                        } else {
+                            bound(p + 1)
+                        },
+                        merged: true,
+                        first: false,
+                    });
+                }
+            }
+            continue;
+        }
         // Only context keys are split: every row sees all of them, so no part is empty.
         let parts = if units >= wanted {
             1
@@ -221,21 +298,23 @@ fn attend_with(
         for t0 in (0..t).step_by(QB) {
             let t1 = (t0 + QB).min(t);
             for kv_head in 0..kvh {
+                let toks: Vec<(usize, usize)> = (t0..t1)
+                    .map(|i| (row + i, merge_rows + (i - t0) * g))
+                    .collect();
                 for p in 0..parts {
                     tasks.push(Task {
                         seq: s,
-                        row,
                         kv_head,
-                        t0,
-                        t1,
+                        toks: toks.clone(),
+                        diag: ctx + t0,
                         k0: bound(p),
                         k1: if p + 1 == parts {
                             ctx + t1
                         } else {
                             bound(p + 1)
                         },
-                        parts,
-                        merge_row: merge_rows,
+                        merged: parts > 1,
+                        first: p == 0,
                     });
                 }
                 if parts > 1 {
@@ -243,7 +322,6 @@ fn attend_with(
                 }
             }
         }
-        row += t;
     }
     // Longest first, so the dynamic hand-out below ends with short tasks.
     tasks.sort_by_key(|t| std::cmp::Reverse(t.k1 - t.k0));
@@ -295,6 +373,56 @@ fn attend_with(
     write_out(&tasks, &scratch, shape, merge_rows, out);
 }
 
+/// Fewest context keys that sequences must share for [`shared_prefixes`] to group them.
+const MIN_SHARED: usize = 4 * KB;
+
+/// Groups of decoding sequences (one new token each) whose contexts begin with the same
+/// slots, at least [`MIN_SHARED`] of them: each group's members (indices into `seqs`) and
+/// the length they share, a multiple of [`KB`]. A sequence that shares less with the
+/// group's first member stays out of it.
+fn shared_prefixes(seqs: &[ForwardSeq<'_>]) -> Vec<(Vec<usize>, usize)> {
+    let mut cand: Vec<usize> = (0..seqs.len())
+        .filter(|&i| seqs[i].tokens.len() == 1 && seqs[i].context.len() >= MIN_SHARED)
+        .collect();
+    cand.sort_by_key(|&i| seqs[i].context[0]);
+    let mut groups = Vec::new();
+    for run in cand.chunk_by(|&a, &b| seqs[a].context[0] == seqs[b].context[0]) {
+        let lead = seqs[run[0]].context;
+        let mut len = usize::MAX;
+        let mut members = vec![run[0]];
+        for &i in &run[1..] {
+            let common = common_prefix(lead, seqs[i].context);
+            if common >= MIN_SHARED {
+                members.push(i);
+                len = len.min(common);
+            }
+        }
+        if members.len() > 1 {
+            groups.push((members, len / KB * KB));
+        }
+    }
+    groups
+}
+
+/// How many leading elements `a` and `b` share.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    let n = a.len().min(b.len());
+    // Whole chunks compare as slices (vectorized), then the first differing chunk by element.
+    let whole = a[..n]
+        .chunks(64)
+        .zip(b[..n].chunks(64))
+        .take_while(|(x, y)| x == y)
+        .count()
+        * 64;
+    let whole = whole.min(n);
+    whole
+        + a[whole..n]
+            .iter()
+            .zip(&b[whole..n])
+            .take_while(|(x, y)| x == y)
+            .count()
+}
+
 /// Copies each task's rows from the task-major `scratch` to their places in `out`, merging
 /// the parts of split tasks: `out = sum_p w_p o_p / sum_p w_p` with
 /// `w_p = l_p 2^(m_p - max_p m_p)`, where each part's `o_p` is already divided by its sum `l_p`.
@@ -309,18 +437,19 @@ fn write_out(
     let g = h / shape.kv_heads;
     let mut max = vec![f32::NEG_INFINITY; merge_rows];
     let mut den = vec![0f32; merge_rows];
-    // Where row `r` of task `t` goes in `out`.
+    // Where row `r` of task `t` goes in `out`, and its merge index.
     let place = |t: &Task<'_>, r: usize| {
-        let (i, head) = (t.t0 + r / g, t.kv_head * g + r % g);
-        (t.row + i) * h * hd + head * hd
+        let head = t.kv_head * g + r % g;
+        t.toks[r / g].0 * h * hd + head * hd
     };
+    let merge_at = |t: &Task<'_>, r: usize| t.toks[r / g].1 + r % g;
     let mut off = 0;
     for t in tasks {
         let rows = t.rows(g);
-        if t.parts > 1 {
+        if t.merged {
             let m = &scratch[off + rows * hd..off + rows * (hd + 1)];
             for (r, &mr) in m.iter().enumerate() {
-                let a = &mut max[t.merge_row + r];
+                let a = &mut max[merge_at(t, r)];
                 *a = a.max(mr);
                 out[place(t, r)..][..hd].fill(0.0);
             }
@@ -333,11 +462,11 @@ fn write_out(
         let (o, ml) = scratch[off..off + rows * (hd + 2)].split_at(rows * hd);
         for (r, src) in o.chunks_exact(hd).enumerate() {
             let dst = &mut out[place(t, r)..][..hd];
-            if t.parts == 1 {
+            if !t.merged {
                 dst.copy_from_slice(src);
                 continue;
             }
-            let mr = t.merge_row + r;
+            let mr = merge_at(t, r);
             let w = ml[rows + r] * (ml[r] - max[mr]).exp2();
             den[mr] += w;
             for (d, &x) in dst.iter_mut().zip(src) {
@@ -346,9 +475,9 @@ fn write_out(
         }
         off += rows * (hd + 2);
     }
-    for t in tasks.iter().filter(|t| t.parts > 1 && t.k0 == 0) {
+    for t in tasks.iter().filter(|t| t.merged && t.first) {
         for r in 0..t.rows(g) {
-            let inv = 1.0 / den[t.merge_row + r];
+            let inv = 1.0 / den[merge_at(t, r)];
             for d in &mut out[place(t, r)..][..hd] {
                 *d *= inv;
             }
@@ -540,7 +669,7 @@ fn task<T: Copy, const W: usize>(
     let (h, hd) = (shape.heads, shape.head_dim);
     let g = h / shape.kv_heads;
     let seq = task.seq;
-    let rows = (task.t1 - task.t0) * g;
+    let rows = task.rows(g);
     let padded = rows.div_ceil(RB) * RB;
     let lanes = lanes_of(rows);
     let c = std::f32::consts::LOG2_E / (hd as f32).sqrt();
@@ -563,7 +692,7 @@ fn task<T: Copy, const W: usize>(
         let dst = &mut qb[r * hd..(r + 1) * hd];
         if r < rows {
             let head = task.kv_head * g + r % g;
-            let src = (task.row + task.t0 + r / g) * q.stride + head * hd;
+            let src = task.toks[r / g].0 * q.stride + head * hd;
             for (d, &x) in dst.iter_mut().zip(&q.rows[src..src + hd]) {
                 *d = x * c;
             }
@@ -594,7 +723,7 @@ fn task<T: Copy, const W: usize>(
     let (kf, vf) = (ld.in_place(k), ld.in_place(v));
     // Keys from here on are masked for some rows: row `r` sees key `j` iff
     // `j < diag + r / g + 1`.
-    let diag = ctx + task.t0;
+    let diag = task.diag;
     for j0 in (task.k0..task.k1).step_by(KB) {
         let nb = KB.min(task.k1 - j0);
         // The next block's rows sit at scattered slots, which hardware prefetchers do not
@@ -1169,12 +1298,20 @@ mod tests {
     }
 
     fn check(dtype: KvDtype, shape: Heads, plan: &[(usize, usize)], threads: usize) {
+        let plan: Vec<_> = plan.iter().map(|&(c, t)| (c, t, 0)).collect();
+        check_shared(dtype, shape, &plan, threads);
+    }
+
+    /// [`check`] for sequences `(context, new tokens, shared)` whose contexts begin with the
+    /// first `shared` slots of one common run, as the prefix tree hands them out.
+    fn check_shared(dtype: KvDtype, shape: Heads, plan: &[(usize, usize, usize)], threads: usize) {
         let Heads {
             heads: h,
             kv_heads: kvh,
             head_dim: hd,
         } = shape;
-        let total: usize = plan.iter().map(|(c, t)| c + t).sum();
+        let common = plan.iter().map(|p| p.2).max().unwrap_or(0);
+        let total: usize = common + plan.iter().map(|(c, t, sh)| c - sh + t).sum::<usize>();
         let cap = total + 37;
         let geo = KvGeometry {
             layers: 2,
@@ -1199,12 +1336,18 @@ mod tests {
             kv.write(layer, slot, &k, &v).unwrap();
         }
         let mut parts = Vec::new();
-        let mut at = 0;
-        for &(c, t) in plan {
-            parts.push((free[at..at + c].to_vec(), free[at + c..at + c + t].to_vec()));
-            at += c + t;
+        let mut at = common;
+        for &(c, t, sh) in plan {
+            let own = c - sh;
+            let ctx: Vec<u32> = free[..sh]
+                .iter()
+                .chain(&free[at..at + own])
+                .copied()
+                .collect();
+            parts.push((ctx, free[at + own..at + own + t].to_vec()));
+            at += own + t;
         }
-        let toks: Vec<Vec<u32>> = plan.iter().map(|&(_, t)| vec![0; t]).collect();
+        let toks: Vec<Vec<u32>> = plan.iter().map(|&(_, t, _)| vec![0; t]).collect();
         let seqs: Vec<ForwardSeq<'_>> = parts
             .iter()
             .zip(&toks)
@@ -1216,7 +1359,7 @@ mod tests {
                 logits: LogitsFor::None,
             })
             .collect();
-        let n: usize = plan.iter().map(|(_, t)| t).sum();
+        let n: usize = plan.iter().map(|(_, t, _)| t).sum();
         let q: Vec<f32> = (0..n * h * hd).map(|_| rng.next() * 2.0).collect();
         let pool = SpinPool::new(threads);
         let want = reference(&kv, layer, shape, &q, &seqs);
@@ -1291,6 +1434,63 @@ mod tests {
         if !ran {
             eprintln!("this CPU has neither AVX-512F nor AVX2, where the lane-sum trees are used");
         }
+    }
+
+    #[test]
+    fn decodes_that_share_a_prefix_match_the_reference() {
+        let shape = Heads {
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+        };
+        // (context, new tokens, leading slots shared with the others)
+        let plans: &[&[(usize, usize, usize)]] = &[
+            // A group of three with different tails, a sequence too short to join, one with
+            // three new tokens (not a decode), one that shares only 100 slots.
+            &[
+                (300, 1, 300),
+                (520, 1, 300),
+                (1000, 1, 300),
+                (10, 1, 0),
+                (700, 3, 300),
+                (900, 1, 100),
+            ],
+            // A context that is all prefix (its own part is its new token), long tails.
+            &[
+                (1024, 1, 1024),
+                (2100, 1, 1024),
+                (1500, 1, 1024),
+                (1030, 1, 1024),
+            ],
+            // More members than one task holds (chunks of QB).
+            &[(640, 1, 600); 40],
+        ];
+        for plan in plans {
+            for threads in [1, 2, 8] {
+                check_shared(KvDtype::F32, shape, plan, threads);
+            }
+            check_shared(KvDtype::F16, shape, plan, 2);
+        }
+        fn slots(v: &[u32]) -> ForwardSeq<'_> {
+            ForwardSeq {
+                tokens: &[0],
+                positions: &[0],
+                context: v,
+                new_slots: &[9999],
+                logits: LogitsFor::None,
+            }
+        }
+        // Grouping: the shared length is what all members share, cut to whole key blocks.
+        let a: Vec<u32> = (0..700).collect();
+        let mut b = a.clone();
+        b[650] = 5000;
+        let mut c = a.clone();
+        c[100] = 6000;
+        let seqs = [slots(&a), slots(&b), slots(&c), slots(&a[..300])];
+        assert_eq!(shared_prefixes(&seqs), vec![(vec![0, 1, 3], 256)]);
+        assert_eq!(common_prefix(&a, &b), 650);
+        assert_eq!(common_prefix(&a, &a[..300]), 300);
+        assert_eq!(common_prefix(&a[..64], &a[..64]), 64);
     }
 
     #[test]
