@@ -323,8 +323,9 @@ fn attend_with(
             }
         }
     }
-    // Longest first, so the dynamic hand-out below ends with short tasks.
-    tasks.sort_by_key(|t| std::cmp::Reverse(t.k1 - t.k0));
+    // Costliest first (keys times rows, plus a per-key share), so the dynamic hand-out below
+    // ends with cheap tasks.
+    tasks.sort_by_key(|t| std::cmp::Reverse((t.k1 - t.k0) * (t.rows(g) + 2 * RB)));
     // Task-major output: task i owns its rows' `head_dim` values, then each row's running
     // max and sum.
     let mut scratch = vec![0f32; tasks.iter().map(|t| t.rows(g) * (hd + 2)).sum()];
