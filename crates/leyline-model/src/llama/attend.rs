@@ -17,7 +17,8 @@
 //! contexts begin with the same slots (agent sessions behind one system prompt, as the
 //! prefix tree shares it) read that prefix once: its tasks hold every such sequence's query
 //! rows, each sequence's own tasks cover the keys after it, and the parts are merged the
-//! same way.
+//! same way. The tasks depend on the batch only, so a forward pass plans them once
+//! ([`Plan`]) for all its layers.
 
 use crate::fastmath::exp2;
 use crate::pool::SpinPool;
@@ -180,159 +181,195 @@ impl Load<u16> for FromF16 {
     }
 }
 
+/// How a split task's partial sums are merged with the other parts of its rows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Merge {
+    /// The task covers all keys of its rows.
+    Alone,
+    /// Parts are merged; part 0 finishes the merge.
+    Leads,
+    /// Parts are merged; another task finishes the merge.
+    Joins,
+}
+
+/// The work of one attention call, the same on every layer of a forward pass: the tasks,
+/// and the buffers their outputs merge in.
+pub(crate) struct Plan<'a> {
+    shape: Heads,
+    tasks: Vec<Task<'a>>,
+    /// Query rows whose partial sums are merged.
+    merge_rows: usize,
+    /// The most query rows of one task.
+    max_rows: usize,
+    /// Task-major output: task i owns its rows' `head_dim` values, then each row's running
+    /// max and sum. Every task writes all of its piece, so layers reuse it as it is.
+    scratch: Vec<f32>,
+}
+
+impl<'a> Plan<'a> {
+    /// The tasks for `seqs` on `threads` threads.
+    pub(crate) fn new(seqs: &'a [ForwardSeq<'a>], shape: Heads, threads: usize) -> Self {
+        let Heads {
+            heads: h,
+            kv_heads: kvh,
+            ..
+        } = shape;
+        let g = h / kvh;
+        let units: usize = seqs.iter().map(|s| s.tokens.len().div_ceil(QB) * kvh).sum();
+        let wanted = TASKS_PER_THREAD * threads;
+        let mut plan = Self {
+            shape,
+            tasks: Vec::new(),
+            merge_rows: 0,
+            max_rows: 0,
+            scratch: Vec::new(),
+        };
+        let rows_at: Vec<usize> = seqs
+            .iter()
+            .scan(0, |at, s| {
+                let r = *at;
+                *at += s.tokens.len();
+                Some(r)
+            })
+            .collect();
+        // Decoding sequences that share a context prefix read it once, in tasks that hold all
+        // their query rows; their own tasks cover the keys after it, and the parts are merged.
+        let mut shared = vec![0usize; seqs.len()];
+        let mut base = vec![0usize; seqs.len()];
+        for (members, len) in shared_prefixes(seqs) {
+            for chunk in members.chunks(QB) {
+                for &i in chunk {
+                    shared[i] = len;
+                    base[i] = plan.merge_rows;
+                    plan.merge_rows += kvh * g;
+                }
+                let parts = wanted
+                    .div_ceil(kvh * members.len().div_ceil(QB))
+                    .min(len / MIN_SPLIT)
+                    .max(1);
+                let cuts: Vec<usize> = (0..=parts).map(|p| p * len / parts / KB * KB).collect();
+                plan.push(&seqs[chunk[0]], len, &cuts, Merge::Leads, |kv_head| {
+                    chunk
+                        .iter()
+                        .map(|&i| (rows_at[i], base[i] + kv_head * g))
+                        .collect()
+                });
+            }
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            let (t, ctx, row) = (s.tokens.len(), s.context.len(), rows_at[i]);
+            if shared[i] > 0 {
+                // One new token; the keys from the end of the shared prefix on.
+                let skip = shared[i];
+                let parts = wanted.div_ceil(units).min((ctx - skip) / MIN_SPLIT).max(1);
+                let mut cuts: Vec<usize> = (0..parts)
+                    .map(|p| skip + p * (ctx - skip) / parts / KB * KB)
+                    .collect();
+                cuts.push(ctx + 1);
+                plan.push(s, ctx, &cuts, Merge::Joins, |kv_head| {
+                    vec![(row, base[i] + kv_head * g)]
+                });
+                continue;
+            }
+            // Only context keys are split: every row sees all of them, so no part is empty.
+            let parts = if units >= wanted {
+                1
+            } else {
+                wanted.div_ceil(units).min(ctx / MIN_SPLIT).max(1)
+            };
+            let merge = if parts > 1 {
+                Merge::Leads
+            } else {
+                Merge::Alone
+            };
+            for t0 in (0..t).step_by(QB) {
+                let t1 = (t0 + QB).min(t);
+                let mut cuts: Vec<usize> = (0..parts).map(|p| p * ctx / parts / KB * KB).collect();
+                cuts.push(ctx + t1);
+                let at = plan.merge_rows;
+                plan.push(s, ctx + t0, &cuts, merge, |kv_head| {
+                    (t0..t1)
+                        .map(|i| (row + i, at + (kv_head * (t1 - t0) + i - t0) * g))
+                        .collect()
+                });
+                if merge != Merge::Alone {
+                    plan.merge_rows += kvh * (t1 - t0) * g;
+                }
+            }
+        }
+        // Costliest first (keys times rows, plus a per-key share), so the dynamic hand-out
+        // ends with cheap tasks.
+        plan.tasks
+            .sort_by_key(|t| std::cmp::Reverse((t.k1 - t.k0) * (t.rows(g) + 2 * RB)));
+        plan.max_rows = plan.tasks.iter().map(|t| t.rows(g)).max().unwrap_or(0);
+        let len = plan
+            .tasks
+            .iter()
+            .map(|t| t.rows(g) * (shape.head_dim + 2))
+            .sum();
+        plan.scratch = vec![0f32; len];
+        plan
+    }
+
+    /// Adds, for every kv head, the tasks of the query tokens `toks(kv_head)` over the keys
+    /// `cuts[p]..cuts[p + 1]` of `seq`, masked from `diag` on.
+    fn push(
+        &mut self,
+        seq: &'a ForwardSeq<'a>,
+        diag: usize,
+        cuts: &[usize],
+        merge: Merge,
+        toks: impl Fn(usize) -> Vec<(usize, usize)>,
+    ) {
+        for kv_head in 0..self.shape.kv_heads {
+            let toks = toks(kv_head);
+            for (p, keys) in cuts.windows(2).enumerate() {
+                self.tasks.push(Task {
+                    seq,
+                    kv_head,
+                    toks: toks.clone(),
+                    diag,
+                    k0: keys[0],
+                    k1: keys[1],
+                    merged: merge != Merge::Alone,
+                    first: p == 0 && merge != Merge::Joins,
+                });
+            }
+        }
+    }
+}
+
 /// Writes into `out: [n, heads * head_dim]` the causal attention of the batch's queries `q`
-/// over each sequence's context followed by its new slots, reading keys and values from `kv`
-/// at `layer`. The new slots must be written.
+/// over each sequence's context followed by its new slots (the sequences `plan` was made
+/// for), reading keys and values from `kv` at `layer`. The new slots must be written.
 pub(crate) fn attend(
     pool: &SpinPool,
     kv: &KvStorage,
     layer: usize,
-    shape: Heads,
     q: Queries<'_>,
-    seqs: &[ForwardSeq<'_>],
+    plan: &mut Plan<'_>,
     out: &mut [f32],
 ) {
-    attend_with(Isa::detect(), pool, kv, layer, shape, q, seqs, out)
+    attend_with(Isa::detect(), pool, kv, layer, q, plan, out)
 }
 
 /// [`attend`] with the kernel compiled for `isa`, which the CPU must support.
-#[allow(clippy::too_many_arguments)]
 fn attend_with(
     isa: Isa,
     pool: &SpinPool,
     kv: &KvStorage,
     layer: usize,
-    shape: Heads,
     q: Queries<'_>,
-    seqs: &[ForwardSeq<'_>],
+    plan: &mut Plan<'_>,
     out: &mut [f32],
 ) {
-    let Heads {
-        heads: h,
-        kv_heads: kvh,
-        head_dim: hd,
-    } = shape;
-    let g = h / kvh;
-    let units: usize = seqs.iter().map(|s| s.tokens.len().div_ceil(QB) * kvh).sum();
-    let wanted = TASKS_PER_THREAD * pool.threads();
-    let mut tasks = Vec::new();
-    let mut merge_rows = 0;
-    // Decoding sequences that share a context prefix read it once, in tasks that hold all
-    // their query rows; their own tasks cover the keys after it, and the parts are merged.
-    let rows_at: Vec<usize> = seqs
-        .iter()
-        .scan(0, |at, s| {
-            let r = *at;
-            *at += s.tokens.len();
-            Some(r)
-        })
-        .collect();
-    let mut shared = vec![0usize; seqs.len()];
-    let mut base = vec![0usize; seqs.len()];
-    for (members, len) in shared_prefixes(seqs) {
-        for chunk in members.chunks(QB) {
-            for &i in chunk {
-                shared[i] = len;
-                base[i] = merge_rows;
-                merge_rows += kvh * g;
-            }
-            let parts = wanted
-                .div_ceil(kvh * members.len().div_ceil(QB))
-                .min(len / MIN_SPLIT)
-                .max(1);
-            let bound = |p: usize| p * len / parts / KB * KB;
-            for kv_head in 0..kvh {
-                let toks: Vec<(usize, usize)> = chunk
-                    .iter()
-                    .map(|&i| (rows_at[i], base[i] + kv_head * g))
-                    .collect();
-                for p in 0..parts {
-                    tasks.push(Task {
-                        seq: &seqs[chunk[0]],
-                        kv_head,
-                        toks: toks.clone(),
-                        diag: len,
-                        k0: bound(p),
-                        k1: bound(p + 1),
-                        merged: true,
-                        first: p == 0,
-                    });
-                }
-            }
-        }
-    }
-    for (i, s) in seqs.iter().enumerate() {
-        let (t, ctx, row) = (s.tokens.len(), s.context.len(), rows_at[i]);
-        if shared[i] > 0 {
-            // One new token; the keys from the end of the shared prefix on.
-            let skip = shared[i];
-            let parts = wanted.div_ceil(units).min((ctx - skip) / MIN_SPLIT).max(1);
-            let bound = |p: usize| skip + p * (ctx - skip) / parts / KB * KB;
-            for kv_head in 0..kvh {
-                for p in 0..parts {
-                    tasks.push(Task {
-                        seq: s,
-                        kv_head,
-                        toks: vec![(row, base[i] + kv_head * g)],
-                        diag: ctx,
-                        k0: bound(p),
-                        k1: if p + 1 == parts {
-                            ctx + 1
-                        } else {
-                            bound(p + 1)
-                        },
-                        merged: true,
-                        first: false,
-                    });
-                }
-            }
-            continue;
-        }
-        // Only context keys are split: every row sees all of them, so no part is empty.
-        let parts = if units >= wanted {
-            1
-        } else {
-            wanted.div_ceil(units).min(ctx / MIN_SPLIT).max(1)
-        };
-        let bound = |p: usize| p * ctx / parts / KB * KB;
-        for t0 in (0..t).step_by(QB) {
-            let t1 = (t0 + QB).min(t);
-            for kv_head in 0..kvh {
-                let toks: Vec<(usize, usize)> = (t0..t1)
-                    .map(|i| (row + i, merge_rows + (i - t0) * g))
-                    .collect();
-                for p in 0..parts {
-                    tasks.push(Task {
-                        seq: s,
-                        kv_head,
-                        toks: toks.clone(),
-                        diag: ctx + t0,
-                        k0: bound(p),
-                        k1: if p + 1 == parts {
-                            ctx + t1
-                        } else {
-                            bound(p + 1)
-                        },
-                        merged: parts > 1,
-                        first: p == 0,
-                    });
-                }
-                if parts > 1 {
-                    merge_rows += (t1 - t0) * g;
-                }
-            }
-        }
-    }
-    // Costliest first (keys times rows, plus a per-key share), so the dynamic hand-out below
-    // ends with cheap tasks.
-    tasks.sort_by_key(|t| std::cmp::Reverse((t.k1 - t.k0) * (t.rows(g) + 2 * RB)));
-    // Task-major output: task i owns its rows' `head_dim` values, then each row's running
-    // max and sum.
-    let mut scratch = vec![0f32; tasks.iter().map(|t| t.rows(g) * (hd + 2)).sum()];
+    let shape = plan.shape;
+    let (g, hd) = (shape.heads / shape.kv_heads, shape.head_dim);
+    let tasks = &plan.tasks;
     {
         let mut pieces = Vec::with_capacity(tasks.len());
-        let mut rest = scratch.as_mut_slice();
-        for t in &tasks {
+        let mut rest = plan.scratch.as_mut_slice();
+        for t in tasks {
             let (a, b) = rest.split_at_mut(t.rows(g) * (hd + 2));
             pieces.push(Mutex::new(a));
             rest = b;
@@ -342,7 +379,7 @@ fn attend_with(
         let next = AtomicUsize::new(0);
         // Sized for the largest task, not for `QB` tokens: a decode step's tasks have a
         // few rows, and this is allocated per thread and layer.
-        let max_rows = tasks.iter().map(|t| t.rows(g)).max().unwrap_or(0);
+        let max_rows = plan.max_rows;
         pool.run(&|_, _| {
             let mut buf = Scratch::new(max_rows, hd);
             loop {
@@ -371,7 +408,7 @@ fn attend_with(
             }
         });
     }
-    write_out(&tasks, &scratch, shape, merge_rows, out);
+    write_out(tasks, &plan.scratch, shape, plan.merge_rows, out);
 }
 
 /// Fewest context keys that sequences must share for [`shared_prefixes`] to group them.
@@ -1330,11 +1367,15 @@ mod tests {
         }
         let w = kvh * hd;
         let layer = 1;
-        // Keys with a large common component make the softmax peaked in places.
-        for &slot in &free[..total] {
-            let k: Vec<f32> = (0..w).map(|_| rng.next() * 3.0).collect();
-            let v: Vec<f32> = (0..w).map(|_| rng.next()).collect();
-            kv.write(layer, slot, &k, &v).unwrap();
+        // Keys with a large common component make the softmax peaked in places. Layer 0
+        // holds other rows, read first with the same plan.
+        for li in [0, layer] {
+            for &slot in &free[..total] {
+                let k: Vec<f32> = (0..w).map(|_| rng.next() * 3.0).collect();
+                let shift = if li == layer { 0.0 } else { 2.0 };
+                let v: Vec<f32> = (0..w).map(|_| rng.next() + shift).collect();
+                kv.write(li, slot, &k, &v).unwrap();
+            }
         }
         let mut parts = Vec::new();
         let mut at = common;
@@ -1376,7 +1417,10 @@ mod tests {
                 rows: &padded,
                 stride,
             };
-            attend_with(isa, &pool, &kv, layer, shape, q, &seqs, &mut out);
+            // The plan serves every layer: a stale output of layer 0 must not leak into layer 1.
+            let mut work = Plan::new(&seqs, shape, pool.threads());
+            attend_with(isa, &pool, &kv, 0, q, &mut work, &mut out);
+            attend_with(isa, &pool, &kv, layer, q, &mut work, &mut out);
             let (mut num, mut den) = (0f64, 0f64);
             for (a, b) in out.iter().zip(&want) {
                 num += (*a as f64 - b).powi(2);

@@ -75,6 +75,7 @@ impl Llama {
             kv_heads: kvh,
             head_dim: hd,
         };
+        let mut plan = attend::Plan::new(seqs, shape, pool.threads());
         for (li, b) in self.blocks.iter().enumerate() {
             rms_norm(&x, &b.attn_norm_vals, eps, &mut xn);
             b.qkv.forward(&xn, n, &mut qkv)?;
@@ -87,7 +88,7 @@ impl Llama {
                 rows: &qkv,
                 stride: qkv_w,
             };
-            attend::attend(pool, kv, li, shape, q, seqs, &mut att);
+            attend::attend(pool, kv, li, q, &mut plan, &mut att);
             b.o.forward_rows(&att, n, &mut y)?;
             add_into(&mut x, &y);
             rms_norm(&x, &b.ffn_norm_vals, eps, &mut xn);
