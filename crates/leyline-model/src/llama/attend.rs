@@ -31,7 +31,7 @@ use std::sync::Mutex;
 /// Keys per block.
 const KB: usize = 64;
 /// Query tokens per task.
-const QB: usize = 32;
+const QB: usize = 64;
 /// Query rows per register block.
 const RB: usize = 4;
 /// Head-dim lanes per value accumulator row in the portable kernel; the x86 kernels use
@@ -1508,7 +1508,7 @@ mod tests {
                 (1030, 1, 1024),
             ],
             // More members than one task holds (chunks of QB).
-            &[(640, 1, 600); 40],
+            &[(640, 1, 600); QB + 6],
         ];
         for plan in plans {
             for threads in [1, 2, 8] {
@@ -1545,6 +1545,8 @@ mod tests {
             &[(0, 70)],
             &[(130, 1), (5, 3), (0, 17)],
             &[(300, 33), (64, 64), (63, 2)],
+            // Several blocks of query tokens, the last one partial.
+            &[(100, 2 * QB + 22)],
             // Decode shapes with long contexts: the context is split over several tasks.
             &[(1000, 1)],
             &[(2100, 1), (700, 2)],
