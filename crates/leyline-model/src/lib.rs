@@ -15,6 +15,7 @@ mod fastmath;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
+mod panel;
 pub mod pool;
 pub mod qmatmul;
 pub mod registry;

@@ -4,6 +4,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::panel::Panels;
 use crate::pool::SpinPool;
 use crate::qmatmul::{KernelPath, QMatrix};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -26,8 +27,22 @@ enum F32Weight {
     /// of 17 / 128 / 512 rows took 1.16 / 3.98 / 11.1 ms that way against 0.61 / 3.51 / 11.3
     /// ms in place (1 thread, hot caches), and SmolLM2's prefill of 128 tokens gained 12%.
     ColMajor(HugeBuf<f32>),
+    /// `W` in panels of 64 outputs, streamed as they lie by [`Panels::matmul`]; where the CPU
+    /// has AVX-512F, instead of `ColMajor`.
+    Panels(Panels),
     /// Row-major, shared with an embedding table (a tied head); packed per call.
     Shared(Tensor),
+}
+
+impl F32Weight {
+    /// The form this CPU multiplies fastest, from `W` column-major.
+    fn owned(wt: HugeBuf<f32>, out: usize, inp: usize) -> Self {
+        if Panels::available() {
+            Self::Panels(Panels::from_col_major(&wt, out, inp))
+        } else {
+            Self::ColMajor(wt)
+        }
+    }
 }
 
 /// Rows at or below this count use the quantized weights when they exist. With AVX-512 the
@@ -73,7 +88,7 @@ impl Linear {
         let t = w.t()?.contiguous()?;
         let mut wt = HugeBuf::zeroed(out * inp);
         with_f32_rows(&t, |src| wt.copy_from_slice(src))?;
-        Self::build(F32Weight::ColMajor(wt), out, inp, q, b)
+        Self::build(F32Weight::owned(wt, out, inp), out, inp, q, b)
     }
 
     /// A head tied to the embedding table `embed: [vocab, hidden]`, sharing its storage.
@@ -175,6 +190,7 @@ impl Linear {
                 F32Weight::ColMajor(wt) => {
                     gemm_into(self.out, self.inp, wt, (1, self.out), x, m, y)
                 }
+                F32Weight::Panels(p) => p.matmul(SpinPool::global(), x, m, y),
                 F32Weight::Shared(t) => with_f32_rows(t, |w| {
                     gemm_into(self.out, self.inp, w, (self.inp, 1), x, m, y);
                 })?,
@@ -186,8 +202,8 @@ impl Linear {
 }
 
 /// Layers that read one input (Q/K/V, gate/up), run as one product. Their f32 weights are
-/// concatenated along the output, so many rows make one GEMM: the input is packed once and
-/// the threads split one wide product instead of three narrow ones. Few rows run the
+/// concatenated along the output, so many rows make one product: the threads split one
+/// wide product, each row's input read once, instead of three narrow ones. Few rows run the
 /// parts' quantized weights in one region of the global [`SpinPool`].
 pub struct FusedLinear {
     /// The concatenated f32 weight and bias; no quantized form.
@@ -226,7 +242,8 @@ impl FusedLinear {
         let mut q = Some(Vec::with_capacity(parts.len()));
         for p in parts {
             match p.w {
-                F32Weight::ColMajor(wt) => cols.push((p.out, wt)),
+                F32Weight::ColMajor(wt) => cols.push((p.out, wt.to_vec())),
+                F32Weight::Panels(panels) => cols.push((p.out, panels.to_col_major())),
                 F32Weight::Shared(_) => {
                     return Err(ModelError::Input("a shared weight cannot be fused".into()))
                 }
@@ -246,7 +263,7 @@ impl FusedLinear {
             }
         }
         let whole = Linear {
-            w: F32Weight::ColMajor(wt),
+            w: F32Weight::owned(wt, out, inp),
             out,
             inp,
             q: None,
@@ -407,14 +424,22 @@ mod tests {
         let b = values(out, 2);
         let wt = Tensor::from_vec(w.clone(), (out, inp), &Device::Cpu).unwrap();
         let bt = Tensor::from_vec(b.clone(), out, &Device::Cpu).unwrap();
-        let owned = Linear::from_parts(wt.clone(), None, Some(bt)).unwrap();
+        let owned = Linear::from_parts(wt.clone(), None, Some(bt.clone())).unwrap();
+        // gemm on the column-major weight, which `owned` holds only without AVX-512.
+        let mut cm = HugeBuf::zeroed(out * inp);
+        for (k, row) in cm.chunks_exact_mut(out).enumerate() {
+            for (i, v) in row.iter_mut().enumerate() {
+                *v = w[i * inp + k];
+            }
+        }
+        let col_major = Linear::build(F32Weight::ColMajor(cm), out, inp, None, Some(bt)).unwrap();
         let tied = Linear::tied(&wt, None).unwrap();
-        for m in [1, 3, 16, 17, 64, 65, 130] {
+        for m in [1, 3, 16, 17, 64, 65, 97, 130] {
             let x = values(m * inp, 3 + m as u64);
             let want = reference(&w, &b, &x, m, out, inp);
             let zero = vec![0f32; out];
             let want_tied = reference(&w, &zero, &x, m, out, inp);
-            for (layer, want) in [(&owned, &want), (&tied, &want_tied)] {
+            for (layer, want) in [(&owned, &want), (&col_major, &want), (&tied, &want_tied)] {
                 let mut y = vec![f32::NAN; m * out];
                 layer.forward_rows(&x, m, &mut y).unwrap();
                 for (i, (&got, &exp)) in y.iter().zip(want.iter()).enumerate() {
