@@ -289,6 +289,50 @@ impl ProbeOutcome {
     }
 }
 
+/// Lower edges of the reference-margin bands that [`by_reference_margin`] reports; the last
+/// band is open above.
+pub const MARGIN_BANDS: [f32; 5] = [0.0, 0.1, 0.25, 0.5, 1.0];
+
+/// Agreement among the probes whose unedited reference leads by a margin in `[lo, hi)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MarginBand {
+    /// Lowest reference margin of the band (inclusive).
+    pub lo: f32,
+    /// Upper bound (exclusive); infinite for the last band.
+    pub hi: f32,
+    /// Probes in the band.
+    pub probes: usize,
+    /// Of those, AMORTIZE = full context.
+    pub agree_full: usize,
+    /// Of those, FORGET = full context.
+    pub forget_agree_full: usize,
+}
+
+/// Outcomes grouped by the reference's top1 - top2 margin into bands starting at each of
+/// `edges` (ascending). A near-tie of the reference flips on any change of context, so the
+/// bands separate misses of the splice from those of an undecided model. Probes below the
+/// first edge are not counted.
+pub fn by_reference_margin(outcomes: &[ProbeOutcome], edges: &[f32]) -> Vec<MarginBand> {
+    edges
+        .iter()
+        .enumerate()
+        .map(|(i, &lo)| {
+            let hi = edges.get(i + 1).copied().unwrap_or(f32::INFINITY);
+            let inside: Vec<&ProbeOutcome> = outcomes
+                .iter()
+                .filter(|o| o.full.1 >= lo && o.full.1 < hi)
+                .collect();
+            MarginBand {
+                lo,
+                hi,
+                probes: inside.len(),
+                agree_full: inside.iter().filter(|o| o.agree_full()).count(),
+                forget_agree_full: inside.iter().filter(|o| o.forget_agree_full()).count(),
+            }
+        })
+        .collect()
+}
+
 /// A new session whose cache holds exactly `tokens` (prefilled by one request, reusing
 /// whatever prefix the tree holds; the generated token, if cached, is dropped).
 ///
@@ -759,6 +803,60 @@ mod tests {
         assert_eq!(top_margin(&[0.5, 3.0, 2.5, -1.0]), (1, 0.5));
         assert_eq!(top_margin(&[2.0, 2.0]), (0, 0.0));
         assert_eq!(top_margin(&[1.0]), (0, 0.0));
+    }
+
+    fn outcome(full: (u32, f32), amortize: u32, forget: u32) -> ProbeOutcome {
+        ProbeOutcome {
+            label: String::new(),
+            tokens: 0,
+            removed: 0,
+            stub: 0,
+            downstream: 0,
+            full,
+            amortize: (amortize, 0.0),
+            forget: (forget, 0.0),
+            amortize_gap_in_full: 0.0,
+            amortize_forget_max_diff: 0.0,
+            amortize_report: EditReport {
+                mode: Mode::Amortize,
+                directives: 1,
+                reused: 0,
+                rotated: 0,
+                copied: 0,
+                prefilled: 0,
+                zeroed: 0,
+                new_len: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn margin_bands_split_at_their_edges() {
+        let o = [
+            outcome((7, 0.05), 8, 8), // near-tie: both arms move
+            outcome((7, 0.1), 7, 8),  // on an edge: the upper band
+            outcome((7, 0.3), 7, 7),  // agrees
+            outcome((7, 0.49), 9, 7), // AMORTIZE alone moves
+            outcome((7, 5.0), 7, 7),  // open last band
+            outcome((7, -1.0), 7, 7), // below the first edge: not counted
+        ];
+        let bands = by_reference_margin(&o, &[0.0, 0.1, 0.25, 1.0]);
+        let rows: Vec<(f32, usize, usize, usize)> = bands
+            .iter()
+            .map(|b| (b.lo, b.probes, b.agree_full, b.forget_agree_full))
+            .collect();
+        assert_eq!(
+            rows,
+            vec![
+                (0.0, 1, 0, 0),
+                (0.1, 1, 1, 0),
+                (0.25, 2, 1, 2),
+                (1.0, 1, 1, 1)
+            ]
+        );
+        assert_eq!(bands[0].hi, 0.1);
+        assert!(bands[3].hi.is_infinite());
+        assert!(by_reference_margin(&o, &[]).is_empty());
     }
 
     fn traj(id: &str, messages: Vec<Message>) -> Trajectory {

@@ -11,8 +11,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use leyline_engine::fidelity::{
-    build_probes, chained_shift_drift, run_probe, splice_deltas, synthetic_probes, Probe,
-    ProbeOptions, ProbeOutcome, RotationMath, SyntheticOptions, PROBE_STUB, SYNTHETIC_MIN_TOKENS,
+    build_probes, by_reference_margin, chained_shift_drift, run_probe, splice_deltas,
+    synthetic_probes, Probe, ProbeOptions, ProbeOutcome, RotationMath, SyntheticOptions,
+    MARGIN_BANDS, PROBE_STUB, SYNTHETIC_MIN_TOKENS,
 };
 use leyline_engine::{ChatRenderer, Engine, EngineConfig};
 use leyline_kv::{KvDtype, KvStorage};
@@ -388,6 +389,18 @@ fn print_json(
             })
         })
         .collect();
+    let bands: Vec<serde_json::Value> = by_reference_margin(o, &MARGIN_BANDS)
+        .iter()
+        .map(|b| {
+            serde_json::json!({
+                "full_margin_from": b.lo,
+                "full_margin_below": if b.hi.is_finite() { Some(b.hi) } else { None },
+                "probes": b.probes,
+                "agree_full": b.agree_full,
+                "forget_agree_full": b.forget_agree_full,
+            })
+        })
+        .collect();
     let info = lm.model().info();
     let (traces, seed) = match source {
         Source::Traces(p) => (Some(p.display().to_string()), None),
@@ -408,6 +421,7 @@ fn print_json(
             "agree_full": count(o, ProbeOutcome::agree_full),
             "agree_forget": count(o, ProbeOutcome::agree_forget),
             "forget_agree_full": count(o, ProbeOutcome::forget_agree_full),
+            "by_full_margin": bands,
             "median_tokens": median(o.iter().map(|p| p.tokens).collect()),
             "median_downstream": median(o.iter().map(|p| p.downstream).collect()),
             "drift_tokens": a.drift_tokens,
@@ -455,6 +469,21 @@ fn print_tables(
         median(o.iter().map(|p| p.tokens).collect()),
         median(o.iter().map(|p| p.downstream).collect()),
     );
+    println!("By the reference's margin (top1 - top2 logit of the unedited context; a near-tie flips on any change of context):\n");
+    println!("| reference margin | probes | AMORTIZE = full context | FORGET = full context |");
+    println!("|---|---|---|---|");
+    for b in by_reference_margin(o, &MARGIN_BANDS) {
+        let band = if b.hi.is_finite() {
+            format!("{:.2} - {:.2}", b.lo, b.hi)
+        } else {
+            format!(">= {:.2}", b.lo)
+        };
+        println!(
+            "| {band} | {} | {}/{} | {}/{} |",
+            b.probes, b.agree_full, b.probes, b.forget_agree_full, b.probes
+        );
+    }
+    println!();
     // Disagreements first, then the nearest ties of the reference.
     let mut rows: Vec<&ProbeOutcome> = o.iter().collect();
     rows.sort_by(|x, y| {
