@@ -40,6 +40,29 @@ fn verify_json_reports_consistent_agreement_and_drift() {
         let counted = per.iter().filter(|p| p[field] == true).count() as u64;
         assert_eq!(total, counted, "{key} disagrees with the per-probe records");
     }
+    // The margin bands start at 0 and are open above: every probe falls in exactly one.
+    let bands = v["by_full_margin"].as_array().expect("by_full_margin");
+    let sum = |f: &str| bands.iter().map(|b| b[f].as_u64().unwrap()).sum::<u64>();
+    assert_eq!(sum("probes"), n, "{bands:?}");
+    assert_eq!(sum("agree_full"), v["agree_full"].as_u64().unwrap());
+    assert_eq!(
+        sum("forget_agree_full"),
+        v["forget_agree_full"].as_u64().unwrap()
+    );
+    for b in bands {
+        let (lo, hi) = (
+            b["full_margin_from"].as_f64().unwrap(),
+            &b["full_margin_below"],
+        );
+        let inside = per
+            .iter()
+            .filter(|p| {
+                let m = p["full_margin"].as_f64().unwrap();
+                m >= lo && hi.as_f64().is_none_or(|h| m < h)
+            })
+            .count() as u64;
+        assert_eq!(b["probes"].as_u64().unwrap(), inside, "{b}");
+    }
     for p in per {
         let tokens = p["tokens"].as_u64().unwrap();
         assert!(tokens <= 2600, "probe over the token budget: {p}");
