@@ -291,15 +291,15 @@ impl ProbeOutcome {
 
 /// Lower edges of the reference-margin bands that [`by_reference_margin`] reports; the last
 /// band is open above.
-pub const MARGIN_BANDS: [f32; 5] = [0.0, 0.1, 0.25, 0.5, 1.0];
+pub const MARGIN_BANDS: [f64; 5] = [0.0, 0.1, 0.25, 0.5, 1.0];
 
 /// Agreement among the probes whose unedited reference leads by a margin in `[lo, hi)`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MarginBand {
     /// Lowest reference margin of the band (inclusive).
-    pub lo: f32,
+    pub lo: f64,
     /// Upper bound (exclusive); infinite for the last band.
-    pub hi: f32,
+    pub hi: f64,
     /// Probes in the band.
     pub probes: usize,
     /// Of those, AMORTIZE = full context.
@@ -312,15 +312,15 @@ pub struct MarginBand {
 /// `edges` (ascending). A near-tie of the reference flips on any change of context, so the
 /// bands separate misses of the splice from those of an undecided model. Probes below the
 /// first edge are not counted.
-pub fn by_reference_margin(outcomes: &[ProbeOutcome], edges: &[f32]) -> Vec<MarginBand> {
+pub fn by_reference_margin(outcomes: &[ProbeOutcome], edges: &[f64]) -> Vec<MarginBand> {
     edges
         .iter()
         .enumerate()
         .map(|(i, &lo)| {
-            let hi = edges.get(i + 1).copied().unwrap_or(f32::INFINITY);
+            let hi = edges.get(i + 1).copied().unwrap_or(f64::INFINITY);
             let inside: Vec<&ProbeOutcome> = outcomes
                 .iter()
-                .filter(|o| o.full.1 >= lo && o.full.1 < hi)
+                .filter(|o| (lo..hi).contains(&f64::from(o.full.1)))
                 .collect();
             MarginBand {
                 lo,
@@ -833,15 +833,15 @@ mod tests {
     #[test]
     fn margin_bands_split_at_their_edges() {
         let o = [
-            outcome((7, 0.05), 8, 8), // near-tie: both arms move
-            outcome((7, 0.1), 7, 8),  // on an edge: the upper band
-            outcome((7, 0.3), 7, 7),  // agrees
-            outcome((7, 0.49), 9, 7), // AMORTIZE alone moves
-            outcome((7, 5.0), 7, 7),  // open last band
-            outcome((7, -1.0), 7, 7), // below the first edge: not counted
+            outcome((7, 0.05), 8, 8),  // near-tie: both arms move
+            outcome((7, 0.125), 7, 8), // on an edge: the upper band
+            outcome((7, 0.3), 7, 7),   // agrees
+            outcome((7, 0.49), 9, 7),  // AMORTIZE alone moves
+            outcome((7, 5.0), 7, 7),   // open last band
+            outcome((7, -1.0), 7, 7),  // below the first edge: not counted
         ];
-        let bands = by_reference_margin(&o, &[0.0, 0.1, 0.25, 1.0]);
-        let rows: Vec<(f32, usize, usize, usize)> = bands
+        let bands = by_reference_margin(&o, &[0.0, 0.125, 0.25, 1.0]);
+        let rows: Vec<(f64, usize, usize, usize)> = bands
             .iter()
             .map(|b| (b.lo, b.probes, b.agree_full, b.forget_agree_full))
             .collect();
@@ -849,12 +849,12 @@ mod tests {
             rows,
             vec![
                 (0.0, 1, 0, 0),
-                (0.1, 1, 1, 0),
+                (0.125, 1, 1, 0),
                 (0.25, 2, 1, 2),
                 (1.0, 1, 1, 1)
             ]
         );
-        assert_eq!(bands[0].hi, 0.1);
+        assert_eq!(bands[0].hi, 0.125);
         assert!(bands[3].hi.is_infinite());
         assert!(by_reference_margin(&o, &[]).is_empty());
     }
