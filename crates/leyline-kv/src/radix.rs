@@ -477,16 +477,31 @@ impl PrefixCache {
     /// too few free. Returns the slots and what the eviction dropped.
     ///
     /// # Errors
-    /// [`KvError::PoolExhausted`] when even after eviction too few slots are free (the
-    /// eviction stays done).
+    /// [`KvError::PoolExhausted`] when even eviction could not free enough; the tree and the
+    /// pool are then unchanged (nothing is evicted for nothing).
     pub fn alloc_evicting(&mut self, n: usize) -> Result<(Vec<u32>, Removed)> {
         let free = self.pool.free_count();
-        let removed = if n > free {
-            self.evict(n - free)
-        } else {
-            Removed::default()
-        };
+        if n <= free {
+            return Ok((self.pool.alloc(n)?, Removed::default()));
+        }
+        if free + self.reclaimable() < n {
+            return Err(KvError::PoolExhausted { requested: n, free });
+        }
+        let removed = self.evict(n - free);
         Ok((self.pool.alloc(n)?, removed))
+    }
+
+    /// Slots that evicting every unlocked entry would free: those held by an unlocked,
+    /// reachable node and by nothing else. A lower bound (a slot stored twice in the tree is
+    /// not counted); `O(tree)`.
+    pub fn reclaimable(&self) -> usize {
+        self.arena
+            .iter()
+            .filter_map(|e| e.node.as_ref())
+            .filter(|n| n.parent.is_some() && !n.detached && n.lock_ref == 0)
+            .flat_map(|n| &n.slots)
+            .filter(|&&s| self.pool.refcount(s).is_ok_and(|r| r == 1))
+            .count()
     }
 
     /// Drops from `ns` every cached entry at position `from` or later along the path of

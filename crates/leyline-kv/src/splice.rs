@@ -4,7 +4,13 @@
 //! [`DirectiveBatch`] and the fresh slots the caller allocated for each replacement, it
 //! computes the new slot list and positions, the slots the sequence drops, the slots to
 //! rotate (grouped by delta, so one cos/sin table serves a group across every layer) and,
-//! optionally, the copies a copy-on-write needs first. It touches no storage.
+//! optionally, the copies a copy-on-write needs first. It touches no storage;
+//! [`apply_splice`] carries a plan out on the pool, the tree and the storage as one
+//! operation with a rollback.
+
+mod apply;
+
+pub use apply::{apply_splice, PrefillJob, SpliceError, SpliceTarget, Spliced};
 
 use crate::error::{KvError, Result};
 use leyline_core::{DirectiveBatch, Mode, Pos};

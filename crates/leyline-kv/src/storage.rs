@@ -224,6 +224,21 @@ impl Rows {
     }
 }
 
+/// Key-part rows saved by [`KvStorage::save_k`]: every layer's rows of some slots.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct KRowsBackup {
+    slots: Vec<u32>,
+    f32s: Vec<f32>,
+    halves: Vec<u16>,
+}
+
+impl KRowsBackup {
+    /// The slots whose rows it holds.
+    pub fn slots(&self) -> &[u32] {
+        &self.slots
+    }
+}
+
 struct LayerRows {
     k: Rows,
     v: Rows,
@@ -431,6 +446,69 @@ impl KvStorage {
             }
         }
         Ok(true)
+    }
+
+    /// The key-part rows of `slots` in every layer, bit-exact, so that an in-place rotation
+    /// can be undone ([`Self::restore_k`]).
+    ///
+    /// # Errors
+    /// Out-of-range slot; nothing is saved then.
+    pub fn save_k(&self, slots: &[u32]) -> Result<KRowsBackup> {
+        for &s in slots {
+            self.check_slot(s)?;
+        }
+        let kw = self.geometry.k_width();
+        let mut out = KRowsBackup {
+            slots: slots.to_vec(),
+            ..KRowsBackup::default()
+        };
+        for l in &self.layers {
+            for &s in slots {
+                let at = s as usize * kw;
+                match &l.k {
+                    Rows::F32(b) => out.f32s.extend_from_slice(&b[at..at + kw]),
+                    Rows::F16(b) | Rows::Bf16(b) => out.halves.extend_from_slice(&b[at..at + kw]),
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes back what [`Self::save_k`] saved, bit for bit.
+    ///
+    /// # Errors
+    /// A backup taken from storage of another shape or dtype; nothing is written then.
+    pub fn restore_k(&mut self, backup: &KRowsBackup) -> Result<()> {
+        let kw = self.geometry.k_width();
+        let want = backup.slots.len() * kw * self.layers.len();
+        let got = match self.dtype {
+            KvDtype::F32 => backup.f32s.len(),
+            KvDtype::F16 | KvDtype::Bf16 => backup.halves.len(),
+        };
+        if got != want {
+            return Err(KvError::WidthMismatch {
+                what: "key backup",
+                expected: want,
+                got,
+            });
+        }
+        for &s in &backup.slots {
+            self.check_slot(s)?;
+        }
+        let mut i = 0;
+        for l in &mut self.layers {
+            for &s in &backup.slots {
+                let at = s as usize * kw;
+                match &mut l.k {
+                    Rows::F32(b) => b[at..at + kw].copy_from_slice(&backup.f32s[i..i + kw]),
+                    Rows::F16(b) | Rows::Bf16(b) => {
+                        b[at..at + kw].copy_from_slice(&backup.halves[i..i + kw])
+                    }
+                }
+                i += kw;
+            }
+        }
+        Ok(())
     }
 
     /// Mutable key-part rows of `layer` (`[capacity, k_width]`) for rotation kernels.

@@ -210,6 +210,7 @@ impl World {
                     slots = m.slots;
                 }
                 let before = self.cache.pool().free_count();
+                let stored_before = self.cache.total_size();
                 let need = tokens.len() - slots.len();
                 match self.cache.alloc_evicting(need) {
                     Ok((fresh, removed)) => {
@@ -230,7 +231,10 @@ impl World {
                     }
                     Err(e) => {
                         prop_assert!(matches!(e, KvError::PoolExhausted { .. }), "{:?}", e);
-                        prop_assert_eq!(self.cache.evictable_size(), 0);
+                        // A refused allocation evicts nothing: the cache is as it was.
+                        prop_assert_eq!(self.cache.pool().free_count(), before);
+                        prop_assert_eq!(self.cache.total_size(), stored_before);
+                        prop_assert!(before + self.cache.reclaimable() < need);
                         self.sync_after_evict()?;
                         self.cache.pool_mut().release_all(&slots).unwrap();
                         return Ok(());

@@ -196,6 +196,15 @@ fn alloc_evicting_and_exhaustion() {
         })
     );
     c.check_invariants().unwrap();
+    // A refused allocation evicts nothing: the cached entry that could not make room stays.
+    c.pool_mut().release_all(&s).unwrap();
+    put(&mut c, NS, &[7]);
+    assert_eq!(c.reclaimable(), 1);
+    let held = c.pool_mut().alloc(3).unwrap();
+    assert!(c.alloc_evicting(2).is_err());
+    assert_eq!((c.total_size(), c.pool().free_count()), (1, 0));
+    assert_eq!(c.alloc_evicting(1).unwrap().1.freed.len(), 1);
+    c.pool_mut().release_all(&held).unwrap();
 }
 
 #[test]

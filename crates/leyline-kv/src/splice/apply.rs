@@ -1,0 +1,371 @@
+//! Applying an AMORTIZE splice to the pool, the tree and the storage as one operation:
+//! plan, then mutate, then commit, or roll back to exactly where it started.
+//!
+//! Order of work:
+//! 1. **Plan** (no visible change): allocate the replacements' slots and the copy-on-write
+//!    targets (an allocation that cannot succeed evicts nothing), compute every rotation
+//!    table, check every slot against the storage.
+//! 2. **Mutate**: copy shared downstream slots, then for each replacement in order rotate the
+//!    kept segments before it and let the caller prefill it (the model lives above this
+//!    crate); the segment after the last replacement is rotated last.
+//! 3. **Commit**: positions, lineages and revocations of the new slot list; the sequence's
+//!    references on removed and copied-from slots are dropped.
+//!
+//! A failure in a prefill rolls back: keys rotated in place are restored bit for bit from a
+//! backup (taken only for segments rotated before a prefill that could still fail), the
+//! fresh slots are zeroed and released in the reverse order of their allocation (so the free
+//! list is as before), and the caller's sequence, tree and slot metadata were never touched.
+//! The single-directive splice, the common case, needs no backup: its only downstream
+//! segment is rotated after its only prefill.
+
+use super::{SplicePlan, SpliceRequest};
+use crate::error::{KvError, Result};
+use crate::radix::PrefixCache;
+use crate::rope::{RopeSpec, Rotation};
+use crate::rotate::{shift_rows_with, shift_table, KernelPath};
+use crate::slots::Lineage;
+use crate::storage::{KRowsBackup, KvStorage};
+use leyline_core::DirectiveBatch;
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+
+/// The sequence a splice edits, as its owner holds it: one pool reference per slot.
+#[derive(Debug, Clone, Copy)]
+pub struct SpliceTarget<'a> {
+    /// The sequence's slots, one per token.
+    pub slots: &'a [u32],
+    /// The owner's lineage: slots computed after an edit carry it.
+    pub lineage: Lineage,
+    /// Slots before this index hold lineage-free KV (computed from their tokens alone).
+    pub clean_len: usize,
+}
+
+/// One replacement to prefill, handed to the caller's prefill function.
+#[derive(Debug, Clone)]
+pub struct PrefillJob<'a> {
+    /// Which directive (in sorted order).
+    pub index: usize,
+    /// The replacement's tokens.
+    pub tokens: &'a [u32],
+    /// Their positions in the edited sequence.
+    pub positions: Range<usize>,
+    /// The slots before them in the edited sequence (already rotated to their new
+    /// positions): what they attend to.
+    pub context: &'a [u32],
+    /// Fresh slots to write, one per token.
+    pub slots: &'a [u32],
+}
+
+/// What a committed splice did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Spliced {
+    /// The edited sequence's slots; the owner holds one reference on each.
+    pub slots: Vec<u32>,
+    /// The new [`SpliceTarget::clean_len`].
+    pub clean_len: usize,
+    /// Kept slots whose keys were rotated.
+    pub rotated: usize,
+    /// Shared slots copied before rotation.
+    pub copied: usize,
+    /// Replacement tokens prefilled.
+    pub prefilled: usize,
+    /// Slots the allocations freed by evicting unlocked prefix-cache entries.
+    pub evicted: usize,
+}
+
+/// Where a splice failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SpliceError<E> {
+    /// The KV layer refused (pool exhausted, a rope that cannot shift, bad input); nothing
+    /// changed.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// The caller's prefill of a replacement failed; everything was rolled back.
+    #[error("prefilling replacement {index} failed: {source}")]
+    Prefill {
+        /// The directive (sorted order).
+        index: usize,
+        /// The prefill's error.
+        source: E,
+    },
+}
+
+/// Applies the validated AMORTIZE `batch` to `target`: see the module docs for the order
+/// and the rollback. `prefill` computes one replacement's KV into its fresh slots.
+///
+/// On success the caller replaces its slot list by [`Spliced::slots`] (its references on
+/// them are already in place, those on dropped slots already given back).
+///
+/// # Errors
+/// [`SpliceError::Kv`] before anything changed (pool exhausted after eviction, a rope
+/// scaling that does not compose, inconsistent input); [`SpliceError::Prefill`] after a
+/// complete rollback. Either way the target, the tree, the slot metadata and every byte of
+/// storage that a sequence or the tree can read are as before; an eviction that made room
+/// for a splice whose prefill then failed stays done.
+pub fn apply_splice<E>(
+    cache: &mut PrefixCache,
+    kv: &mut KvStorage,
+    rope: &RopeSpec,
+    target: SpliceTarget<'_>,
+    batch: &DirectiveBatch,
+    mut prefill: impl FnMut(&mut KvStorage, PrefillJob<'_>) -> std::result::Result<(), E>,
+) -> std::result::Result<Spliced, SpliceError<E>> {
+    let mut txn = Txn::plan(cache, kv, rope, target, batch)?;
+    let directives = batch.directives();
+    for (i, d) in directives.iter().enumerate() {
+        let range = txn.plan.prefill[i].clone();
+        if range.is_empty() {
+            continue;
+        }
+        // The segments before this replacement must sit at their new positions; a later
+        // prefill can still fail, so keys rotated in place now are backed up.
+        txn.rotate_before(kv, range.start, true);
+        let job = PrefillJob {
+            index: i,
+            tokens: &d.replacement,
+            positions: range.clone(),
+            context: &txn.plan.new_slots[..range.start],
+            slots: &txn.plan.new_slots[range.clone()],
+        };
+        if let Err(source) = prefill(kv, job) {
+            txn.rollback(cache, kv);
+            return Err(SpliceError::Prefill { index: i, source });
+        }
+    }
+    txn.rotate_before(kv, usize::MAX, false);
+    Ok(txn.commit(cache))
+}
+
+/// A splice between plan and commit.
+struct Txn {
+    plan: SplicePlan,
+    /// Fresh slots of the replacements, then of the copies, in allocation order.
+    fresh: Vec<u32>,
+    copies_from: usize,
+    /// Kept segments with a non-zero delta, in sequence order: new-index range and table.
+    rotations: Vec<(Range<usize>, Rotation)>,
+    /// Rotations done so far.
+    rotated: usize,
+    /// Slots the sequence owns alone (rotated in place, not copied).
+    owned: HashSet<u32>,
+    backups: Vec<KRowsBackup>,
+    path: KernelPath,
+    lineage: Lineage,
+    clean_len: usize,
+    evicted: usize,
+}
+
+impl Txn {
+    fn plan(
+        cache: &mut PrefixCache,
+        kv: &mut KvStorage,
+        rope: &RopeSpec,
+        target: SpliceTarget<'_>,
+        batch: &DirectiveBatch,
+    ) -> Result<Self> {
+        // Tables first: a rope that cannot shift refuses before any allocation.
+        let segments = batch.segments();
+        let mut tables: HashMap<i64, Rotation> = HashMap::new();
+        for s in segments.iter().filter(|s| s.delta != 0) {
+            if !tables.contains_key(&s.delta) {
+                tables.insert(s.delta, shift_table(rope, s.delta)?);
+            }
+        }
+        let geometry = kv.geometry();
+        for &s in target.slots {
+            if s as usize >= kv.capacity() {
+                return Err(KvError::SlotOutOfRange {
+                    slot: s,
+                    capacity: kv.capacity(),
+                });
+            }
+        }
+        let pool = cache.pool();
+        let old_positions = target
+            .slots
+            .iter()
+            .map(|&x| pool.position(x))
+            .collect::<Result<Vec<_>>>()?;
+        let shared: HashSet<u32> = target
+            .slots
+            .iter()
+            .copied()
+            .filter(|&x| pool.refcount(x).map_or(true, |r| r > 1))
+            .collect();
+
+        let n_repl: usize = batch.directives().iter().map(|d| d.replacement.len()).sum();
+        let (mut fresh, removed) = cache.alloc_evicting(n_repl)?;
+        let mut evicted = removed.freed.len();
+        let mut repl_slots = Vec::with_capacity(batch.directives().len());
+        let mut it = fresh.iter().copied();
+        for d in batch.directives() {
+            repl_slots.push(it.by_ref().take(d.replacement.len()).collect::<Vec<u32>>());
+        }
+        let copies_from = fresh.len();
+        let req = SpliceRequest {
+            old_slots: target.slots,
+            old_positions: &old_positions,
+            batch,
+            replacement_slots: &repl_slots,
+        };
+        let mut cow_alloc: Result<Vec<u32>> = Ok(Vec::new());
+        let planned = SplicePlan::with_cow(
+            &req,
+            |x| shared.contains(&x),
+            |n| match cache.alloc_evicting(n) {
+                Ok((v, removed)) => {
+                    evicted += removed.freed.len();
+                    cow_alloc = Ok(v.clone());
+                    Some(v)
+                }
+                Err(e) => {
+                    cow_alloc = Err(e);
+                    None
+                }
+            },
+        );
+        if let Ok(copies) = &cow_alloc {
+            fresh.extend_from_slice(copies);
+        }
+        let plan = match (planned, cow_alloc) {
+            (Ok(p), _) => p,
+            (Err(e), alloc) => {
+                release_reversed(cache, &fresh);
+                // The allocator's own error says more than "copy-on-write exhausted".
+                return Err(alloc.err().unwrap_or(e));
+            }
+        };
+        let rotations = plan
+            .segments
+            .iter()
+            .filter(|s| s.delta != 0 && !s.new_range.is_empty())
+            .map(|s| (s.new_range.clone(), tables[&s.delta].clone()))
+            .collect();
+        // Every kernel call below is checked now, so the mutation cannot fail half-way.
+        let path = KernelPath::detect();
+        for rot in tables.values() {
+            // Zero slots: checks the shapes and the path, rotates nothing.
+            if let Err(e) = shift_rows_with(
+                kv.k_rows_mut(0),
+                geometry.k_heads,
+                geometry.k_head_dim,
+                &[],
+                rot,
+                path,
+            ) {
+                release_reversed(cache, &fresh);
+                return Err(e);
+            }
+        }
+        let copied: HashSet<u32> = plan.cow.iter().map(|&(_, dst)| dst).collect();
+        let owned = plan
+            .to_rotate
+            .iter()
+            .map(|&(s, _)| s)
+            .filter(|s| !copied.contains(s))
+            .collect();
+        let first = &batch.directives()[0];
+        Ok(Txn {
+            plan,
+            fresh,
+            copies_from,
+            rotations,
+            rotated: 0,
+            owned,
+            backups: Vec::new(),
+            path,
+            lineage: target.lineage,
+            clean_len: target.clean_len.min(first.start + first.replacement.len()),
+            evicted,
+        })
+    }
+
+    /// Copies shared slots (once, before the first rotation) and rotates every segment not
+    /// yet rotated that starts before `end`, backing up the owned rows first if `undoable`.
+    fn rotate_before(&mut self, kv: &mut KvStorage, end: usize, undoable: bool) {
+        if self.rotated == 0 && !self.plan.cow.is_empty() {
+            // Slots were checked against the storage in `plan`.
+            let _ = kv.copy_slots(&self.plan.cow);
+        }
+        let g = kv.geometry();
+        while let Some((range, rot)) = self.rotations.get(self.rotated) {
+            if range.start >= end {
+                break;
+            }
+            let slots = &self.plan.new_slots[range.clone()];
+            if undoable {
+                let own: Vec<u32> = slots
+                    .iter()
+                    .copied()
+                    .filter(|s| self.owned.contains(s))
+                    .collect();
+                if !own.is_empty() {
+                    if let Ok(b) = kv.save_k(&own) {
+                        self.backups.push(b);
+                    }
+                }
+            }
+            for layer in 0..g.layers {
+                // Shapes, path and slots were checked in `plan`: this cannot fail.
+                let _ = shift_rows_with(
+                    kv.k_rows_mut(layer),
+                    g.k_heads,
+                    g.k_head_dim,
+                    slots,
+                    rot,
+                    self.path,
+                );
+            }
+            self.rotated += 1;
+        }
+    }
+
+    fn rollback(self, cache: &mut PrefixCache, kv: &mut KvStorage) {
+        for b in self.backups.iter().rev() {
+            let _ = kv.restore_k(b);
+        }
+        // Copies and replacements may hold session-private KV: zeroed before they go back.
+        for &s in &self.fresh {
+            let _ = kv.zero_slot(s);
+        }
+        release_reversed(cache, &self.fresh);
+    }
+
+    fn commit(self, cache: &mut PrefixCache) -> Spliced {
+        let plan = self.plan;
+        let pool = cache.pool_mut();
+        // Every slot here is held by the sequence or was just allocated: these cannot fail.
+        for (i, (&slot, &pos)) in plan.new_slots.iter().zip(&plan.new_positions).enumerate() {
+            let _ = pool.set_position(slot, pos);
+            if i >= self.clean_len {
+                let _ = pool.set_lineage(slot, self.lineage);
+            }
+        }
+        // A copy of forgotten KV is as forgotten as its source.
+        for &(src, dst) in &plan.cow {
+            if pool.is_revoked(src).unwrap_or(false) {
+                let _ = pool.revoke(dst);
+            }
+        }
+        let sources: Vec<u32> = plan.cow.iter().map(|&(src, _)| src).collect();
+        let _ = pool.release_all(&sources);
+        let _ = pool.release_all(&plan.freed);
+        Spliced {
+            rotated: plan.to_rotate.len(),
+            copied: plan.cow.len(),
+            prefilled: self.copies_from,
+            slots: plan.new_slots,
+            clean_len: self.clean_len,
+            evicted: self.evicted,
+        }
+    }
+}
+
+/// Releases freshly allocated slots in the reverse order of their allocation, which puts
+/// the free list back as it was.
+fn release_reversed(cache: &mut PrefixCache, fresh: &[u32]) {
+    let pool = cache.pool_mut();
+    for &s in fresh.iter().rev() {
+        let _ = pool.release(s);
+    }
+}

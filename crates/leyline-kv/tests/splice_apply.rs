@@ -1,0 +1,271 @@
+//! `apply_splice` is all-or-nothing: a failure injected at each step (pool exhaustion for
+//! the replacements and for the copies, a rope that cannot shift, each replacement's
+//! prefill) leaves the pool, the tree and every live byte of storage as they were, and the
+//! free list hands out the same slots next. A splice after a rolled-back one gives the same
+//! bytes as one on an untouched twin, and its rotated keys equal an independent rotation.
+
+use leyline_core::{Directive, DirectiveBatch, Mode, SessionState, ValidationContext};
+use leyline_kv::radix::{Namespace, PrefixCache};
+use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
+use leyline_kv::slots::Lineage;
+use leyline_kv::splice::{apply_splice, SpliceError, SpliceTarget};
+use leyline_kv::{KvDtype, KvError, KvGeometry, KvStorage};
+
+const GEOM: KvGeometry = KvGeometry {
+    layers: 2,
+    k_heads: 2,
+    k_head_dim: 8,
+    v_width: 12,
+};
+const LEN: usize = 12;
+const LINEAGE: Lineage = Lineage(5);
+
+/// Deterministic row values for (slot, layer, index).
+fn val(seed: u32, layer: usize, i: usize) -> f32 {
+    let x = seed.wrapping_mul(2_654_435_761) ^ (layer as u32 * 97 + i as u32 * 13);
+    ((x % 2001) as f32 - 1000.0) / 700.0
+}
+
+struct World {
+    cache: PrefixCache,
+    kv: KvStorage,
+    seq: Vec<u32>,
+}
+
+/// A 12-token sequence: tokens 0..6 also stored in the shared tree (so the moved ones among
+/// them are copied on write), the rest owned by the sequence alone; `extra` free slots more
+/// than the sequence needs, and `held` of them taken by something else.
+fn world(dtype: KvDtype, capacity: usize, held: usize) -> World {
+    let mut cache = PrefixCache::new(capacity).unwrap();
+    let mut kv = KvStorage::new(GEOM, dtype, capacity).unwrap();
+    let seq = cache.pool_mut().alloc(LEN).unwrap();
+    for (p, &s) in seq.iter().enumerate() {
+        cache.pool_mut().set_position(s, p as u32).unwrap();
+        if p >= 6 {
+            cache.pool_mut().set_lineage(s, LINEAGE).unwrap();
+        }
+        for l in 0..GEOM.layers {
+            let k: Vec<f32> = (0..GEOM.k_width()).map(|i| val(s, l, i)).collect();
+            let v: Vec<f32> = (0..GEOM.v_width).map(|i| val(s + 1000, l, i)).collect();
+            kv.write(l, s, &k, &v).unwrap();
+        }
+    }
+    let tokens: Vec<u32> = (100..100 + LEN as u32).collect();
+    cache
+        .insert(Namespace::shared(0), &tokens[..6], &seq[..6])
+        .unwrap();
+    let _ = cache.pool_mut().alloc(held).unwrap();
+    World { cache, kv, seq }
+}
+
+fn batch(ds: Vec<(usize, usize, usize)>) -> DirectiveBatch {
+    let ctx = ValidationContext {
+        seq_len: LEN,
+        vocab_size: 1000,
+        session: SessionState::Idle,
+    };
+    let ds = ds
+        .into_iter()
+        .map(|(s, e, r)| Directive::new(s, e, vec![7; r], Mode::Amortize))
+        .collect();
+    DirectiveBatch::validate(ds, &ctx).unwrap()
+}
+
+fn rope(dynamic: bool) -> RopeSpec {
+    let mut r = RopeSpec::plain(10_000.0, GEOM.k_head_dim, RotaryLayout::Neox);
+    if dynamic {
+        r.scaling = RopeScaling::DynamicNtk {
+            factor: 2.0,
+            original_max_position: 64.0,
+        };
+    }
+    r
+}
+
+/// Everything a sequence or the tree can observe, plus the next slots the free list gives.
+fn snapshot(w: &World) -> String {
+    let pool = w.cache.pool();
+    let mut out = String::new();
+    for s in 0..pool.capacity() as u32 {
+        let rc = pool.refcount(s).unwrap();
+        out.push_str(&format!("{s}:{rc}"));
+        if rc > 0 {
+            out.push_str(&format!(
+                ",{},{},{}",
+                pool.position(s).unwrap(),
+                pool.lineage(s).unwrap(),
+                pool.is_revoked(s).unwrap()
+            ));
+            for l in 0..GEOM.layers {
+                let mut k = vec![0.0; GEOM.k_width()];
+                let mut v = vec![0.0; GEOM.v_width];
+                w.kv.gather_k(l, &[s], &mut k).unwrap();
+                w.kv.gather_v(l, &[s], &mut v).unwrap();
+                for x in k.iter().chain(&v) {
+                    out.push_str(&format!(",{:x}", x.to_bits()));
+                }
+            }
+        }
+        out.push(';');
+    }
+    out.push_str(&format!("{:?}", w.cache.sequences()));
+    let next = pool.clone().alloc(pool.free_count()).unwrap();
+    out.push_str(&format!("next:{next:?}"));
+    out
+}
+
+/// A prefill that writes recognisable rows, or fails on directive `fail_at`.
+fn prefill(
+    fail_at: Option<usize>,
+) -> impl FnMut(&mut KvStorage, leyline_kv::splice::PrefillJob<'_>) -> Result<(), String> {
+    move |kv, job| {
+        if Some(job.index) == fail_at {
+            // Half-written before failing, as a real forward could leave it.
+            kv.write(0, job.slots[0], &[9.0; 16], &[9.0; 12]).unwrap();
+            return Err(format!("injected failure in replacement {}", job.index));
+        }
+        for (&s, p) in job.slots.iter().zip(job.positions.clone()) {
+            for l in 0..GEOM.layers {
+                let k: Vec<f32> = (0..GEOM.k_width()).map(|i| (p * 10 + i) as f32).collect();
+                kv.write(l, s, &k, &[p as f32; 12]).unwrap();
+            }
+        }
+        Ok(())
+    }
+}
+
+fn target(w: &World) -> SpliceTarget<'_> {
+    SpliceTarget {
+        slots: &w.seq,
+        lineage: LINEAGE,
+        clean_len: 6,
+    }
+}
+
+/// [2,4) -> 3 tokens (+1) and [8,9) -> 2 tokens (+1 more): tokens 4..8 move by 1 before
+/// the second prefill (4 and 5 shared: copied; 6 and 7 owned: rotated in place), 9..12 by 2.
+fn two_edits() -> DirectiveBatch {
+    batch(vec![(2, 4, 3), (8, 9, 2)])
+}
+
+#[test]
+fn every_injected_failure_leaves_everything_as_it_was() {
+    for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Bf16] {
+        // Each replacement's prefill fails: rolled back, with the in-place rotation undone.
+        for fail_at in [0, 1] {
+            let mut w = world(dtype, 64, 0);
+            let before = snapshot(&w);
+            let r = apply_splice(
+                &mut w.cache,
+                &mut w.kv,
+                &rope(false),
+                target(&w),
+                &two_edits(),
+                prefill(Some(fail_at)),
+            );
+            assert!(
+                matches!(r, Err(SpliceError::Prefill { index, .. }) if index == fail_at),
+                "{dtype:?} {fail_at}: {r:?}"
+            );
+            assert_eq!(snapshot(&w), before, "{dtype:?}: failure in prefill {fail_at}");
+            w.cache.check_invariants().unwrap();
+        }
+        // A rope that cannot shift: refused before anything is allocated.
+        let mut w = world(dtype, 64, 0);
+        let before = snapshot(&w);
+        let r = apply_splice(
+            &mut w.cache,
+            &mut w.kv,
+            &rope(true),
+            target(&w),
+            &two_edits(),
+            prefill(None),
+        );
+        assert!(matches!(r, Err(SpliceError::Kv(KvError::NotShiftable(_)))), "{r:?}");
+        assert_eq!(snapshot(&w), before);
+        // The pool is short for the replacements (5 slots), then for the copies (2 more).
+        for (held, what) in [(64 - LEN - 4, "replacements"), (64 - LEN - 6, "copies")] {
+            let mut w = world(dtype, 64, held);
+            let before = snapshot(&w);
+            let r = apply_splice(
+                &mut w.cache,
+                &mut w.kv,
+                &rope(false),
+                target(&w),
+                &two_edits(),
+                prefill(None),
+            );
+            assert!(
+                matches!(r, Err(SpliceError::Kv(KvError::PoolExhausted { .. }))),
+                "{what}: {r:?}"
+            );
+            assert_eq!(snapshot(&w), before, "{dtype:?}: pool short for the {what}");
+            w.cache.check_invariants().unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_splice_after_a_rollback_equals_one_on_an_untouched_twin_and_rotates_exactly() {
+    let mut a = world(KvDtype::F32, 64, 0);
+    let mut b = world(KvDtype::F32, 64, 0);
+    let originals: Vec<Vec<f32>> = a
+        .seq
+        .iter()
+        .map(|&s| {
+            let mut k = vec![0.0; GEOM.k_width()];
+            a.kv.gather_k(1, &[s], &mut k).unwrap();
+            k
+        })
+        .collect();
+    let failed = apply_splice(
+        &mut a.cache,
+        &mut a.kv,
+        &rope(false),
+        target(&a),
+        &two_edits(),
+        prefill(Some(1)),
+    );
+    assert!(failed.is_err());
+    let done_a = apply_splice(
+        &mut a.cache,
+        &mut a.kv,
+        &rope(false),
+        target(&a),
+        &two_edits(),
+        prefill(None),
+    )
+    .unwrap();
+    let done_b = apply_splice(
+        &mut b.cache,
+        &mut b.kv,
+        &rope(false),
+        target(&b),
+        &two_edits(),
+        prefill(None),
+    )
+    .unwrap();
+    assert_eq!(done_a, done_b);
+    a.seq = done_a.slots.clone();
+    b.seq = done_b.slots.clone();
+    assert_eq!(snapshot(&a), snapshot(&b));
+    a.cache.check_invariants().unwrap();
+    assert_eq!((done_a.rotated, done_a.copied, done_a.prefilled), (7, 2, 5));
+    assert_eq!(done_a.clean_len, 5, "lineage from the first replacement's end on");
+    // Old token i lands at new index i + delta; its keys rotate by delta, head by head,
+    // as the rope's own f64-phase rotation does it.
+    let spec = rope(false);
+    for (old, delta) in [(4usize, 1i64), (6, 1), (7, 1), (9, 2), (11, 2)] {
+        let slot = done_a.slots[(old as i64 + delta) as usize];
+        let mut want = originals[old].clone();
+        for h in want.chunks_mut(GEOM.k_head_dim) {
+            spec.rotate_f32(h, delta);
+        }
+        let mut got = vec![0.0; GEOM.k_width()];
+        a.kv.gather_k(1, &[slot], &mut got).unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "token {old}: {g} vs {w}");
+        }
+        assert_eq!(a.cache.pool().position(slot).unwrap(), (old as i64 + delta) as u32);
+    }
+}
