@@ -18,11 +18,14 @@
 //! cached prefix it started from is pinned by a lock on the tree node instead. On finish the
 //! tree adopts the sequence's slots, the sequence drops its references and its lock.
 
-use crate::error::{EngineError, Result};
+mod edit;
+
+use crate::error::{EngineError, ErrorKind, Failure, Result};
 use crate::metrics::Metrics;
 use crate::request::{Event, FinishReason, Request, RequestId, Usage};
 use crate::sampling::Sampler;
-use crate::session::{EditReport, Session, SessionId};
+use crate::session::{EditReport, Session, SessionEdits, SessionId};
+use leyline_core::Mode;
 use leyline_kv::radix::{common_prefix, LockReceipt, Namespace, PrefixCache};
 use leyline_kv::slots::Lineage;
 use leyline_kv::{KvDtype, KvError, KvStorage};
@@ -159,6 +162,8 @@ struct Running {
     passed_over: u32,
     /// Admission number (`running` loses that order when sequences retire).
     admission: u64,
+    /// The prompt's message bounds, for the session's next turn.
+    bounds: Option<Vec<usize>>,
 }
 
 impl Running {
@@ -175,6 +180,8 @@ struct Waiting {
     edit: Option<EditReport>,
     /// Positions whose KV the edit computed (AMORTIZE replacements).
     edit_ranges: Vec<Range<usize>>,
+    /// The prompt's message bounds, kept by the session for its next turn.
+    bounds: Option<Vec<usize>>,
 }
 
 /// What became of an admission attempt.
@@ -223,8 +230,6 @@ pub struct Engine {
     pub(crate) next_session: u64,
     /// Admissions so far (numbers the running sequences).
     admissions: u64,
-    /// FORGET targets still to prefill on the explicit channel.
-    pub(crate) forget_pending: HashMap<SessionId, Vec<u32>>,
 }
 
 impl Engine {
@@ -255,7 +260,6 @@ impl Engine {
             sessions: HashMap::new(),
             next_session: 1,
             admissions: 0,
-            forget_pending: HashMap::new(),
         })
     }
 
@@ -296,37 +300,66 @@ impl Engine {
 
     /// Queues a request. Requests that can never run fail here, with their sink told why.
     pub fn submit(&mut self, mut req: Request) -> RequestId {
+        let id = self.take_id();
+        if let Err(e) = self.check_and_claim(&req, id) {
+            let _ = (req.sink)(Event::Failed(e.failure()));
+            return id;
+        }
+        self.enqueue(id, req);
+        id
+    }
+
+    /// Queues a request, or answers at once why it can never run (the sink is then not
+    /// called): invalid, unknown or busy session. A server answers these with a status
+    /// before it starts a response.
+    ///
+    /// # Errors
+    /// As above; the request is dropped.
+    pub fn try_submit(&mut self, req: Request) -> Result<RequestId> {
+        let id = self.take_id();
+        self.check_and_claim(&req, id)?;
+        self.enqueue(id, req);
+        Ok(id)
+    }
+
+    fn take_id(&mut self) -> RequestId {
         let id = self.next_id;
         self.next_id += 1;
         self.metrics.add(&self.metrics.requests_submitted, 1);
-        let claimed = self.validate(&req).and_then(|()| self.claim_session(&req));
-        if let Err(e) = claimed {
+        id
+    }
+
+    fn check_and_claim(&mut self, req: &Request, id: RequestId) -> Result<()> {
+        let claimed = self.validate(req).and_then(|()| self.claim_session(req, id));
+        if claimed.is_err() {
             self.metrics.add(&self.metrics.requests_failed, 1);
-            let _ = (req.sink)(Event::Failed(e.to_string()));
-            return id;
         }
+        claimed
+    }
+
+    fn enqueue(&mut self, id: RequestId, req: Request) {
         self.waiting.push_back(Waiting {
             id,
             req,
             submitted: Instant::now(),
             edit: None,
             edit_ranges: Vec::new(),
+            bounds: None,
         });
         self.update_gauges();
-        id
     }
 
     /// Marks the request's session busy until the request ends.
-    fn claim_session(&mut self, req: &Request) -> Result<()> {
+    fn claim_session(&mut self, req: &Request, by: RequestId) -> Result<()> {
         if let Some(sr) = &req.session {
             let s = self
                 .sessions
                 .get_mut(&sr.id)
                 .ok_or(EngineError::UnknownSession(sr.id.0))?;
-            if s.busy {
+            if s.busy.is_some() {
                 return Err(EngineError::SessionBusy(sr.id.0));
             }
-            s.busy = true;
+            s.busy = Some(by);
             s.last_used = Instant::now();
         }
         Ok(())
@@ -334,7 +367,8 @@ impl Engine {
 
     fn unclaim_session(&mut self, id: Option<SessionId>) {
         if let Some(s) = id.and_then(|id| self.sessions.get_mut(&id)) {
-            s.busy = false;
+            s.busy = None;
+            s.last_used = Instant::now();
         }
     }
 
@@ -460,13 +494,13 @@ impl Engine {
             Ok(l) => l,
             Err(e) => {
                 // Give the slots back to their sequences' ownership and fail them.
-                let msg = format!("forward failed: {e}");
+                let failure = Failure::new(ErrorKind::Internal, format!("forward failed: {e}"));
                 for (k, &(i, _, _)) in plan.iter().enumerate() {
                     let r = &mut self.running[i];
                     for &s in new_slots[k].iter().rev() {
                         r.reserved.push_front(s);
                     }
-                    let _ = (r.req.sink)(Event::Failed(msg.clone()));
+                    let _ = (r.req.sink)(Event::Failed(failure.clone()));
                     r.finish = Some(FinishReason::Cancelled);
                 }
                 self.retire(&mut report);
@@ -538,16 +572,23 @@ impl Engine {
             };
             // A session's edits apply once, at its first admission attempt.
             if let (None, Some(sr)) = (&w.edit, w.req.session.as_mut()) {
-                self.forget_pending.remove(&sr.id);
                 let edits = std::mem::take(&mut sr.edits);
+                if let SessionEdits::Messages(b) = &edits {
+                    w.bounds = Some(b.clone());
+                }
                 let (id, mode) = (sr.id, sr.mode);
-                match self.edit_session(id, edits, mode) {
-                    Ok((r, ranges)) => {
+                let edited = self
+                    .turn_directives(id, edits, &w.req.prompt, mode)
+                    .and_then(|d| self.edit_session(id, d, mode, Some(w.id)));
+                match edited {
+                    Ok((r, ranges, _)) => {
                         w.edit = Some(r);
                         w.edit_ranges = ranges;
                     }
                     Err(e) => {
-                        self.fail_waiting(w, &format!("directives refused: {e}"));
+                        let mut f = e.failure();
+                        f.message = format!("directives refused: {}", f.message);
+                        self.fail_waiting(w, f);
                         continue;
                     }
                 }
@@ -570,10 +611,10 @@ impl Engine {
         Ok(admitted)
     }
 
-    fn fail_waiting(&mut self, mut w: Waiting, msg: &str) {
+    fn fail_waiting(&mut self, mut w: Waiting, failure: Failure) {
         self.unclaim_session(w.req.session.as_ref().map(|s| s.id));
         self.metrics.add(&self.metrics.requests_failed, 1);
-        let _ = (w.req.sink)(Event::Failed(msg.to_string()));
+        let _ = (w.req.sink)(Event::Failed(failure));
     }
 
     /// Admits `w`, or hands it back when it should wait for an in-flight prefill or the pool
@@ -596,7 +637,9 @@ impl Engine {
             // another session's FORGET revoked (it may have been shared through the tree).
             let revoked = self.cache.pool().first_revoked(&s.slots);
             let keep = common_prefix(&s.tokens, probe).min(revoked);
-            self.truncate_session(id, keep)?;
+            // In FORGET mode, whatever the prompt drops is forgotten, by whatever path.
+            let forget = w.req.session.as_ref().is_some_and(|s| s.mode == Mode::Forget);
+            self.truncate_session(id, keep, forget)?;
             let s = &self.sessions[&id];
             lineage = s.lineage;
             clean_len = s.clean_len;
@@ -639,7 +682,9 @@ impl Engine {
         // delays the same loss. Unless even shedding all of it leaves too little room: then
         // the request waits (or is refused) and no session loses its KV for nothing.
         if matches!(alloc, Err(KvError::PoolExhausted { .. })) && self.shedding_can_fit(need) {
-            while matches!(alloc, Err(KvError::PoolExhausted { .. })) && self.shed_idle_session()? {
+            while matches!(alloc, Err(KvError::PoolExhausted { .. }))
+                && self.shed_idle_session(None)?
+            {
                 alloc = self.cache.alloc_evicting(need);
             }
         }
@@ -676,6 +721,7 @@ impl Engine {
                     edit_in_prefix,
                     passed_over: 0,
                     admission: self.admissions,
+                    bounds: w.bounds,
                 });
                 self.admissions += 1;
                 Ok(Admission::Admitted)
@@ -693,7 +739,7 @@ impl Engine {
                 let cap = self.kv.capacity();
                 self.fail_waiting(
                     w,
-                    &format!("the request needs {need} KV slots but the pool cannot free that many ({cap} slots in all)"),
+                    Failure::new(ErrorKind::OutOfKv, format!("the request needs {need} KV slots but the pool cannot free that many ({cap} slots in all)")),
                 );
                 Ok(Admission::Refused)
             }
@@ -713,7 +759,7 @@ impl Engine {
         let busy: usize = self
             .sessions
             .values()
-            .filter(|s| s.busy)
+            .filter(|s| s.busy.is_some())
             .map(|s| s.slots.len())
             .sum();
         need + running + busy <= self.kv.capacity()
@@ -770,7 +816,9 @@ impl Engine {
                 Err(e) => {
                     self.metrics.add(&self.metrics.requests_failed, 1);
                     tracing::error!(request = r.id, "releasing KV failed: {e}");
-                    let _ = (r.req.sink)(Event::Failed(format!("internal KV error: {e}")));
+                    let failure =
+                        Failure::new(ErrorKind::Internal, format!("internal KV error: {e}"));
+                    let _ = (r.req.sink)(Event::Failed(failure));
                 }
             }
         }
@@ -802,7 +850,11 @@ impl Engine {
                 };
                 s.tokens = r.tokens[..usable].to_vec();
                 s.slots = r.slots[..usable].to_vec();
-                s.busy = false;
+                s.busy = None;
+                s.last_used = Instant::now();
+                s.turns += 1;
+                // The bounds describe the prompt: kept while the session still holds it.
+                s.bounds = r.bounds.take().filter(|_| usable >= r.prompt_len);
                 r.slots[usable.max(first_owned)..].to_vec()
             }
             None => r.slots[r.cached..].to_vec(),
@@ -816,6 +868,8 @@ impl Engine {
         }
         if usable < r.slots.len() {
             self.scrub(&freed)?;
+        } else {
+            self.zero_private(&freed)?;
         }
         Ok(())
     }

@@ -17,7 +17,7 @@
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
 use crate::request::{Event, Request};
-use crate::session::{EditReport, SessionId, SessionRequest};
+use crate::session::{EditReport, SessionEdits, SessionId, SessionRequest};
 use leyline_core::{Directive, Mode};
 use leyline_kv::rope::{RopeSpec, RotaryLayout};
 use leyline_kv::rotate::shift_rows_lowprec;
@@ -345,7 +345,7 @@ pub fn session_with(engine: &mut Engine, tokens: &[u32]) -> Result<SessionId> {
     let sink = Box::new(move |ev| {
         if let Event::Failed(m) = ev {
             if let Ok(mut g) = f.lock() {
-                *g = Some(m);
+                *g = Some(m.message);
             }
         }
         ControlFlow::Continue(())
@@ -354,7 +354,7 @@ pub fn session_with(engine: &mut Engine, tokens: &[u32]) -> Result<SessionId> {
         Request::greedy(tokens.to_vec(), 1, sink).in_session(SessionRequest {
             id,
             mode: Mode::Amortize,
-            edits: Vec::new(),
+            edits: SessionEdits::Tokens,
         }),
     );
     engine.run_to_completion()?;

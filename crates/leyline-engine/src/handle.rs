@@ -7,6 +7,7 @@ use crate::engine::Engine;
 use crate::error::{EngineError, Result};
 use crate::metrics::Metrics;
 use crate::request::Request;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -24,6 +25,16 @@ enum Command {
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     metrics: Arc<Metrics>,
+    alive: Arc<AtomicBool>,
+}
+
+/// Clears the engine's liveness flag when the engine thread ends.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 /// Owns the engine thread; dropping it shuts the engine down after the running work.
@@ -40,14 +51,21 @@ impl EngineThread {
     pub fn spawn(engine: Engine) -> Result<Self> {
         let (tx, rx) = mpsc::channel();
         let metrics = engine.metrics();
+        let alive_flag = Arc::new(AtomicBool::new(true));
+        let flag = Arc::clone(&alive_flag);
         let join = std::thread::Builder::new()
             .name("leyline-engine".into())
-            .spawn(move || engine_loop(engine, rx))
+            .spawn(move || {
+                // Cleared however the loop ends, a panic included.
+                let _alive = AliveGuard(flag);
+                engine_loop(engine, rx)
+            })
             .map_err(|e| {
                 EngineError::InvalidRequest(format!("cannot start the engine thread: {e}"))
             })?;
+        let alive = Arc::clone(&alive_flag);
         Ok(Self {
-            handle: EngineHandle { tx, metrics },
+            handle: EngineHandle { tx, metrics, alive },
             join: Some(join),
         })
     }
@@ -84,7 +102,7 @@ impl EngineHandle {
     pub fn submit(&self, req: Request) -> Result<()> {
         self.tx
             .send(Command::Submit(req))
-            .map_err(|_| EngineError::InvalidRequest("the engine has stopped".into()))
+            .map_err(|_| EngineError::Stopped)
     }
 
     /// Runs `f` on the engine between two steps and returns its result.
@@ -101,14 +119,19 @@ impl EngineHandle {
         });
         self.tx
             .send(Command::Run(job))
-            .map_err(|_| EngineError::InvalidRequest("the engine has stopped".into()))?;
+            .map_err(|_| EngineError::Stopped)?;
         rx.recv()
-            .map_err(|_| EngineError::InvalidRequest("the engine has stopped".into()))
+            .map_err(|_| EngineError::Stopped)
     }
 
     /// Live counters.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// Whether the engine thread still runs (false after a panic in it, or shutdown).
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
     }
 }
 

@@ -1,8 +1,10 @@
-//! leyline-engine: sequences, sampling and generation over the slot pool; later the
-//! continuous-batching scheduler, sessions, policies and directives.
+//! leyline-engine: the continuous-batching scheduler over the slot pool, sampling, and
+//! sessions that take directives.
 //!
 //! Design decision: the engine owns the KV storage and decides which slot holds which
-//! token; models only read and write the slots they are handed.
+//! token; models only read and write the slots they are handed. It also owns every session
+//! end to end (tokens, slots, message bounds, the busy flag): a server hands it a rendered
+//! prompt with its message bounds, and the engine diffs, validates and applies the edits.
 #![deny(missing_docs)]
 
 pub mod engine;
@@ -20,13 +22,15 @@ pub use engine::{
     Engine, EngineConfig, PrefillOrder, StepReport, DEFAULT_DECODE_PREFILL_CHUNK, DEFAULT_KV_DTYPE,
     DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_PATIENCE,
 };
-pub use error::{EngineError, Result};
+pub use error::{EngineError, ErrorKind, Failure, Result};
 pub use generate::{
     generate, generate_after, reusable_prefix, GenerateParams, GenerateStats, StopReason,
 };
 pub use handle::{EngineHandle, EngineThread};
 pub use metrics::{Metrics, MetricsSnapshot};
-pub use render::{render_pieces, to_chat_message, ChatRenderer, MemoRenderer};
+pub use render::{render_pieces, render_prompt, to_chat_message, ChatRenderer, MemoRenderer};
 pub use request::{Event, EventSink, FinishReason, Request, RequestId, Usage};
 pub use sampling::{argmax, Sampler, SamplingParams};
-pub use session::{EditReport, SessionId, SessionInfo, SessionRequest};
+pub use session::{
+    message_edits, EditReport, SessionEdits, SessionId, SessionInfo, SessionRequest,
+};

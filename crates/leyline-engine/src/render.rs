@@ -84,6 +84,41 @@ pub fn render_pieces(
 ) -> leyline_policy::Result<Rendered> {
     let render_err = |e: leyline_model::ModelError| PolicyError::Render(e.to_string());
     let full = template.render_with(chat, opts).map_err(render_err)?;
+    pieces_of(tokenizer, template, chat, opts, &full)
+}
+
+/// A chat prompt rendered once and tokenized: its tokens (the whole text's tokenization)
+/// and, when `with_bounds` is set and the message pieces tokenize to exactly those tokens,
+/// where each message starts (then where the last one ends), for a session's diff.
+///
+/// # Errors
+/// The template or the tokenizer fails.
+pub fn render_prompt(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    chat: &[ChatMessage],
+    opts: &RenderOptions,
+    with_bounds: bool,
+) -> Result<(Vec<u32>, Option<Vec<usize>>), leyline_model::ModelError> {
+    let text = template.render_with(chat, opts)?;
+    let prompt = tokenizer.encode(&text, false)?;
+    let bounds = with_bounds
+        .then(|| pieces_of(tokenizer, template, chat, opts, &text).ok())
+        .flatten()
+        .filter(|r| r.tokens == prompt)
+        .map(|r| r.bounds);
+    Ok((prompt, bounds))
+}
+
+/// [`render_pieces`] of the already rendered `full` text.
+fn pieces_of(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    chat: &[ChatMessage],
+    opts: &RenderOptions,
+    full: &str,
+) -> leyline_policy::Result<Rendered> {
+    let render_err = |e: leyline_model::ModelError| PolicyError::Render(e.to_string());
     let prefix_opts = RenderOptions {
         add_generation_prompt: false,
         ..opts.clone()

@@ -1,5 +1,6 @@
 //! Requests as the scheduler sees them, and the events it streams back.
 
+use crate::error::Failure;
 use crate::sampling::SamplingParams;
 use crate::session::{EditReport, SessionRequest};
 use std::ops::ControlFlow;
@@ -81,7 +82,7 @@ pub enum Event {
         tokens: Vec<u32>,
     },
     /// The request failed; nothing more follows.
-    Failed(String),
+    Failed(Failure),
 }
 
 /// Receives a request's events; returning `Break` cancels the request.

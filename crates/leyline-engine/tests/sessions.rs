@@ -6,7 +6,7 @@ mod common;
 use common::{encode, lm, request};
 use leyline_core::{Directive, Mode};
 use leyline_engine::{
-    Engine, EngineConfig, EngineError, Event, Request, SessionId, SessionRequest,
+    Engine, EngineConfig, EngineError, Event, Request, SessionEdits, SessionId, SessionRequest,
 };
 use leyline_kv::rope::RotaryLayout;
 use leyline_kv::slots::Lineage;
@@ -43,13 +43,13 @@ fn turn(
         let mut o = o.lock().unwrap();
         match ev {
             Event::Token(t) => o.0.push(t),
-            Event::Failed(m) => o.1 = Some(m),
+            Event::Failed(m) => o.1 = Some(m.message),
             Event::Finished { .. } => {}
         }
         ControlFlow::Continue(())
     });
     e.submit(
-        Request::greedy(prompt.to_vec(), n, sink).in_session(SessionRequest { id, mode, edits }),
+        Request::greedy(prompt.to_vec(), n, sink).in_session(SessionRequest { id, mode, edits: SessionEdits::Directives(edits) }),
     );
     e.run_to_completion().unwrap();
     let o = out.lock().unwrap();
@@ -294,7 +294,7 @@ fn an_amortize_replacement_is_prefilled_work_not_a_cache_hit() {
     e.submit(req.in_session(SessionRequest {
         id,
         mode: Mode::Amortize,
-        edits,
+        edits: SessionEdits::Directives(edits),
     }));
     e.run_to_completion().unwrap();
     let u = out.lock().unwrap().finished.clone().expect("finished").1;

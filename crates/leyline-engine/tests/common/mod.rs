@@ -41,7 +41,7 @@ pub fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, Shared) {
         match e {
             Event::Token(t) => o.tokens.push(t),
             Event::Finished { reason, usage, .. } => o.finished = Some((reason, usage)),
-            Event::Failed(m) => o.failed = Some(m),
+            Event::Failed(m) => o.failed = Some(m.message),
         }
         ControlFlow::Continue(())
     });

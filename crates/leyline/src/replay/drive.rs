@@ -10,7 +10,8 @@ use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use leyline_core::{Directive, Mode};
 use leyline_engine::{
-    Engine, EngineConfig, Event, MetricsSnapshot, Request, SessionId, SessionRequest, Usage,
+    Engine, EngineConfig, Event, MetricsSnapshot, Request, SessionEdits, SessionId, SessionRequest,
+    Usage,
 };
 use leyline_model::CausalLm;
 use leyline_policy::{diff_rendered, Rendered};
@@ -227,7 +228,11 @@ impl Driver<'_> {
             (Some(mode), Some(id)) => {
                 let edits = directives(&s.held, &turn.prompt, mode)?;
                 s.directives = edits.len();
-                Some(SessionRequest { id, mode, edits })
+                Some(SessionRequest {
+                    id,
+                    mode,
+                    edits: SessionEdits::Directives(edits),
+                })
             }
             _ => None,
         };

@@ -1,0 +1,509 @@
+//! The engine's session operations: create, inspect, delete, and edit by directives.
+//!
+//! A session holds one reference on the slot of each of its tokens, so its context is never
+//! evicted while it lives. A directive batch is validated against the session's real state
+//! and applied all-or-nothing:
+//!
+//! - AMORTIZE is one operation of the KV layer ([`leyline_kv::splice::apply_splice`]):
+//!   allocate, copy shared downstream slots, rotate the downstream keys by their segment's
+//!   delta, prefill each replacement at its new positions (the model forward is passed in),
+//!   commit; any failure rolls back. Slots from the first replacement's end on carry the
+//!   session's lineage: they keep influence of removed content and are never offered to
+//!   other requests.
+//! - FORGET first makes sure the slots its re-prefill needs can be had, then purges every
+//!   tree path through the old slots from the first start on, drops the session's
+//!   references and zeroes the slots that became free. That purge is its commit point: the
+//!   replacement and the rest are prefilled afterwards (by the request that follows, or at
+//!   once on the explicit channel), and what was forgotten stays forgotten even if that
+//!   prefill fails.
+//!
+//! Every slot a session gives back is zeroed when it becomes free and held session-private
+//! or forgotten KV ([`Engine::release_slots`]).
+
+use super::Engine;
+use crate::error::{EngineError, Result};
+use crate::request::RequestId;
+use crate::session::{message_edits, EditReport, Session, SessionEdits, SessionId, SessionInfo};
+use leyline_core::{Directive, DirectiveBatch, Mode, SessionState, ValidationContext};
+use leyline_kv::slots::Lineage;
+use leyline_kv::splice::{apply_splice, SpliceError, SpliceTarget, Spliced};
+use leyline_model::{ForwardSeq, LogitsFor};
+use std::ops::Range;
+use std::time::Instant;
+
+impl Engine {
+    /// Creates an empty session.
+    pub fn create_session(&mut self) -> SessionId {
+        let id = SessionId(self.next_session);
+        self.next_session += 1;
+        // Lineage 0 is the shared one; sessions take the rest.
+        self.sessions.insert(id, Session::new(Lineage(id.0)));
+        id
+    }
+
+    fn session(&self, id: SessionId) -> Result<&Session> {
+        self.sessions
+            .get(&id)
+            .ok_or(EngineError::UnknownSession(id.0))
+    }
+
+    fn session_mut(&mut self, id: SessionId) -> Result<&mut Session> {
+        self.sessions
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSession(id.0))
+    }
+
+    /// A session's tokens, slots and positions.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownSession`].
+    pub fn session_info(&self, id: SessionId) -> Result<SessionInfo> {
+        let s = self.session(id)?;
+        let pool = self.cache.pool();
+        let positions = s
+            .slots
+            .iter()
+            .map(|&x| pool.position(x))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(SessionInfo {
+            tokens: s.tokens.clone(),
+            slots: s.slots.clone(),
+            positions,
+            busy: s.busy.is_some(),
+            turns: s.turns,
+            last_used: s.last_used,
+        })
+    }
+
+    /// Ids of the sessions, least recently used first.
+    pub fn sessions_by_use(&self) -> Vec<(SessionId, Instant, bool)> {
+        let mut v: Vec<_> = self
+            .sessions
+            .iter()
+            .map(|(&id, s)| (id, s.last_used, s.busy.is_some()))
+            .collect();
+        v.sort_by_key(|&(id, t, _)| (t, id));
+        v
+    }
+
+    /// Deletes an idle session, releasing its slots (they stay cached where the tree holds
+    /// them; session-private ones are zeroed).
+    ///
+    /// # Errors
+    /// Unknown or busy session.
+    pub fn delete_session(&mut self, id: SessionId) -> Result<()> {
+        if self.session(id)?.busy.is_some() {
+            return Err(EngineError::SessionBusy(id.0));
+        }
+        let s = self
+            .sessions
+            .remove(&id)
+            .ok_or(EngineError::UnknownSession(id.0))?;
+        self.release_slots(&s.slots)?;
+        self.update_gauges();
+        Ok(())
+    }
+
+    /// Drops one reference on each of `slots` and zeroes those that became free while
+    /// holding session-private (not lineage-free) or forgotten KV.
+    pub(crate) fn release_slots(&mut self, slots: &[u32]) -> Result<usize> {
+        let freed = self.cache.pool_mut().release_all(slots)?;
+        self.zero_private(&freed)
+    }
+
+    /// Zeroes those of the `freed` slots that held session-private or forgotten KV.
+    pub(crate) fn zero_private(&mut self, freed: &[u32]) -> Result<usize> {
+        let mut zeroed = 0;
+        for &s in freed {
+            let pool = self.cache.pool();
+            if pool.is_revoked(s)? || !pool.lineage(s)?.is_shared() {
+                self.kv.zero_slot(s)?;
+                zeroed += 1;
+            }
+        }
+        Ok(zeroed)
+    }
+
+    /// Cuts a session to its first `keep` tokens. With `forget`, what goes is forgotten as
+    /// by a FORGET directive (purged from the tree, revoked, zeroed when free); otherwise its
+    /// slots are released (zeroed if a FORGET revoked any or they were session-private).
+    pub(crate) fn truncate_session(&mut self, id: SessionId, keep: usize, forget: bool) -> Result<()> {
+        let s = self.session_mut(id)?;
+        if keep >= s.tokens.len() {
+            return Ok(());
+        }
+        let stale = s.slots.split_off(keep);
+        s.tokens.truncate(keep);
+        if keep == 0 || (forget && s.clean_len >= keep) {
+            // Whatever it prefills next is computed from its tokens alone.
+            s.clean_len = usize::MAX;
+        }
+        if forget {
+            self.purge(&stale)?;
+        } else {
+            self.release_slots(&stale)?;
+        }
+        Ok(())
+    }
+
+    /// FORGET's erasure of `slots` the caller holds: no cached path leads through them or
+    /// anything computed after them, they are revoked, the caller's references go, and every
+    /// slot that became free is zeroed. Returns the slots zeroed. A path a running request
+    /// reads leaves the tree now and is zeroed when that request ends.
+    fn purge(&mut self, slots: &[u32]) -> Result<usize> {
+        let purged = self.cache.purge_slots(slots);
+        let mut freed = purged.freed;
+        freed.extend(self.cache.pool_mut().release_all(slots)?);
+        self.scrub(&freed)?;
+        Ok(freed.len())
+    }
+
+    /// Drops the KV of the least recently used idle session that holds any, other than
+    /// `except`; the session stays, and its next request prefills from the prefix tree.
+    /// Returns whether one went.
+    ///
+    /// # Errors
+    /// Pool failures.
+    pub(crate) fn shed_idle_session(&mut self, except: Option<SessionId>) -> Result<bool> {
+        let lru = self
+            .sessions
+            .iter()
+            .filter(|(&id, s)| s.busy.is_none() && !s.slots.is_empty() && Some(id) != except)
+            .min_by_key(|(_, s)| s.last_used)
+            .map(|(&id, _)| id);
+        let Some(id) = lru else {
+            return Ok(false);
+        };
+        self.truncate_session(id, 0, false)?;
+        self.metrics.add(&self.metrics.sessions_shed, 1);
+        Ok(true)
+    }
+
+    /// Makes sure `need` slots can be allocated for `id`'s edit, shedding other idle
+    /// sessions' KV if the pool is short; `own` more slots become free during the edit.
+    fn ensure_room(&mut self, id: SessionId, need: usize, own: usize) -> Result<()> {
+        loop {
+            let have = self.cache.pool().free_count() + self.cache.reclaimable() + own;
+            if have >= need {
+                return Ok(());
+            }
+            if !self.shed_idle_session(Some(id))? {
+                return Err(EngineError::OutOfKv(format!(
+                    "the edit needs {need} KV slots and at most {have} can be freed; retry when other work has finished"
+                )));
+            }
+        }
+    }
+
+    /// Applies a directive batch to an idle session now (the explicit channel). FORGET
+    /// prefills everything from the first start on before returning. The session's message
+    /// bounds are dropped: its tokens no longer follow the last prompt's layout.
+    ///
+    /// # Errors
+    /// Validation errors name the directive; an unknown or busy session; a full pool
+    /// ([`EngineError::OutOfKv`]). Nothing changes on any error but a failed FORGET
+    /// re-prefill (module docs).
+    pub fn apply_directives(
+        &mut self,
+        id: SessionId,
+        directives: Vec<Directive>,
+    ) -> Result<EditReport> {
+        let mode = directives.first().map_or(Mode::Amortize, |d| d.mode);
+        let (mut report, _, target) = self.edit_session(id, directives, mode, None)?;
+        self.session_mut(id)?.bounds = None;
+        if let Some(target) = target {
+            report.prefilled = self.prefill_session_tail(id, &target)?;
+        }
+        Ok(report)
+    }
+
+    /// The directives of request `by`'s turn in session `id` in `mode`: `edits` as given, or
+    /// a diff of `prompt` against the session along message bounds.
+    pub(crate) fn turn_directives(
+        &self,
+        id: SessionId,
+        edits: SessionEdits,
+        prompt: &[u32],
+        mode: Mode,
+    ) -> Result<Vec<Directive>> {
+        let s = self.session(id)?;
+        Ok(match edits {
+            SessionEdits::Directives(d) => d,
+            SessionEdits::Tokens => Vec::new(),
+            SessionEdits::Messages(new_bounds) => match &s.bounds {
+                Some(old_bounds) => message_edits(&s.tokens, old_bounds, prompt, &new_bounds, mode),
+                None => Vec::new(),
+            },
+        })
+    }
+
+    /// Validates `directives` against the session (as seen by request `by`, which may hold
+    /// it) and applies them in `mode`. FORGET leaves the session cut at the first start and
+    /// returns the full edited token list for the caller to prefill. Also returns the
+    /// post-edit positions whose KV the edit computed (AMORTIZE replacements).
+    pub(crate) fn edit_session(
+        &mut self,
+        id: SessionId,
+        mut directives: Vec<Directive>,
+        mode: Mode,
+        by: Option<RequestId>,
+    ) -> Result<(EditReport, Vec<Range<usize>>, Option<Vec<u32>>)> {
+        for d in &mut directives {
+            d.mode = mode;
+        }
+        let s = self.session(id)?;
+        let state = match s.busy {
+            Some(holder) if Some(holder) != by => SessionState::Busy,
+            _ => SessionState::Idle,
+        };
+        let ctx = ValidationContext {
+            seq_len: s.tokens.len(),
+            vocab_size: self.model.info().vocab_size,
+            session: state,
+        };
+        let batch = DirectiveBatch::validate(directives, &ctx).map_err(|e| match e {
+            leyline_core::CoreError::SessionBusy => EngineError::SessionBusy(id.0),
+            e => e.into(),
+        })?;
+        if batch.is_empty() {
+            return Ok((EditReport::unchanged(mode, s.tokens.len()), Vec::new(), None));
+        }
+        if batch.new_len() >= self.max_sequence_len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "the edited session would hold {} tokens; at most {} fit",
+                batch.new_len(),
+                self.max_sequence_len() - 1
+            )));
+        }
+        match mode {
+            Mode::Amortize => Ok((self.amortize(id, &batch)?, batch.new_ranges(), None)),
+            Mode::Forget => {
+                let (report, target) = self.forget(id, &batch)?;
+                Ok((report, Vec::new(), Some(target)))
+            }
+        }
+    }
+
+    fn amortize(&mut self, id: SessionId, batch: &DirectiveBatch) -> Result<EditReport> {
+        let info = self.model.info().clone();
+        info.rope.ensure_shiftable()?;
+        let n_repl: usize = batch.directives().iter().map(|d| d.replacement.len()).sum();
+        let spliced = loop {
+            match self.try_splice(id, batch, &info.rope) {
+                // A refused splice changed nothing: idle sessions' KV goes, as for prefill.
+                Err(SpliceError::Kv(
+                    e @ (leyline_kv::KvError::PoolExhausted { .. }
+                    | leyline_kv::KvError::CowExhausted { .. }),
+                )) => {
+                    if !self.shed_idle_session(Some(id))? {
+                        return Err(EngineError::OutOfKv(format!(
+                            "no room for the splice after evicting cached prefixes and idle sessions: {e}"
+                        )));
+                    }
+                }
+                Err(SpliceError::Kv(e)) => return Err(e.into()),
+                Err(SpliceError::Prefill { source, .. }) => return Err(source.into()),
+                Ok(s) => break s,
+            }
+        };
+        self.note_evicted(spliced.evicted);
+        let s = self.session(id)?;
+        let tokens = batch.apply_to_tokens(&s.tokens)?;
+        let report = EditReport {
+            mode: Mode::Amortize,
+            directives: batch.directives().len(),
+            reused: tokens.len() - n_repl,
+            rotated: spliced.rotated,
+            copied: spliced.copied,
+            prefilled: spliced.prefilled,
+            zeroed: 0,
+            new_len: tokens.len(),
+        };
+        let sess = self.session_mut(id)?;
+        sess.tokens = tokens;
+        sess.slots = spliced.slots;
+        sess.clean_len = spliced.clean_len;
+        let m = &self.metrics;
+        m.add(&m.prefilled_tokens, n_repl as u64);
+        m.add(&m.rotated_tokens, report.rotated as u64);
+        m.add(&m.directives_amortize, report.directives as u64);
+        self.update_gauges();
+        Ok(report)
+    }
+
+    /// One attempt at the KV layer's splice of session `id`, the model forward passed in.
+    fn try_splice(
+        &mut self,
+        id: SessionId,
+        batch: &DirectiveBatch,
+        rope: &leyline_kv::rope::RopeSpec,
+    ) -> std::result::Result<Spliced, SpliceError<leyline_model::ModelError>> {
+        let s = self
+            .sessions
+            .get(&id)
+            .ok_or(SpliceError::Kv(leyline_kv::KvError::SpliceInput(format!(
+                "no session {}",
+                id.0
+            ))))?;
+        let target = SpliceTarget {
+            slots: &s.slots,
+            lineage: s.lineage,
+            clean_len: s.clean_len,
+        };
+        let model = &self.model;
+        apply_splice(&mut self.cache, &mut self.kv, rope, target, batch, |kv, job| {
+            let positions: Vec<u32> =
+                (job.positions.start as u32..job.positions.end as u32).collect();
+            let seq = ForwardSeq {
+                tokens: job.tokens,
+                positions: &positions,
+                context: job.context,
+                new_slots: job.slots,
+                logits: LogitsFor::None,
+            };
+            model.forward(kv, &[seq]).map(|_| ())
+        })
+    }
+
+    fn forget(&mut self, id: SessionId, batch: &DirectiveBatch) -> Result<(EditReport, Vec<u32>)> {
+        let s = self.session(id)?;
+        let start = batch.directives()[0].start;
+        let target = batch.apply_to_tokens(&s.tokens)?;
+        // The re-prefill must be possible before anything is forgotten. The session's own
+        // slots from `start` on that nothing else holds come free in the purge.
+        let own = s.slots[start..]
+            .iter()
+            .filter(|&&x| self.cache.pool().refcount(x).is_ok_and(|r| r == 1))
+            .count();
+        self.ensure_room(id, target.len() - start, own)?;
+        let old_tail: Vec<u32> = self.session(id)?.slots[start..].to_vec();
+        let sess = self.session_mut(id)?;
+        sess.tokens.truncate(start);
+        sess.slots.truncate(start);
+        if sess.clean_len >= start {
+            // What follows is computed again from tokens alone.
+            sess.clean_len = usize::MAX;
+        }
+        let zeroed = self.purge(&old_tail)?;
+        let report = EditReport {
+            mode: Mode::Forget,
+            directives: batch.directives().len(),
+            reused: start,
+            rotated: 0,
+            copied: 0,
+            prefilled: 0,
+            zeroed,
+            new_len: target.len(),
+        };
+        self.metrics
+            .add(&self.metrics.directives_forget, report.directives as u64);
+        self.update_gauges();
+        Ok((report, target))
+    }
+
+    /// Prefills `target` past what the session holds (the explicit channel's FORGET);
+    /// returns the tokens prefilled.
+    fn prefill_session_tail(&mut self, id: SessionId, target: &[u32]) -> Result<usize> {
+        let s = self.session(id)?;
+        let have = s.tokens.len();
+        let tail = target[have..].to_vec();
+        if tail.is_empty() {
+            return Ok(0);
+        }
+        let (lineage, clean_len) = (s.lineage, s.clean_len);
+        let prev = s.slots.clone();
+        let (slots, removed) = self.cache.alloc_evicting(tail.len())?;
+        self.note_evicted(removed.freed.len());
+        let chunk = self.cfg.prefill_chunk;
+        let mut done = 0;
+        while done < tail.len() {
+            let end = (done + chunk).min(tail.len());
+            let positions: Vec<u32> = ((have + done) as u32..(have + end) as u32).collect();
+            let mut context = prev.clone();
+            context.extend_from_slice(&slots[..done]);
+            let seq = ForwardSeq {
+                tokens: &tail[done..end],
+                positions: &positions,
+                context: &context,
+                new_slots: &slots[done..end],
+                logits: LogitsFor::None,
+            };
+            if let Err(e) = self.model.forward(&mut self.kv, &[seq]) {
+                self.scrub(&slots)?;
+                self.cache.pool_mut().release_all(&slots)?;
+                return Err(e.into());
+            }
+            done = end;
+        }
+        let pool = self.cache.pool_mut();
+        for (i, &slot) in slots.iter().enumerate() {
+            pool.set_position(slot, (have + i) as u32)?;
+            if have + i >= clean_len {
+                pool.set_lineage(slot, lineage)?;
+            }
+        }
+        let sess = self.session_mut(id)?;
+        sess.tokens.extend_from_slice(&tail);
+        sess.slots.extend_from_slice(&slots);
+        self.metrics
+            .add(&self.metrics.prefilled_tokens, tail.len() as u64);
+        self.update_gauges();
+        Ok(tail.len())
+    }
+
+    /// Runs `tokens` after the session's context in scratch slots and returns the logits of
+    /// the last one; the session and the pool are left as they were (scoring, verification).
+    ///
+    /// # Errors
+    /// Unknown session, empty `tokens`, a full pool.
+    pub fn peek_logits(&mut self, id: SessionId, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(EngineError::InvalidRequest("no tokens to score".into()));
+        }
+        let context = self.session(id)?.slots.clone();
+        let start = context.len() as u32;
+        let (scratch, removed) = self.cache.alloc_evicting(tokens.len())?;
+        self.note_evicted(removed.freed.len());
+        let positions: Vec<u32> = (start..start + tokens.len() as u32).collect();
+        let seq = ForwardSeq {
+            tokens,
+            positions: &positions,
+            context: &context,
+            new_slots: &scratch,
+            logits: LogitsFor::Last,
+        };
+        let out = self.model.forward(&mut self.kv, &[seq]);
+        // Scratch KV read the session's context: it goes back zeroed.
+        self.scrub(&scratch)?;
+        self.cache.pool_mut().release_all(&scratch)?;
+        Ok(out?.swap_remove(0))
+    }
+}
+
+impl Engine {
+    /// Deletes every idle session unused since before `now - idle_timeout`, then the least
+    /// recently used idle ones until `room` more fit under `max`; returns them. Busy
+    /// sessions are never deleted.
+    pub fn reap_sessions(
+        &mut self,
+        now: Instant,
+        idle_timeout: std::time::Duration,
+        max: usize,
+        room: usize,
+    ) -> Vec<SessionId> {
+        let mut gone = Vec::new();
+        for (id, last_used, busy) in self.sessions_by_use() {
+            if busy {
+                continue;
+            }
+            let expired = now.saturating_duration_since(last_used) > idle_timeout;
+            if !expired && self.sessions.len() + room <= max {
+                break;
+            }
+            if self.delete_session(id).is_ok() {
+                gone.push(id);
+            }
+        }
+        gone
+    }
+}
