@@ -44,6 +44,15 @@ pub enum ServerError {
     /// The server is shutting down (503).
     #[error("{0}")]
     ShuttingDown(String),
+    /// The server cannot take this now: the KV pool is full or the engine has stopped
+    /// (503, with `Retry-After`).
+    #[error("{message}")]
+    Unavailable {
+        /// What is short.
+        message: String,
+        /// A stable machine-readable code.
+        code: &'static str,
+    },
     /// The engine failed the request (500).
     #[error("{0}")]
     Engine(String),
@@ -84,7 +93,7 @@ impl ServerError {
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
-            Self::ShuttingDown(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::ShuttingDown(_) | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Engine(_) | Self::Startup(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -99,7 +108,9 @@ impl ServerError {
             Self::Busy(_) => "conflict_error",
             Self::Overloaded(_) => "rate_limit_error",
             Self::NotImplemented(_) => "not_implemented_error",
-            Self::ShuttingDown(_) | Self::Engine(_) | Self::Startup(_) => "server_error",
+            Self::ShuttingDown(_) | Self::Unavailable { .. } | Self::Engine(_) | Self::Startup(_) => {
+                "server_error"
+            }
         }
     }
 
@@ -113,6 +124,7 @@ impl ServerError {
             Self::Overloaded(_) => Some("overloaded"),
             Self::NotImplemented(_) => Some("not_implemented"),
             Self::ShuttingDown(_) => Some("shutting_down"),
+            Self::Unavailable { code, .. } => Some(code),
             Self::Engine(_) | Self::Startup(_) => Some("engine_error"),
         }
     }
@@ -146,6 +158,12 @@ impl IntoResponse for ServerError {
             tracing::warn!(error_type = self.error_type(), "{self}");
         }
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        if matches!(self, Self::Unavailable { .. }) {
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
         if matches!(self, Self::Unauthorized(_)) {
             resp.headers_mut().insert(
                 axum::http::header::WWW_AUTHENTICATE,
@@ -165,16 +183,33 @@ impl From<leyline_model::ModelError> for ServerError {
 
 impl From<leyline_engine::EngineError> for ServerError {
     fn from(e: leyline_engine::EngineError) -> Self {
-        use leyline_engine::EngineError as E;
         match e {
-            E::InvalidRequest(m) => Self::bad_request(m),
-            E::Directive(d) => Self::invalid("directives", d.to_string()),
-            E::UnknownSession(_) => Self::NotFound {
-                message: e.to_string(),
+            leyline_engine::EngineError::Directive(d) => Self::invalid("directives", d.to_string()),
+            e => e.failure().into(),
+        }
+    }
+}
+
+impl From<leyline_engine::Failure> for ServerError {
+    /// Each kind of engine failure has its status: 400, 404, 409, 503 or 500.
+    fn from(f: leyline_engine::Failure) -> Self {
+        use leyline_engine::ErrorKind as K;
+        match f.kind {
+            K::Invalid => Self::bad_request(f.message),
+            K::UnknownSession => Self::NotFound {
+                message: f.message,
                 code: "session_not_found",
             },
-            E::SessionBusy(_) => Self::Busy(e.to_string()),
-            other => Self::Engine(other.to_string()),
+            K::Busy => Self::Busy(f.message),
+            K::OutOfKv => Self::Unavailable {
+                message: f.message,
+                code: "kv_pool_exhausted",
+            },
+            K::Stopped => Self::Unavailable {
+                message: f.message,
+                code: "engine_stopped",
+            },
+            K::Internal => Self::Engine(f.message),
         }
     }
 }
@@ -212,5 +247,24 @@ mod tests {
         ];
         let codes: Vec<u16> = all.iter().map(|e| e.status().as_u16()).collect();
         assert_eq!(codes, [400, 401, 404, 409, 413, 429, 501, 503, 500]);
+    }
+
+    #[test]
+    fn every_engine_failure_kind_has_its_status() {
+        use leyline_engine::{ErrorKind as K, Failure};
+        let cases = [
+            (K::Invalid, 400),
+            (K::UnknownSession, 404),
+            (K::Busy, 409),
+            (K::OutOfKv, 503),
+            (K::Stopped, 503),
+            (K::Internal, 500),
+        ];
+        for (kind, status) in cases {
+            let e = ServerError::from(Failure::new(kind, "x"));
+            assert_eq!(e.status().as_u16(), status, "{kind:?}");
+        }
+        let out = ServerError::from(Failure::new(K::OutOfKv, "full")).into_response();
+        assert_eq!(out.headers()["retry-after"], "1");
     }
 }

@@ -6,7 +6,7 @@
 //! exact usage. A receiver that goes away (client disconnected) cancels the request at its
 //! next token.
 
-use leyline_engine::{Event, Request, SamplingParams, Usage};
+use leyline_engine::{ErrorKind, Event, Failure, Request, SamplingParams, Usage};
 use leyline_model::tokenizer::Tokenizer;
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -27,7 +27,7 @@ pub enum Piece {
         tokens: Vec<u32>,
     },
     /// The request failed; nothing follows.
-    Failed(String),
+    Failed(Failure),
 }
 
 /// Holds back text that may be the start of a stop string.
@@ -123,7 +123,10 @@ pub fn request(
                 let text = match decoder.push(&tokenizer, &[t]) {
                     Ok(s) => s,
                     Err(e) => {
-                        let _ = tx.send(Piece::Failed(format!("decoding token {t}: {e}")));
+                        let _ = tx.send(Piece::Failed(Failure::new(
+                            ErrorKind::Internal,
+                            format!("decoding token {t}: {e}"),
+                        )));
                         stopped = true;
                         return ControlFlow::Break(());
                     }

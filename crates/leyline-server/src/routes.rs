@@ -5,27 +5,26 @@ use crate::error::{Result, ServerError};
 use crate::generation::{self, GenerateSpec, Piece};
 use crate::openai::*;
 use crate::session_routes;
-use crate::sessions::SessionLease;
-use crate::AppState;
-use axum::extract::{FromRequest, Request, State};
+use crate::handler::{create_engine_session, engine_call, parse, ApiJson, St};
+use crate::state::AppState;
+use axum::extract::{Request, State};
 use axum::middleware::{from_fn_with_state, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use leyline_core::{Directive, Mode};
-use leyline_engine::{render_pieces, Engine, SessionRequest};
+use leyline_core::Mode;
+use leyline_engine::{
+    render_prompt, ErrorKind, Failure, SessionEdits, SessionId, SessionRequest,
+};
 use leyline_model::chat::RenderOptions;
-use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt;
 
-pub(crate) type St = State<Arc<AppState>>;
 
 /// Every route; all but `/health` need the API key when one is set.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -89,61 +88,18 @@ fn route_label(path: &str) -> String {
     }
 }
 
-/// A JSON body, read within the size limit, with errors in the API's shape.
-pub struct ApiJson(pub Value);
-
-impl FromRequest<Arc<AppState>> for ApiJson {
-    type Rejection = ServerError;
-
-    async fn from_request(req: Request, st: &Arc<AppState>) -> Result<Self> {
-        let limit = st.config.max_body_bytes;
-        let mut stream = req.into_body().into_data_stream();
-        let mut buf: Vec<u8> = Vec::new();
-        let mut total = 0usize;
-        // Past the limit, keep reading (up to 8x) and discard, so the client gets the
-        // 413 instead of a reset connection while still sending.
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk
-                .map_err(|e| ServerError::bad_request(format!("reading the body failed: {e}")))?;
-            total += chunk.len();
-            if total <= limit {
-                buf.extend_from_slice(&chunk);
-            } else if total > limit.saturating_mul(8) {
-                break;
-            }
+/// 200 while the engine runs; 503 once its thread has stopped (a panic), so that a
+/// supervisor restarts the process.
+async fn health(State(st): St) -> Response {
+    if st.engine.is_alive() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        ServerError::Unavailable {
+            message: "the engine has stopped".into(),
+            code: "engine_stopped",
         }
-        if total > limit {
-            return Err(ServerError::PayloadTooLarge(format!(
-                "the request body is larger than the limit of {limit} bytes"
-            )));
-        }
-        let v: Value = serde_json::from_slice(&buf).map_err(|e| {
-            ServerError::bad_request(format!("the request body is not valid JSON: {e}"))
-        })?;
-        if !v.is_object() {
-            return Err(ServerError::bad_request(
-                "the request body must be a JSON object",
-            ));
-        }
-        Ok(ApiJson(v))
+        .into_response()
     }
-}
-
-/// Deserializes `v` into `T`, naming the field on error.
-pub(crate) fn parse<T: DeserializeOwned>(v: &Value) -> Result<T> {
-    serde_path_to_error::deserialize(v).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if path == "." {
-            ServerError::bad_request(format!("invalid request body: {inner}"))
-        } else {
-            ServerError::invalid(&path, format!("invalid value for `{path}`: {inner}"))
-        }
-    })
-}
-
-async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
 }
 
 async fn models(State(st): St) -> Json<Value> {
@@ -210,17 +166,11 @@ async fn chat_completions(
         tools: req.tools,
         ..Default::default()
     };
-    let text = template.render_with(&messages, &opts)?;
-    let prompt = st.tokenizer.encode(&text, false)?;
     let in_session =
         fields.session_id.is_some() || fields.leyline.as_ref().is_some_and(|l| l.mode.is_some());
-    // Message bounds anchor the next turn's diff; only where the pieces tokenize exactly as
-    // the whole prompt (otherwise the engine keeps the longest common prefix).
-    let bounds = in_session
-        .then(|| render_pieces(&st.tokenizer, template, &messages, &opts).ok())
-        .flatten()
-        .filter(|r| r.tokens == prompt)
-        .map(|r| r.bounds);
+    // Message bounds anchor the engine's diff of the next turn.
+    let (prompt, bounds) =
+        render_prompt(&st.tokenizer, template, &messages, &opts, in_session)?;
     run(st, who, Kind::Chat, prompt, bounds, gen, fields).await
 }
 
@@ -277,82 +227,33 @@ enum Kind {
     Completion,
 }
 
-/// The request's session, if it runs in one.
+/// The session a request runs in.
 struct SessionRun {
-    lease: SessionLease,
+    /// Its public id.
+    id: String,
+    engine: SessionId,
     mode: Mode,
-    /// Message bounds of this request's prompt, kept for the next turn's diff.
-    bounds: Option<Vec<usize>>,
 }
 
-/// Runs `f` on the engine thread without blocking the async workers.
-pub(crate) async fn engine_call<T: Send + 'static>(
-    st: &AppState,
-    f: impl FnOnce(&mut Engine) -> T + Send + 'static,
-) -> Result<T> {
-    let engine = st.engine.clone();
-    tokio::task::spawn_blocking(move || engine.call(f))
-        .await
-        .map_err(|e| ServerError::Engine(format!("engine call panicked: {e}")))?
-        .map_err(ServerError::from)
-}
-
-pub(crate) async fn create_engine_session(st: &AppState, who: Principal) -> Result<String> {
-    let limits = st.config.sessions;
-    crate::session_routes::reap(st, 1).await;
-    let eid = engine_call(st, |e| e.create_session()).await?;
-    st.sessions.create(who, eid, limits.max).inspect_err(|_| {
-        // Lost a race for the last place: the engine session must not outlive this.
-        let engine = st.engine.clone();
-        tokio::task::spawn_blocking(move || engine.call(move |e| e.delete_session(eid)));
-    })
-}
-
+/// The request's session, if it runs in one: a named one, or a new one when
+/// `leyline.mode` comes without a session id (its id comes back in `leyline`).
 async fn open_session(
     st: &Arc<AppState>,
     who: Principal,
     fields: &GenerationFields,
-    bounds: Option<Vec<usize>>,
 ) -> Result<Option<SessionRun>> {
     let mode = fields.leyline.as_ref().and_then(|l| l.mode);
     let id = match (&fields.session_id, mode) {
         (Some(id), _) => id.clone(),
-        // `leyline.mode` without a session starts one; its id comes back in `leyline`.
         (None, Some(_)) => create_engine_session(st, who).await?,
         (None, None) => return Ok(None),
     };
-    let lease = st.sessions.acquire(&id, who)?;
+    let engine = st.sessions.resolve(&id, who)?;
     Ok(Some(SessionRun {
-        lease,
+        id,
+        engine,
         mode: mode.unwrap_or(Mode::Amortize),
-        bounds,
     }))
-}
-
-/// The directives that turn the session's cached `old` tokens into a prefix of the new
-/// prompt: a message-aligned diff when both prompts' message bounds are known, dropping
-/// the pure append at the end (the request prefills it). Without bounds, none: the engine
-/// then keeps the longest common prefix and prefills the rest.
-fn session_edits(
-    old: &[u32],
-    old_bounds: Option<&[usize]>,
-    new: &[u32],
-    new_bounds: Option<&[usize]>,
-) -> Vec<Directive> {
-    let (Some(ob), Some(nb)) = (old_bounds, new_bounds) else {
-        return Vec::new();
-    };
-    if ob.last().is_none_or(|&end| end > old.len()) {
-        return Vec::new();
-    }
-    match leyline_policy::diff(old, ob, new, nb) {
-        Ok(edits) => edits
-            .into_iter()
-            .filter(|e| !(e.start == old.len() && e.end == old.len()))
-            .map(|e| Directive::new(e.start, e.end, e.replacement, Mode::Amortize))
-            .collect(),
-        Err(_) => Vec::new(),
-    }
 }
 
 async fn run(
@@ -401,27 +302,15 @@ async fn run(
             st.config.max_concurrent
         ))
     })?;
-    let session = open_session(&st, who, &fields, bounds).await?;
-    let session_req = match &session {
-        Some(s) => {
-            let eid = s.lease.state().engine;
-            let old = engine_call(&st, move |e| e.session_info(eid))
-                .await??
-                .tokens;
-            let edits = session_edits(
-                &old,
-                s.lease.state().bounds.as_deref(),
-                &prompt,
-                s.bounds.as_deref(),
-            );
-            Some(SessionRequest {
-                id: eid,
-                mode: s.mode,
-                edits,
-            })
-        }
-        None => None,
-    };
+    let session = open_session(&st, who, &fields).await?;
+    // The engine diffs the prompt against the session along the message bounds.
+    let session_req = session.as_ref().map(|s| SessionRequest {
+        id: s.engine,
+        mode: s.mode,
+        edits: bounds
+            .map(SessionEdits::Messages)
+            .unwrap_or(SessionEdits::Tokens),
+    });
     let spec = GenerateSpec {
         prompt,
         max_tokens,
@@ -431,7 +320,9 @@ async fn run(
         session: session_req,
     };
     let (req, rx) = generation::request(spec, Arc::clone(&st.tokenizer));
-    st.engine.submit(req)?;
+    // Refusals known at once (invalid, unknown or busy session) get their status before
+    // any response starts.
+    engine_call(&st, move |e| e.try_submit(req)).await??;
     let ctx = Ctx {
         id: format!(
             "{}{:024x}",
@@ -472,7 +363,7 @@ fn now() -> u64 {
 fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>) -> LeylineReport {
     let edit = usage.edit.as_ref();
     LeylineReport {
-        session_id: session.as_ref().map(|s| s.lease.id().to_string()),
+        session_id: session.as_ref().map(|s| s.id.clone()),
         mode: session.as_ref().map(|s| s.mode),
         directives_applied: edit.map_or(0, |e| e.directives),
         tokens_reused: usage.cached_tokens,
@@ -481,22 +372,12 @@ fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>) -> Leylin
     }
 }
 
-/// Keeps this turn's message bounds for the next turn's diff.
-fn finish_session(session: &mut Option<SessionRun>) {
-    if let Some(s) = session {
-        let mut state = s.lease.state().clone();
-        state.bounds = s.bounds.take();
-        state.turns += 1;
-        s.lease.commit(state);
-    }
-}
-
 async fn collect(
     st: Arc<AppState>,
     ctx: Ctx,
     mut rx: mpsc::UnboundedReceiver<Piece>,
     _permit: OwnedSemaphorePermit,
-    mut session: Option<SessionRun>,
+    session: Option<SessionRun>,
 ) -> Result<Response> {
     let mut abort = st.abort.subscribe();
     let mut text = String::new();
@@ -509,7 +390,7 @@ async fn collect(
         };
         match piece {
             Some(Piece::Text(t)) => text.push_str(&t),
-            Some(Piece::Failed(m)) => return Err(ServerError::Engine(m)),
+            Some(Piece::Failed(f)) => return Err(ServerError::from(f)),
             None => return Err(ServerError::Engine("the engine dropped the request".into())),
             Some(Piece::Done {
                 finish_reason,
@@ -517,7 +398,6 @@ async fn collect(
                 ..
             }) => {
                 let leyline = report(&usage, &session);
-                finish_session(&mut session);
                 let body = match ctx.kind {
                     Kind::Chat => serde_json::to_value(ChatCompletion {
                         id: ctx.id,
@@ -609,7 +489,7 @@ fn stream(
     ctx: Ctx,
     mut rx: mpsc::UnboundedReceiver<Piece>,
     permit: OwnedSemaphorePermit,
-    mut session: Option<SessionRun>,
+    session: Option<SessionRun>,
 ) -> impl IntoResponse {
     let (tx, out) = mpsc::channel::<std::result::Result<Event, Infallible>>(64);
     st.metrics.streams_open.fetch_add(1, Ordering::Relaxed);
@@ -627,7 +507,7 @@ fn stream(
         while ok {
             let piece = tokio::select! {
                 p = rx.recv() => p,
-                _ = abort.wait_for(|a| *a) => Some(Piece::Failed("the server shut down before the request finished".into())),
+                _ = abort.wait_for(|a| *a) => Some(Piece::Failed(Failure::new(ErrorKind::Stopped, "the server shut down before the request finished"))),
             };
             match piece {
                 Some(Piece::Text(t)) => ok = send(event(&ctx.chunk(Some(t), false, None))).await,
@@ -637,7 +517,6 @@ fn stream(
                     ..
                 }) => {
                     let leyline = report(&usage, &session);
-                    finish_session(&mut session);
                     let mut last = ctx.chunk(None, false, Some(finish_reason));
                     if ctx.kind == Kind::Chat {
                         last.choices[0].delta = Some(Delta::default());
@@ -656,12 +535,12 @@ fn stream(
                     }
                     break;
                 }
-                Some(Piece::Failed(m)) => {
+                Some(Piece::Failed(f)) => {
                     st.metrics.stream_errors.fetch_add(1, Ordering::Relaxed);
                     let err = if st.abort.borrow().to_owned() {
-                        ServerError::ShuttingDown(m)
+                        ServerError::ShuttingDown(f.message)
                     } else {
-                        ServerError::Engine(m)
+                        ServerError::from(f)
                     };
                     if send(err.sse_event()).await {
                         send(Event::default().data("[DONE]")).await;

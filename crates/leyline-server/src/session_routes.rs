@@ -2,37 +2,14 @@
 
 use crate::auth::Principal;
 use crate::error::{Result, ServerError};
-use crate::routes::{create_engine_session, engine_call, parse, ApiJson, St};
-use crate::AppState;
+use crate::handler::{create_engine_session, engine_call, parse, reap, ApiJson, St};
+use crate::state::AppState;
 use axum::extract::{Path, Query, State};
 use axum::{Extension, Json};
 use leyline_core::{Directive, Mode};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
-
-/// Drops expired sessions (and, for `room > 0`, the least recently used idle ones until
-/// `room` more fit) from the table and the engine.
-pub(crate) async fn reap(st: &AppState, room: usize) {
-    let gone = st
-        .sessions
-        .reap(std::time::Instant::now(), st.config.sessions, room);
-    if gone.is_empty() {
-        return;
-    }
-    let n = gone.len();
-    let failed = engine_call(st, move |e| {
-        gone.into_iter()
-            .filter_map(|id| e.delete_session(id).err().map(|err| err.to_string()))
-            .collect::<Vec<_>>()
-    })
-    .await;
-    match failed {
-        Ok(f) if f.is_empty() => tracing::info!("dropped {n} idle sessions"),
-        Ok(f) => tracing::warn!("dropping idle sessions: {}", f.join("; ")),
-        Err(e) => tracing::warn!("dropping idle sessions: {e}"),
-    }
-}
 
 /// Reaps expired sessions every quarter of the idle timeout (at most every minute) until
 /// the state is gone.
@@ -72,11 +49,10 @@ pub(crate) async fn get_session(
     q: std::result::Result<Query<SessionQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>> {
     let Query(q) = q.map_err(|e| ServerError::invalid("tokens", e.body_text()))?;
-    let (state, busy) = st.sessions.get(&id, who)?;
-    let eid = state.engine;
+    let eid = st.sessions.resolve(&id, who)?;
     let info = engine_call(&st, move |e| e.session_info(eid)).await??;
     let mut body = json!({
-        "id": id, "object": "session", "length": info.tokens.len(), "turns": state.turns, "busy": busy || info.busy
+        "id": id, "object": "session", "length": info.tokens.len(), "turns": info.turns, "busy": info.busy
     });
     if q.tokens {
         body["tokens"] = json!(info.tokens);
@@ -89,12 +65,10 @@ pub(crate) async fn delete_session(
     Extension(who): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>> {
-    // Holding the lease keeps requests out while the engine drops the session.
-    let lease = st.sessions.acquire(&id, who)?;
-    let eid = lease.state().engine;
+    let eid = st.sessions.resolve(&id, who)?;
+    // The engine refuses a busy session (409); only then does the id go.
     engine_call(&st, move |e| e.delete_session(eid)).await??;
-    drop(lease);
-    st.sessions.delete(&id, who)?;
+    st.sessions.remove(&id, who)?;
     Ok(Json(
         json!({"id": id, "object": "session.deleted", "deleted": true}),
     ))
@@ -168,17 +142,12 @@ async fn apply_batch(
         };
         directives.push(Directive::new(d.start, d.end, replacement, mode));
     }
-    let mut lease = st.sessions.acquire(id, who)?;
-    let eid = lease.state().engine;
+    let eid = st.sessions.resolve(id, who)?;
     let (before, report) = engine_call(st, move |e| {
         let before = e.session_info(eid).map(|i| i.tokens.len())?;
         e.apply_directives(eid, directives).map(|r| (before, r))
     })
     .await??;
-    // The session's tokens no longer follow the last chat prompt's message layout.
-    let mut state = lease.state().clone();
-    state.bounds = None;
-    lease.commit(state);
     Ok(Json(json!({
         "id": id,
         "object": "session.directives",

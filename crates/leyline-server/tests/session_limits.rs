@@ -82,3 +82,41 @@ fn idle_sessions_expire() {
     assert_eq!(r.status, 404, "{}", r.body);
     assert_eq!(sessions_gauge(addr), 0);
 }
+
+#[test]
+fn an_edit_the_pool_cannot_hold_is_a_503_with_retry_after_and_changes_nothing() {
+    let addr = start(600, SessionLimits::default());
+    let id = new_session(addr);
+    let filler = "The archive lists every ship that entered the harbour, its cargo and its crew. "
+        .repeat(12);
+    let body = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": format!("{filler} Summarize.")}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "session_id": id,
+    });
+    let r = call(addr, "POST", "/v1/chat/completions", Some(body));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let path = format!("/v1/sessions/{id}?tokens=true");
+    let before = call(addr, "GET", &path, None).json()["tokens"].clone();
+    let huge = filler.repeat(3);
+    for mode in ["amortize", "forget"] {
+        let edit = json!({"mode": mode, "directives": [{"start": 3, "end": 5, "text": huge}]});
+        let r = call(addr, "POST", &format!("/v1/sessions/{id}/directives"), Some(edit));
+        assert_eq!(r.status, 503, "{mode}: {}", r.body);
+        assert_eq!(r.json()["error"]["code"], "kv_pool_exhausted", "{mode}");
+        assert!(
+            r.headers.iter().any(|(k, _)| k == "retry-after"),
+            "{mode}: no Retry-After"
+        );
+        let after = call(addr, "GET", &path, None).json()["tokens"].clone();
+        assert_eq!(after, before, "{mode}: the refused edit changed the session");
+    }
+    // An invalid batch is a 400 and an unknown session a 404 on the same route.
+    let bad = json!({"directives": [{"start": 9, "end": 3, "text": "x"}]});
+    let r = call(addr, "POST", &format!("/v1/sessions/{id}/directives"), Some(bad.clone()));
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = call(addr, "POST", "/v1/sessions/sess_nope/directives", Some(bad));
+    assert_eq!(r.status, 404, "{}", r.body);
+}

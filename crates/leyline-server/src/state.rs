@@ -1,0 +1,128 @@
+//! The configuration and the state every handler shares.
+
+use crate::error::Result;
+use crate::{metrics, sessions};
+use leyline_engine::{Engine, EngineHandle};
+use leyline_model::chat::ChatTemplate;
+use leyline_model::tokenizer::Tokenizer;
+use leyline_model::LoadedModel;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{watch, Semaphore};
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Where to listen (default 127.0.0.1:8000; port 0 picks a free one).
+    pub addr: SocketAddr,
+    /// Bearer keys; empty means no authentication.
+    pub api_keys: Vec<String>,
+    /// The model id clients name (`GET /v1/models`).
+    pub model_name: String,
+    /// Largest request body in bytes.
+    pub max_body_bytes: usize,
+    /// Most generation requests in flight; more are refused with 429.
+    pub max_concurrent: usize,
+    /// `max_tokens` when a request gives none (capped by the room left in the context).
+    pub default_max_tokens: usize,
+    /// On shutdown, how long in-flight requests may run before they are answered with an error.
+    pub shutdown_grace: Duration,
+    /// Bounds on open sessions (each pins its KV).
+    pub sessions: sessions::SessionLimits,
+}
+
+impl ServerConfig {
+    /// Defaults for serving `model_name`.
+    pub fn new(model_name: impl Into<String>) -> Self {
+        Self {
+            addr: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            api_keys: Vec::new(),
+            model_name: model_name.into(),
+            max_body_bytes: 4 << 20,
+            max_concurrent: 64,
+            default_max_tokens: 512,
+            shutdown_grace: Duration::from_secs(30),
+            sessions: sessions::SessionLimits::default(),
+        }
+    }
+}
+
+/// Everything the handlers share.
+pub struct AppState {
+    /// Settings.
+    pub config: ServerConfig,
+    pub(crate) engine: EngineHandle,
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) chat: Option<ChatTemplate>,
+    pub(crate) stop_tokens: Vec<u32>,
+    pub(crate) context_length: usize,
+    pub(crate) max_sequence_len: usize,
+    pub(crate) vocab_size: usize,
+    pub(crate) sessions: Arc<sessions::Sessions>,
+    pub(crate) metrics: metrics::ServerMetrics,
+    pub(crate) admission: Arc<Semaphore>,
+    pub(crate) draining: AtomicBool,
+    pub(crate) abort: watch::Sender<bool>,
+    pub(crate) created: u64,
+}
+
+impl AppState {
+    /// Shared state over a running engine and the model's tokenizer and template.
+    ///
+    /// Blocks briefly on the engine (one call between steps) to read its limits.
+    ///
+    /// # Errors
+    /// The engine has stopped.
+    pub fn new(config: ServerConfig, engine: EngineHandle, lm: LoadedModel) -> Result<Arc<Self>> {
+        let (max_sequence_len, context_length, vocab_size) = engine.call(|e: &mut Engine| {
+            let info = e.model().info();
+            (e.max_sequence_len(), info.context_length, info.vocab_size)
+        })?;
+        let tokenizer = Arc::new(lm.tokenizer);
+        let mut stop_tokens: Vec<u32> = tokenizer.eos_id().into_iter().collect();
+        if let Some(t) = tokenizer
+            .token_id("<|im_end|>")
+            .filter(|t| !stop_tokens.contains(t))
+        {
+            stop_tokens.push(t);
+        }
+        let admission = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Ok(Arc::new(Self {
+            config,
+            engine,
+            tokenizer,
+            chat: lm.chat,
+            stop_tokens,
+            context_length,
+            max_sequence_len,
+            vocab_size,
+            sessions: Arc::default(),
+            metrics: metrics::ServerMetrics::default(),
+            admission,
+            draining: AtomicBool::new(false),
+            abort: watch::channel(false).0,
+            created,
+        }))
+    }
+
+    /// Refuse new work (503); running requests continue.
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// End running requests now with an error answer or event.
+    pub fn abort_in_flight(&self) {
+        self.abort.send_replace(true);
+    }
+
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+}
+
