@@ -134,9 +134,9 @@ fn prefill(
     }
 }
 
-fn target(w: &World) -> SpliceTarget<'_> {
+fn target(seq: &[u32]) -> SpliceTarget<'_> {
     SpliceTarget {
-        slots: &w.seq,
+        slots: seq,
         lineage: LINEAGE,
         clean_len: 6,
     }
@@ -159,7 +159,7 @@ fn every_injected_failure_leaves_everything_as_it_was() {
                 &mut w.cache,
                 &mut w.kv,
                 &rope(false),
-                target(&w),
+                target(&w.seq),
                 &two_edits(),
                 prefill(Some(fail_at)),
             );
@@ -177,7 +177,7 @@ fn every_injected_failure_leaves_everything_as_it_was() {
             &mut w.cache,
             &mut w.kv,
             &rope(true),
-            target(&w),
+            target(&w.seq),
             &two_edits(),
             prefill(None),
         );
@@ -191,7 +191,7 @@ fn every_injected_failure_leaves_everything_as_it_was() {
                 &mut w.cache,
                 &mut w.kv,
                 &rope(false),
-                target(&w),
+                target(&w.seq),
                 &two_edits(),
                 prefill(None),
             );
@@ -222,7 +222,7 @@ fn a_splice_after_a_rollback_equals_one_on_an_untouched_twin_and_rotates_exactly
         &mut a.cache,
         &mut a.kv,
         &rope(false),
-        target(&a),
+        target(&a.seq),
         &two_edits(),
         prefill(Some(1)),
     );
@@ -231,7 +231,7 @@ fn a_splice_after_a_rollback_equals_one_on_an_untouched_twin_and_rotates_exactly
         &mut a.cache,
         &mut a.kv,
         &rope(false),
-        target(&a),
+        target(&a.seq),
         &two_edits(),
         prefill(None),
     )
@@ -240,7 +240,7 @@ fn a_splice_after_a_rollback_equals_one_on_an_untouched_twin_and_rotates_exactly
         &mut b.cache,
         &mut b.kv,
         &rope(false),
-        target(&b),
+        target(&b.seq),
         &two_edits(),
         prefill(None),
     )
