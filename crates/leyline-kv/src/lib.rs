@@ -7,6 +7,8 @@
 //! tensors: storage is plain typed buffers.
 #![deny(missing_docs)]
 
+pub mod convert;
+pub mod cpu;
 pub mod error;
 pub mod mem;
 pub mod radix;

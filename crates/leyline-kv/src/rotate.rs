@@ -6,9 +6,9 @@
 //! bake in a YaRN attention factor), the math is f32, and each element is rounded once into
 //! the storage dtype.
 //!
-//! Paths, picked at run time by `is_x86_feature_detected!` (cached in a `OnceLock`): a
-//! portable generic kernel (`rotate/portable.rs`), and hand-written AVX2+FMA+F16C (`avx2.rs`) and
-//! AVX-512 F/BW/VL (`avx512.rs`) kernels. Every path computes, for each rotary pair `(a, b)`
+//! Paths, picked at run time from the CPU's [`Features`]: a portable generic kernel
+//! (`rotate/portable.rs`), and hand-written AVX2+FMA+F16C (`avx2.rs`) and AVX-512 F/BW/VL
+//! (`avx512.rs`) kernels. Every path computes, for each rotary pair `(a, b)`
 //! with `(c, s)`, exactly `a' = a*c - b*s` and `b' = b*c + a*s` in f32 (two products, one
 //! sum, no FMA contraction) and rounds once to nearest-even, so all paths agree bit for bit;
 //! the tests check it. (Only which sign/payload a NaN computed from two NaNs carries is left
@@ -19,11 +19,14 @@
 //! by a left shift and its odd element by a mask. For interleaved pairs `(2i, 2i+1)` that
 //! puts `a` and `b` of one pair in one lane: the rotation needs no shuffles at all.
 
+use crate::cpu::Features;
 use crate::error::{KvError, Result};
 use crate::rope::{RopeSpec, RotaryLayout, Rotation};
 use crate::storage::RowsMut;
 use std::ops::Range;
-use std::sync::OnceLock;
+
+/// The scalar converters, kept here for callers of their old path (now [`crate::convert`]).
+pub use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 /// Which compiled copy of the kernel runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -39,34 +42,20 @@ pub enum KernelPath {
 impl KernelPath {
     /// Whether this machine can run the path.
     pub fn available(self) -> bool {
+        let f = Features::get();
         match self {
             KernelPath::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2 => {
-                std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                    && std::arch::is_x86_feature_detected!("f16c")
-            }
-            #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx512 => {
-                std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
-                    && std::arch::is_x86_feature_detected!("avx512vl")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
+            KernelPath::Avx2 => f.avx2_fma_f16c(),
+            KernelPath::Avx512 => f.avx512_f_bw_vl(),
         }
     }
 
-    /// The fastest path this machine runs (detected once).
+    /// The fastest path this machine runs (from the features [`Features::get`] caches).
     pub fn detect() -> KernelPath {
-        static PATH: OnceLock<KernelPath> = OnceLock::new();
-        *PATH.get_or_init(|| {
-            [KernelPath::Avx512, KernelPath::Avx2]
-                .into_iter()
-                .find(|p| p.available())
-                .unwrap_or(KernelPath::Portable)
-        })
+        [KernelPath::Avx512, KernelPath::Avx2]
+            .into_iter()
+            .find(|p| p.available())
+            .unwrap_or(KernelPath::Portable)
     }
 }
 
@@ -402,76 +391,6 @@ fn check_slot(slot: u32, capacity: usize) -> Result<()> {
     } else {
         Err(KvError::SlotOutOfRange { slot, capacity })
     }
-}
-
-/// bf16 bits to f32: exact, a shift.
-#[inline(always)]
-pub fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
-}
-
-/// f32 to bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
-#[inline(always)]
-pub fn f32_to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
-    let nan = ((b >> 16) as u16) | 0x0040;
-    if x.is_nan() {
-        nan
-    } else {
-        rounded
-    }
-}
-
-/// f16 bits to f32: exact, including subnormals, infinities and NaN.
-#[inline(always)]
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h & 0x8000) as u32) << 16;
-    let em = (h & 0x7fff) as u32;
-    let exp = em & 0x7c00;
-    // Normal: rebias the exponent (+112 << 23 after the shift).
-    let normal = (em << 13) + (112 << 23);
-    // Inf/NaN: exponent all ones.
-    let special = (em << 13) | 0x7f80_0000;
-    // Subnormal: value = mantissa * 2^-24, exact in f32.
-    let sub = ((em as f32) * f32::from_bits(0x3380_0000)).to_bits(); // 2^-24
-    let mag = if exp == 0x7c00 {
-        special
-    } else if exp == 0 {
-        sub
-    } else {
-        normal
-    };
-    f32::from_bits(mag | sign)
-}
-
-/// f32 to f16 bits, round to nearest even; overflow to infinity. A NaN stays NaN, quiet, with
-/// the top 9 payload bits kept (as the x86 F16C conversion does).
-#[inline(always)]
-pub fn f32_to_f16(x: f32) -> u16 {
-    let b = x.to_bits();
-    let sign = ((b >> 16) & 0x8000) as u16;
-    let a = b & 0x7fff_ffff;
-    // Normal range: rebias, then round the 13 dropped bits to nearest even.
-    let normal = {
-        let r = a.wrapping_sub(112 << 23);
-        (r.wrapping_add(0x0fff + ((r >> 13) & 1)) >> 13) as u16
-    };
-    // Subnormal range (|x| < 2^-14): adding 0.5 makes the FPU round to the 2^-24 grid (RNE).
-    let sub = (f32::from_bits(a) + 0.5f32)
-        .to_bits()
-        .wrapping_sub(0.5f32.to_bits()) as u16;
-    let mag = if a > 0x7f80_0000 {
-        0x7e00 | ((a >> 13) & 0x1ff) as u16
-    } else if a >= 0x4780_0000 {
-        // >= 65536: infinity (65520 and up round to infinity via `normal` too).
-        0x7c00
-    } else if a < 0x3880_0000 {
-        sub
-    } else {
-        normal.min(0x7c00)
-    };
-    mag | sign
 }
 
 /// Runs the kernel `path` over the checked rows.

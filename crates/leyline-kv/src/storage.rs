@@ -6,8 +6,8 @@
 //! (one "head" of `rope_dim`), `v` is the normalized latent. A splice therefore only ever
 //! rotates `k` rows and never reads `v`.
 
+use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::error::{KvError, Result};
-use crate::rotate::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 /// Storage element type of the pool. Rotation math is always f32; this is only how the
 /// numbers rest in memory.

@@ -37,11 +37,12 @@ pub(crate) fn exp2(x: f32) -> f32 {
 pub(crate) fn silu_mul(gu: &[f32], width: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx512f") {
+        let f = leyline_kv::cpu::Features::get();
+        if f.avx512f {
             // SAFETY: the CPU has AVX-512F (checked just above).
             return unsafe { silu_mul_avx512(gu, width, out) };
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if f.avx2_fma() {
             // SAFETY: the CPU has AVX2 and FMA (checked just above).
             return unsafe { silu_mul_avx2(gu, width, out) };
         }

@@ -28,14 +28,7 @@ pub(crate) struct Panels {
 impl Panels {
     /// Whether this CPU runs [`Panels::matmul`] (it needs AVX-512F).
     pub(crate) fn available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx512f")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        leyline_kv::cpu::Features::get().avx512f
     }
 
     /// Packs `W` given column-major (`wt[k * out + i] = W(i, k)`).

@@ -1,7 +1,8 @@
 //! The portable kernel: generic Rust over fixed-size blocks, which the compiler vectorizes
 //! for the baseline target; also the scalar pair step the SIMD kernels use for tails.
 
-use super::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, Head, Sel, Tables};
+use super::{Head, Sel, Tables};
+use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::rope::{RotaryLayout, Rotation};
 use crate::storage::RowsMut;
 

@@ -1,0 +1,556 @@
+//! One task's kernel, generic over the storage dtype and compiled once per instruction
+//! set: the per-thread buffers, the online softmax over key blocks, the value sums, and
+//! [`Isa`], which picks the score products of `portable.rs`, `avx2.rs` or `avx512.rs`.
+
+use super::plan::{Heads, Task, KB, RB};
+use super::portable::{dot, scores_portable};
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, avx512};
+use crate::fastmath::exp2;
+
+/// Head-dim lanes per value accumulator row in the portable kernel; the x86 kernels use
+/// as many as their registers hold (see [`task_for`]).
+const DC: usize = 16;
+
+/// The batch's query rows: row `t` starts at `t * stride` and holds every head's query
+/// (rotated, unscaled) in its first `heads * head_dim` values; the rest of a row is not read.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Queries<'a> {
+    pub rows: &'a [f32],
+    pub stride: usize,
+}
+
+/// Per-thread buffers, sized for one task.
+pub(super) struct Scratch {
+    /// Query rows, scaled (the direct-score path reads them).
+    q: Vec<f32>,
+    /// The same rows transposed, `[head_dim][lanes]`.
+    qt: Vec<f32>,
+    /// A key block's K and V rows converted to f32 when the storage is not f32.
+    kb: Vec<f32>,
+    vb: Vec<f32>,
+    /// The row of a key past the block's end.
+    zero: Vec<f32>,
+    /// Scores, then probabilities, `[KB][lanes]`: a key's scores for every query row.
+    st: Vec<f32>,
+    o: Vec<f32>,
+    /// Per query row: running max, running sum, the last block's correction factor.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    corr: Vec<f32>,
+}
+
+/// Query rows padded to whole 16-lane vectors.
+fn lanes_of(rows: usize) -> usize {
+    rows.div_ceil(16) * 16
+}
+
+impl Scratch {
+    pub(super) fn new(rows: usize, hd: usize) -> Self {
+        let lanes = lanes_of(rows);
+        Self {
+            q: vec![0.0; lanes * hd],
+            qt: vec![0.0; hd * lanes],
+            kb: vec![0.0; KB * hd],
+            vb: vec![0.0; KB * hd],
+            zero: vec![0.0; hd],
+            st: vec![0.0; KB * lanes],
+            o: vec![0.0; lanes * hd],
+            m: vec![0.0; lanes],
+            l: vec![0.0; lanes],
+            corr: vec![0.0; lanes],
+        }
+    }
+}
+
+/// How rows of a storage dtype become f32.
+pub(super) trait Load<T>: Copy {
+    fn f32(self, x: T) -> f32;
+    /// The rows themselves when they already are f32.
+    fn in_place(self, rows: &[T]) -> Option<&[f32]>;
+}
+
+/// f32 storage: rows are read where they are.
+#[derive(Clone, Copy)]
+pub(super) struct AsIs;
+
+impl Load<f32> for AsIs {
+    #[inline(always)]
+    fn f32(self, x: f32) -> f32 {
+        x
+    }
+    #[inline(always)]
+    fn in_place(self, rows: &[f32]) -> Option<&[f32]> {
+        Some(rows)
+    }
+}
+
+/// bf16 bit patterns (converted exactly).
+#[derive(Clone, Copy)]
+pub(super) struct FromBf16;
+
+impl Load<u16> for FromBf16 {
+    #[inline(always)]
+    fn f32(self, b: u16) -> f32 {
+        leyline_kv::convert::bf16_to_f32(b)
+    }
+    #[inline(always)]
+    fn in_place(self, _: &[u16]) -> Option<&[f32]> {
+        None
+    }
+}
+
+/// f16 bit patterns (converted exactly).
+#[derive(Clone, Copy)]
+pub(super) struct FromF16;
+
+impl Load<u16> for FromF16 {
+    #[inline(always)]
+    fn f32(self, b: u16) -> f32 {
+        leyline_kv::convert::f16_to_f32(b)
+    }
+    #[inline(always)]
+    fn in_place(self, _: &[u16]) -> Option<&[f32]> {
+        None
+    }
+}
+
+/// What one task reads.
+pub(super) struct Job<'a> {
+    pub(super) task: &'a Task<'a>,
+    pub(super) q: Queries<'a>,
+    pub(super) shape: Heads,
+    pub(super) kw: usize,
+    pub(super) vw: usize,
+}
+
+/// The instruction set the kernel is compiled for, picked at run time.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Isa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    /// Every variant this CPU can run, the portable one first.
+    #[cfg(test)]
+    pub(super) fn available() -> Vec<Self> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            let f = leyline_kv::cpu::Features::get();
+            if f.avx2_fma() {
+                v.push(Isa::Avx2);
+            }
+            if f.avx512f {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
+    /// The fastest variant this CPU runs, from the features `leyline_kv::cpu` detects once.
+    pub(super) fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let f = leyline_kv::cpu::Features::get();
+            if f.avx512f {
+                return Isa::Avx512;
+            }
+            if f.avx2_fma() {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Runs one task with this variant's kernel.
+    pub(super) fn run<T: Copy>(
+        self,
+        job: &Job<'_>,
+        k: &[T],
+        v: &[T],
+        ld: impl Load<T>,
+        buf: &mut Scratch,
+        out: &mut [f32],
+    ) {
+        match self {
+            Isa::Portable => task::<T, DC>(self, job, k, v, ld, buf, out),
+            // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX-512F.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { task_avx512(self, job, k, v, ld, buf, out) },
+            // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { task_avx2(self, job, k, v, ld, buf, out) },
+        }
+    }
+
+    /// `st[j][r] = q[r] . k[j]` for one key block and the first `rows` query rows of `qb:
+    /// [lanes][hd]` (scaled, untransposed); lanes from `rows` on are zero, and so may be the
+    /// scores of keys from `nb` on (the caller masks them).
+    #[allow(clippy::too_many_arguments)]
+    fn scores_direct(
+        self,
+        qb: &[f32],
+        rows: usize,
+        lanes: usize,
+        krows: &[&[f32]; KB],
+        nb: usize,
+        st: &mut [f32],
+        hd: usize,
+    ) {
+        assert!(rows <= lanes && qb.len() >= rows * hd && st.len() >= KB * lanes);
+        assert!(krows.iter().all(|r| r.len() >= hd));
+        match self {
+            // SAFETY: the CPU has AVX-512F (see `run`), `hd` is a multiple of 16, and the
+            // asserts above are the bounds `scores_few_avx512` relies on.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if hd.is_multiple_of(16) => unsafe {
+                avx512::scores_few_avx512(qb, rows, lanes, krows, nb, st, hd)
+            },
+            // SAFETY: the CPU has AVX2 and FMA (see `run`), `hd` is a multiple of 8, and the
+            // asserts above are the bounds `scores_few_avx2` relies on.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 if hd.is_multiple_of(8) => unsafe {
+                avx2::scores_few_avx2(qb, rows, lanes, krows, nb, st, hd)
+            },
+            _ => {
+                for (srow, kr) in st.chunks_exact_mut(lanes).zip(krows) {
+                    for (r, x) in srow.iter_mut().enumerate() {
+                        *x = if r < rows {
+                            dot(&qb[r * hd..(r + 1) * hd], kr)
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// `st[j][r] = q[r] . k[j]` for one key block, from the transposed queries
+    /// `qt: [hd][lanes]` (`lanes` a multiple of 16).
+    fn scores(self, qt: &[f32], lanes: usize, krows: &[&[f32]; KB], st: &mut [f32], hd: usize) {
+        assert!(lanes.is_multiple_of(16) && qt.len() >= hd * lanes && st.len() >= KB * lanes);
+        assert!(krows.iter().all(|r| r.len() >= hd));
+        match self {
+            Isa::Portable => scores_portable(qt, lanes, krows, st, hd),
+            // SAFETY: the CPU has AVX-512F (see `run`), and the asserts above are the bounds
+            // `scores_avx512` relies on.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512::scores_avx512(qt, lanes, krows, st, hd) },
+            // SAFETY: the CPU has AVX2 and FMA (see `run`), and the asserts above are the
+            // bounds `scores_avx2` relies on.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { avx2::scores_avx2(qt, lanes, krows, st, hd) },
+        }
+    }
+}
+
+/// `task` compiled for an instruction set; callers must have checked that the CPU has it.
+/// `$w` is the value accumulators' width per row: [`RB`] rows of it take 16 of AVX-512's 32
+/// registers, and 8 of AVX2's 16 (at 16 registers, all of them, AVX2 spilled: prefill
+/// attention took 2.5x as long).
+macro_rules! task_for {
+    ($name:ident, $features:literal, $w:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<T: Copy>(
+            isa: Isa,
+            job: &Job<'_>,
+            k: &[T],
+            v: &[T],
+            ld: impl Load<T>,
+            buf: &mut Scratch,
+            out: &mut [f32],
+        ) {
+            task::<T, $w>(isa, job, k, v, ld, buf, out)
+        }
+    };
+}
+task_for!(task_avx512, "avx512f", 64);
+task_for!(task_avx2, "avx2,fma", 16);
+
+/// Runs one task into `out` (its rows, token-major, heads within a token).
+///
+/// Per key block: scores land transposed (`st[key][row]`), so the online softmax runs down
+/// the keys with the query rows across vector lanes, and the masks of the causal diagonal
+/// are prefixes of a key's row. With f32 storage the key and value rows are read in place.
+#[inline(always)]
+fn task<T: Copy, const W: usize>(
+    isa: Isa,
+    job: &Job<'_>,
+    k: &[T],
+    v: &[T],
+    ld: impl Load<T>,
+    buf: &mut Scratch,
+    out: &mut [f32],
+) {
+    let Job {
+        task,
+        q,
+        shape,
+        kw,
+        vw,
+    } = *job;
+    let (h, hd) = (shape.heads, shape.head_dim);
+    let g = h / shape.kv_heads;
+    let seq = task.seq;
+    let rows = task.rows(g);
+    let padded = rows.div_ceil(RB) * RB;
+    let lanes = lanes_of(rows);
+    let c = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+    let Scratch {
+        q: qb,
+        qt,
+        kb,
+        vb,
+        zero,
+        st,
+        o,
+        m,
+        l,
+        corr,
+    } = buf;
+    // With a register block's rows or fewer, dot products straight from the key rows are
+    // cheaper than the transposed product, whose lanes would be mostly padding.
+    let direct = padded == RB;
+    for r in 0..lanes {
+        let dst = &mut qb[r * hd..(r + 1) * hd];
+        if r < rows {
+            let head = task.kv_head * g + r % g;
+            let src = task.toks[r / g].0 * q.stride + head * hd;
+            for (d, &x) in dst.iter_mut().zip(&q.rows[src..src + hd]) {
+                *d = x * c;
+            }
+        } else {
+            dst.fill(0.0);
+        }
+    }
+    if !direct {
+        for (d, col) in qt.chunks_exact_mut(lanes).take(hd).enumerate() {
+            for (x, row) in col.iter_mut().zip(qb.chunks_exact(hd)) {
+                *x = row[d];
+            }
+        }
+    }
+    m[..lanes].fill(f32::NEG_INFINITY);
+    l[..lanes].fill(0.0);
+    o[..padded * hd].fill(0.0);
+    let ctx = seq.context.len();
+    // Key and value rows both hold the kv heads side by side.
+    let off = task.kv_head * hd;
+    let slot = |j: usize| {
+        (if j < ctx {
+            seq.context[j]
+        } else {
+            seq.new_slots[j - ctx]
+        }) as usize
+    };
+    let (kf, vf) = (ld.in_place(k), ld.in_place(v));
+    // Keys from here on are masked for some rows: row `r` sees key `j` iff
+    // `j < diag + r / g + 1`.
+    let diag = task.diag;
+    for j0 in (task.k0..task.k1).step_by(KB) {
+        let nb = KB.min(task.k1 - j0);
+        // The next block's rows sit at scattered slots, which hardware prefetchers do not
+        // follow: ask for them while this block computes.
+        for j in j0 + KB..(j0 + 2 * KB).min(task.k1) {
+            let s = slot(j);
+            prefetch(&k[s * kw + off..s * kw + off + hd]);
+            prefetch(&v[s * vw + off..s * vw + off + hd]);
+        }
+        let slots: [usize; KB] = std::array::from_fn(|jj| if jj < nb { slot(j0 + jj) } else { 0 });
+        if kf.is_none() {
+            for (jj, &s) in slots[..nb].iter().enumerate() {
+                let (kr, vr) = (&k[s * kw + off..][..hd], &v[s * vw + off..][..hd]);
+                for (d, &x) in kb[jj * hd..(jj + 1) * hd].iter_mut().zip(kr) {
+                    *d = ld.f32(x);
+                }
+                for (d, &x) in vb[jj * hd..(jj + 1) * hd].iter_mut().zip(vr) {
+                    *d = ld.f32(x);
+                }
+            }
+        }
+        let zero = &zero[..hd];
+        let krows = block_rows(kf, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
+        let vrows = block_rows(vf, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
+        if direct {
+            isa.scores_direct(qb, rows, lanes, &krows, nb, st, hd);
+        } else {
+            isa.scores(qt, lanes, &krows, st, hd);
+        }
+        if j0 + KB > diag {
+            for (jj, srow) in st.chunks_exact_mut(lanes).enumerate() {
+                let j = j0 + jj;
+                let hidden = if jj >= nb {
+                    lanes
+                } else {
+                    (j.saturating_sub(diag) * g).min(lanes)
+                };
+                srow[..hidden].fill(f32::NEG_INFINITY);
+            }
+        }
+        softmax_block(st, lanes, m, l, corr);
+        for (r, &cr) in corr[..padded].iter().enumerate() {
+            if cr != 1.0 {
+                for x in &mut o[r * hd..(r + 1) * hd] {
+                    *x *= cr;
+                }
+            }
+        }
+        values::<W>(st, lanes, &vrows, o, padded, hd, nb);
+    }
+    for r in 0..rows {
+        let inv = 1.0 / l[r];
+        for (d, &x) in out[r * hd..(r + 1) * hd]
+            .iter_mut()
+            .zip(&o[r * hd..(r + 1) * hd])
+        {
+            *d = x * inv;
+        }
+    }
+    out[rows * hd..rows * (hd + 1)].copy_from_slice(&m[..rows]);
+    out[rows * (hd + 1)..rows * (hd + 2)].copy_from_slice(&l[..rows]);
+}
+
+/// A key block's rows for one kv head: in place in `rows` (at `at(jj)`) when the storage is
+/// f32, else the converted rows of `conv`; `zero` past the block's `nb` keys.
+#[inline(always)]
+fn block_rows<'a>(
+    rows: Option<&'a [f32]>,
+    at: impl Fn(usize) -> usize,
+    conv: &'a [f32],
+    zero: &'a [f32],
+    nb: usize,
+    hd: usize,
+) -> [&'a [f32]; KB] {
+    std::array::from_fn(|jj| match (jj < nb, rows) {
+        (false, _) => zero,
+        (true, Some(f)) => &f[at(jj)..at(jj) + hd],
+        (true, None) => &conv[jj * hd..(jj + 1) * hd],
+    })
+}
+
+/// One block's online softmax, 16 query rows at a time: updates each row's running max `m`
+/// and sum `l`, turns the scores `st` into `2^(s - m)`, and leaves in `corr` the factor by
+/// which the row's earlier value sums must be scaled.
+#[inline(always)]
+fn softmax_block(st: &mut [f32], lanes: usize, m: &mut [f32], l: &mut [f32], corr: &mut [f32]) {
+    for c0 in (0..lanes).step_by(16) {
+        let at = |jj: usize| jj * lanes + c0;
+        let mut mx: [f32; 16] = m[c0..c0 + 16].try_into().expect("16 lanes");
+        for jj in 0..KB {
+            let s: &[f32; 16] = st[at(jj)..at(jj) + 16].try_into().expect("16 lanes");
+            for (a, &x) in mx.iter_mut().zip(s) {
+                *a = a.max(x);
+            }
+        }
+        let mut sum = [0f32; 16];
+        for jj in 0..KB {
+            let s: &mut [f32; 16] = (&mut st[at(jj)..at(jj) + 16]).try_into().expect("16 lanes");
+            for ((x, a), &mr) in s.iter_mut().zip(&mut sum).zip(&mx) {
+                *x = exp2(*x - mr);
+                *a += *x;
+            }
+        }
+        let rows = c0..c0 + 16;
+        for ((((mo, lo), co), &mr), &sr) in m[rows.clone()]
+            .iter_mut()
+            .zip(&mut l[rows.clone()])
+            .zip(&mut corr[rows])
+            .zip(&mx)
+            .zip(&sum)
+        {
+            let cr = exp2(*mo - mr);
+            *co = cr;
+            *lo = *lo * cr + sr;
+            *mo = mr;
+        }
+    }
+}
+
+/// Hints the CPU to bring `row` into the cache; no effect on results.
+#[inline(always)]
+fn prefetch<T>(row: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = std::mem::size_of_val(row);
+        let base = row.as_ptr().cast::<i8>();
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch never faults or writes, and `base + off` stays inside `row`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(off)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = row;
+}
+
+/// `o[r] += sum_j st[j][r] * v[j]` over the block's `nb` keys: [`RB`] rows at a time, in
+/// head-dim chunks of `W` lanes, then of [`DC`], then one lane at a time.
+#[inline(always)]
+fn values<const W: usize>(
+    st: &[f32],
+    lanes: usize,
+    vrows: &[&[f32]; KB],
+    o: &mut [f32],
+    rows: usize,
+    hd: usize,
+    nb: usize,
+) {
+    for rb in (0..rows).step_by(RB) {
+        let o = &mut o[rb * hd..(rb + RB) * hd];
+        let mut dc = 0;
+        while dc + W <= hd {
+            values_chunk::<W>(st, lanes, vrows, o, hd, rb, dc, nb);
+            dc += W;
+        }
+        while dc + DC <= hd {
+            values_chunk::<DC>(st, lanes, vrows, o, hd, rb, dc, nb);
+            dc += DC;
+        }
+        for (srow, vr) in st.chunks_exact(lanes).zip(vrows).take(nb) {
+            for (rr, &p) in srow[rb..rb + RB].iter().enumerate() {
+                for d in dc..hd {
+                    o[rr * hd + d] += p * vr[d];
+                }
+            }
+        }
+    }
+}
+
+/// Lanes `dc..dc + W` of [`values`] for the register block of rows `rb..rb + RB` (`o` holds
+/// its rows).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn values_chunk<const W: usize>(
+    st: &[f32],
+    lanes: usize,
+    vrows: &[&[f32]; KB],
+    o: &mut [f32],
+    hd: usize,
+    rb: usize,
+    dc: usize,
+    nb: usize,
+) {
+    let mut acc = [[0f32; W]; RB];
+    for (rr, a) in acc.iter_mut().enumerate() {
+        a.copy_from_slice(&o[rr * hd + dc..rr * hd + dc + W]);
+    }
+    for (srow, vrow) in st.chunks_exact(lanes).zip(vrows).take(nb) {
+        let p: &[f32; RB] = srow[rb..rb + RB].try_into().expect("RB rows");
+        let vr: &[f32; W] = vrow[dc..dc + W].try_into().expect("W lanes");
+        for (a, &pj) in acc.iter_mut().zip(p) {
+            for (x, &y) in a.iter_mut().zip(vr) {
+                *x = pj.mul_add(y, *x);
+            }
+        }
+    }
+    for (rr, a) in acc.iter().enumerate() {
+        o[rr * hd + dc..rr * hd + dc + W].copy_from_slice(a);
+    }
+}

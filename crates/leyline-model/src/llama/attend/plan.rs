@@ -1,0 +1,322 @@
+//! Planning an attention call: the block sizes, the tasks (sequence, kv head, query rows,
+//! stretch of keys) a batch splits into, the grouping of decodes that share a context
+//! prefix, and the merge of split tasks' partial sums into the output.
+
+use crate::ForwardSeq;
+
+/// Keys per block.
+pub(super) const KB: usize = 64;
+/// Query tokens per task.
+pub(super) const QB: usize = 64;
+/// Query rows per register block.
+pub(super) const RB: usize = 4;
+/// Fewest context keys a split task covers.
+const MIN_SPLIT: usize = 4 * KB;
+/// Tasks per thread below which the context is split.
+const TASKS_PER_THREAD: usize = 4;
+
+/// Head counts of an attention call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Heads {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// One piece of the work: the query tokens of one sequence (a block of its new tokens) or of
+/// several decoding sequences that share a context prefix, one kv head, and a stretch of keys.
+pub(super) struct Task<'a> {
+    /// The sequence whose context and new slots hold the keys (for a shared prefix: any of
+    /// the sequences, they hold the same slots there).
+    pub(super) seq: &'a ForwardSeq<'a>,
+    pub(super) kv_head: usize,
+    /// Per query token: its row in the flat batch, and where its `g` rows' partial sums
+    /// go in the merge buffers (unread unless `merged`).
+    pub(super) toks: Vec<(usize, usize)>,
+    /// Keys from here on are masked for some rows: row `r` sees key `j` iff
+    /// `j < diag + r / g + 1`.
+    pub(super) diag: usize,
+    /// Keys `k0..k1` of `seq`'s context followed by its new tokens.
+    pub(super) k0: usize,
+    pub(super) k1: usize,
+    /// Whether other tasks cover other keys of the same query rows (partial sums merged).
+    pub(super) merged: bool,
+    /// Whether this is the task with the first keys of its rows (it finishes the merge).
+    pub(super) first: bool,
+}
+
+impl Task<'_> {
+    pub(super) fn rows(&self, g: usize) -> usize {
+        self.toks.len() * g
+    }
+}
+
+/// How a split task's partial sums are merged with the other parts of its rows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Merge {
+    /// The task covers all keys of its rows.
+    Alone,
+    /// Parts are merged; part 0 finishes the merge.
+    Leads,
+    /// Parts are merged; another task finishes the merge.
+    Joins,
+}
+
+/// The work of one attention call, the same on every layer of a forward pass: the tasks,
+/// and the buffers their outputs merge in.
+pub(crate) struct Plan<'a> {
+    pub(super) shape: Heads,
+    pub(super) tasks: Vec<Task<'a>>,
+    /// Query rows whose partial sums are merged.
+    pub(super) merge_rows: usize,
+    /// The most query rows of one task.
+    pub(super) max_rows: usize,
+    /// Task-major output: task i owns its rows' `head_dim` values, then each row's running
+    /// max and sum. Every task writes all of its piece, so layers reuse it as it is.
+    pub(super) scratch: Vec<f32>,
+}
+
+impl<'a> Plan<'a> {
+    /// The tasks for `seqs` on `threads` threads.
+    pub(crate) fn new(seqs: &'a [ForwardSeq<'a>], shape: Heads, threads: usize) -> Self {
+        let Heads {
+            heads: h,
+            kv_heads: kvh,
+            ..
+        } = shape;
+        let g = h / kvh;
+        let units: usize = seqs.iter().map(|s| s.tokens.len().div_ceil(QB) * kvh).sum();
+        let wanted = TASKS_PER_THREAD * threads;
+        let mut plan = Self {
+            shape,
+            tasks: Vec::new(),
+            merge_rows: 0,
+            max_rows: 0,
+            scratch: Vec::new(),
+        };
+        let rows_at: Vec<usize> = seqs
+            .iter()
+            .scan(0, |at, s| {
+                let r = *at;
+                *at += s.tokens.len();
+                Some(r)
+            })
+            .collect();
+        // Decoding sequences that share a context prefix read it once, in tasks that hold all
+        // their query rows; their own tasks cover the keys after it, and the parts are merged.
+        let mut shared = vec![0usize; seqs.len()];
+        let mut base = vec![0usize; seqs.len()];
+        for (members, len) in shared_prefixes(seqs) {
+            for chunk in members.chunks(QB) {
+                for &i in chunk {
+                    shared[i] = len;
+                    base[i] = plan.merge_rows;
+                    plan.merge_rows += kvh * g;
+                }
+                let parts = wanted
+                    .div_ceil(kvh * members.len().div_ceil(QB))
+                    .min(len / MIN_SPLIT)
+                    .max(1);
+                let cuts: Vec<usize> = (0..=parts).map(|p| p * len / parts / KB * KB).collect();
+                plan.push(&seqs[chunk[0]], len, &cuts, Merge::Leads, |kv_head| {
+                    chunk
+                        .iter()
+                        .map(|&i| (rows_at[i], base[i] + kv_head * g))
+                        .collect()
+                });
+            }
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            let (t, ctx, row) = (s.tokens.len(), s.context.len(), rows_at[i]);
+            if shared[i] > 0 {
+                // One new token; the keys from the end of the shared prefix on.
+                let skip = shared[i];
+                let parts = wanted.div_ceil(units).min((ctx - skip) / MIN_SPLIT).max(1);
+                let mut cuts: Vec<usize> = (0..parts)
+                    .map(|p| skip + p * (ctx - skip) / parts / KB * KB)
+                    .collect();
+                cuts.push(ctx + 1);
+                plan.push(s, ctx, &cuts, Merge::Joins, |kv_head| {
+                    vec![(row, base[i] + kv_head * g)]
+                });
+                continue;
+            }
+            // Only context keys are split: every row sees all of them, so no part is empty.
+            let parts = if units >= wanted {
+                1
+            } else {
+                wanted.div_ceil(units).min(ctx / MIN_SPLIT).max(1)
+            };
+            let merge = if parts > 1 {
+                Merge::Leads
+            } else {
+                Merge::Alone
+            };
+            for t0 in (0..t).step_by(QB) {
+                let t1 = (t0 + QB).min(t);
+                let mut cuts: Vec<usize> = (0..parts).map(|p| p * ctx / parts / KB * KB).collect();
+                cuts.push(ctx + t1);
+                let at = plan.merge_rows;
+                plan.push(s, ctx + t0, &cuts, merge, |kv_head| {
+                    (t0..t1)
+                        .map(|i| (row + i, at + (kv_head * (t1 - t0) + i - t0) * g))
+                        .collect()
+                });
+                if merge != Merge::Alone {
+                    plan.merge_rows += kvh * (t1 - t0) * g;
+                }
+            }
+        }
+        // Costliest first (keys times rows, plus a per-key share), so the dynamic hand-out
+        // ends with cheap tasks.
+        plan.tasks
+            .sort_by_key(|t| std::cmp::Reverse((t.k1 - t.k0) * (t.rows(g) + 2 * RB)));
+        plan.max_rows = plan.tasks.iter().map(|t| t.rows(g)).max().unwrap_or(0);
+        let len = plan
+            .tasks
+            .iter()
+            .map(|t| t.rows(g) * (shape.head_dim + 2))
+            .sum();
+        plan.scratch = vec![0f32; len];
+        plan
+    }
+
+    /// Adds, for every kv head, the tasks of the query tokens `toks(kv_head)` over the keys
+    /// `cuts[p]..cuts[p + 1]` of `seq`, masked from `diag` on.
+    fn push(
+        &mut self,
+        seq: &'a ForwardSeq<'a>,
+        diag: usize,
+        cuts: &[usize],
+        merge: Merge,
+        toks: impl Fn(usize) -> Vec<(usize, usize)>,
+    ) {
+        for kv_head in 0..self.shape.kv_heads {
+            let toks = toks(kv_head);
+            for (p, keys) in cuts.windows(2).enumerate() {
+                self.tasks.push(Task {
+                    seq,
+                    kv_head,
+                    toks: toks.clone(),
+                    diag,
+                    k0: keys[0],
+                    k1: keys[1],
+                    merged: merge != Merge::Alone,
+                    first: p == 0 && merge != Merge::Joins,
+                });
+            }
+        }
+    }
+}
+
+/// Fewest context keys that sequences must share for [`shared_prefixes`] to group them.
+const MIN_SHARED: usize = 4 * KB;
+
+/// Groups of decoding sequences (one new token each) whose contexts begin with the same
+/// slots, at least [`MIN_SHARED`] of them: each group's members (indices into `seqs`) and
+/// the length they share, a multiple of [`KB`]. A sequence that shares less with the
+/// group's first member stays out of it.
+pub(super) fn shared_prefixes(seqs: &[ForwardSeq<'_>]) -> Vec<(Vec<usize>, usize)> {
+    let mut cand: Vec<usize> = (0..seqs.len())
+        .filter(|&i| seqs[i].tokens.len() == 1 && seqs[i].context.len() >= MIN_SHARED)
+        .collect();
+    cand.sort_by_key(|&i| seqs[i].context[0]);
+    let mut groups = Vec::new();
+    for run in cand.chunk_by(|&a, &b| seqs[a].context[0] == seqs[b].context[0]) {
+        let lead = seqs[run[0]].context;
+        let mut len = usize::MAX;
+        let mut members = vec![run[0]];
+        for &i in &run[1..] {
+            let common = common_prefix(lead, seqs[i].context);
+            if common >= MIN_SHARED {
+                members.push(i);
+                len = len.min(common);
+            }
+        }
+        if members.len() > 1 {
+            groups.push((members, len / KB * KB));
+        }
+    }
+    groups
+}
+
+/// How many leading elements `a` and `b` share.
+pub(super) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    let n = a.len().min(b.len());
+    // Whole chunks compare as slices (vectorized), then the first differing chunk by element.
+    let whole = a[..n]
+        .chunks(64)
+        .zip(b[..n].chunks(64))
+        .take_while(|(x, y)| x == y)
+        .count()
+        * 64;
+    let whole = whole.min(n);
+    whole
+        + a[whole..n]
+            .iter()
+            .zip(&b[whole..n])
+            .take_while(|(x, y)| x == y)
+            .count()
+}
+
+/// Copies each task's rows from the task-major `scratch` to their places in `out`, merging
+/// the parts of split tasks: `out = sum_p w_p o_p / sum_p w_p` with
+/// `w_p = l_p 2^(m_p - max_p m_p)`, where each part's `o_p` is already divided by its sum `l_p`.
+pub(super) fn write_out(
+    tasks: &[Task<'_>],
+    scratch: &[f32],
+    shape: Heads,
+    merge_rows: usize,
+    out: &mut [f32],
+) {
+    let (h, hd) = (shape.heads, shape.head_dim);
+    let g = h / shape.kv_heads;
+    let mut max = vec![f32::NEG_INFINITY; merge_rows];
+    let mut den = vec![0f32; merge_rows];
+    // Where row `r` of task `t` goes in `out`, and its merge index.
+    let place = |t: &Task<'_>, r: usize| {
+        let head = t.kv_head * g + r % g;
+        t.toks[r / g].0 * h * hd + head * hd
+    };
+    let merge_at = |t: &Task<'_>, r: usize| t.toks[r / g].1 + r % g;
+    let mut off = 0;
+    for t in tasks {
+        let rows = t.rows(g);
+        if t.merged {
+            let m = &scratch[off + rows * hd..off + rows * (hd + 1)];
+            for (r, &mr) in m.iter().enumerate() {
+                let a = &mut max[merge_at(t, r)];
+                *a = a.max(mr);
+                out[place(t, r)..][..hd].fill(0.0);
+            }
+        }
+        off += rows * (hd + 2);
+    }
+    let mut off = 0;
+    for t in tasks {
+        let rows = t.rows(g);
+        let (o, ml) = scratch[off..off + rows * (hd + 2)].split_at(rows * hd);
+        for (r, src) in o.chunks_exact(hd).enumerate() {
+            let dst = &mut out[place(t, r)..][..hd];
+            if !t.merged {
+                dst.copy_from_slice(src);
+                continue;
+            }
+            let mr = merge_at(t, r);
+            let w = ml[rows + r] * (ml[r] - max[mr]).exp2();
+            den[mr] += w;
+            for (d, &x) in dst.iter_mut().zip(src) {
+                *d += w * x;
+            }
+        }
+        off += rows * (hd + 2);
+    }
+    for t in tasks.iter().filter(|t| t.merged && t.first) {
+        for r in 0..t.rows(g) {
+            let inv = 1.0 / den[merge_at(t, r)];
+            for d in &mut out[place(t, r)..][..hd] {
+                *d *= inv;
+            }
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! The portable score products: plain Rust loops that the compiler vectorizes.
+
+use super::plan::KB;
+
+/// `q . k`, in 16 independent accumulators so the loop vectorizes.
+#[inline(always)]
+pub(super) fn dot(q: &[f32], k: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let full = q.len() / 16 * 16;
+    for (qc, kc) in q[..full].chunks_exact(16).zip(k[..full].chunks_exact(16)) {
+        for ((a, &x), &y) in acc.iter_mut().zip(qc).zip(kc) {
+            *a = x.mul_add(y, *a);
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for (&x, &y) in q[full..].iter().zip(&k[full..q.len()]) {
+        sum = x.mul_add(y, sum);
+    }
+    sum
+}
+
+/// [`super::kernel::Isa::scores`] without SIMD intrinsics: four keys against 16 query lanes
+/// at a time.
+pub(super) fn scores_portable(
+    qt: &[f32],
+    lanes: usize,
+    krows: &[&[f32]; KB],
+    st: &mut [f32],
+    hd: usize,
+) {
+    for c0 in (0..lanes).step_by(16) {
+        for (kg, sg) in krows.chunks_exact(4).zip(st.chunks_exact_mut(4 * lanes)) {
+            let mut acc = [[0f32; 16]; 4];
+            for (d, col) in qt.chunks_exact(lanes).take(hd).enumerate() {
+                let qv: &[f32; 16] = col[c0..c0 + 16].try_into().expect("16 lanes");
+                for (a, kr) in acc.iter_mut().zip(kg) {
+                    let kd = kr[d];
+                    for (x, &y) in a.iter_mut().zip(qv) {
+                        *x = kd.mul_add(y, *x);
+                    }
+                }
+            }
+            for (a, srow) in acc.iter().zip(sg.chunks_exact_mut(lanes)) {
+                srow[c0..c0 + 16].copy_from_slice(a);
+            }
+        }
+    }
+}

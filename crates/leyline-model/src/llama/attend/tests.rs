@@ -1,0 +1,321 @@
+use super::plan::{common_prefix, shared_prefixes, QB};
+use super::*;
+use crate::{ForwardSeq, LogitsFor};
+use leyline_kv::cpu::Features;
+use leyline_kv::storage::{KvDtype, KvGeometry};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Scalar f64 attention over the values the pool actually stores.
+fn reference(
+    kv: &KvStorage,
+    layer: usize,
+    shape: Heads,
+    q: &[f32],
+    seqs: &[ForwardSeq<'_>],
+) -> Vec<f64> {
+    let Heads {
+        heads: h,
+        kv_heads: kvh,
+        head_dim: hd,
+    } = shape;
+    let g = h / kvh;
+    let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+    let mut out = vec![0f64; n * h * hd];
+    let mut row = 0;
+    for s in seqs {
+        let slots: Vec<u32> = s.context.iter().chain(s.new_slots).copied().collect();
+        let mut ks = vec![0f32; slots.len() * kvh * hd];
+        let mut vs = vec![0f32; slots.len() * kvh * hd];
+        kv.gather_k(layer, &slots, &mut ks).unwrap();
+        kv.gather_v(layer, &slots, &mut vs).unwrap();
+        for i in 0..s.tokens.len() {
+            let visible = s.context.len() + i + 1;
+            for head in 0..h {
+                let kh = head / g;
+                let qr = &q[(row + i) * h * hd + head * hd..][..hd];
+                let sc: Vec<f64> = (0..visible)
+                    .map(|j| {
+                        let kr = &ks[j * kvh * hd + kh * hd..][..hd];
+                        qr.iter()
+                            .zip(kr)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+                let z: f64 = e.iter().sum();
+                let o = &mut out[(row + i) * h * hd + head * hd..][..hd];
+                for (j, p) in e.iter().enumerate() {
+                    let vr = &vs[j * kvh * hd + kh * hd..][..hd];
+                    for (o, &x) in o.iter_mut().zip(vr) {
+                        *o += p / z * x as f64;
+                    }
+                }
+            }
+        }
+        row += s.tokens.len();
+    }
+    out
+}
+
+fn check(dtype: KvDtype, shape: Heads, plan: &[(usize, usize)], threads: usize) {
+    let plan: Vec<_> = plan.iter().map(|&(c, t)| (c, t, 0)).collect();
+    check_shared(dtype, shape, &plan, threads);
+}
+
+/// [`check`] for sequences `(context, new tokens, shared)` whose contexts begin with the
+/// first `shared` slots of one common run, as the prefix tree hands them out.
+fn check_shared(dtype: KvDtype, shape: Heads, plan: &[(usize, usize, usize)], threads: usize) {
+    let Heads {
+        heads: h,
+        kv_heads: kvh,
+        head_dim: hd,
+    } = shape;
+    let common = plan.iter().map(|p| p.2).max().unwrap_or(0);
+    let total: usize = common + plan.iter().map(|(c, t, sh)| c - sh + t).sum::<usize>();
+    let cap = total + 37;
+    let geo = KvGeometry {
+        layers: 2,
+        k_heads: kvh,
+        k_head_dim: hd,
+        v_width: kvh * hd,
+    };
+    let mut kv = KvStorage::new(geo, dtype, cap).unwrap();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (hd as u64) << 7);
+    // Scattered slots, in a shuffled order.
+    let mut free: Vec<u32> = (0..cap as u32).collect();
+    for i in (1..free.len()).rev() {
+        let j = ((rng.next() + 1.0) * 0.5 * i as f32) as usize % (i + 1);
+        free.swap(i, j);
+    }
+    let w = kvh * hd;
+    let layer = 1;
+    // Keys with a large common component make the softmax peaked in places. Layer 0
+    // holds other rows, read first with the same plan.
+    for li in [0, layer] {
+        for &slot in &free[..total] {
+            let k: Vec<f32> = (0..w).map(|_| rng.next() * 3.0).collect();
+            let shift = if li == layer { 0.0 } else { 2.0 };
+            let v: Vec<f32> = (0..w).map(|_| rng.next() + shift).collect();
+            kv.write(li, slot, &k, &v).unwrap();
+        }
+    }
+    let mut parts = Vec::new();
+    let mut at = common;
+    for &(c, t, sh) in plan {
+        let own = c - sh;
+        let ctx: Vec<u32> = free[..sh]
+            .iter()
+            .chain(&free[at..at + own])
+            .copied()
+            .collect();
+        parts.push((ctx, free[at + own..at + own + t].to_vec()));
+        at += own + t;
+    }
+    let toks: Vec<Vec<u32>> = plan.iter().map(|&(_, t, _)| vec![0; t]).collect();
+    let seqs: Vec<ForwardSeq<'_>> = parts
+        .iter()
+        .zip(&toks)
+        .map(|((ctx, new), tk)| ForwardSeq {
+            tokens: tk,
+            positions: tk,
+            context: ctx,
+            new_slots: new,
+            logits: LogitsFor::None,
+        })
+        .collect();
+    let n: usize = plan.iter().map(|(_, t, _)| t).sum();
+    let q: Vec<f32> = (0..n * h * hd).map(|_| rng.next() * 2.0).collect();
+    let pool = SpinPool::new(threads);
+    let want = reference(&kv, layer, shape, &q, &seqs);
+    // Rows wider than the queries (as in the fused Q/K/V buffer), padding unread.
+    let stride = h * hd + 5;
+    let padded: Vec<f32> = q
+        .chunks_exact(h * hd)
+        .flat_map(|r| r.iter().copied().chain([f32::NAN; 5]))
+        .collect();
+    for isa in Isa::available() {
+        let mut out = vec![f32::NAN; n * h * hd];
+        let q = Queries {
+            rows: &padded,
+            stride,
+        };
+        // The plan serves every layer: a stale output of layer 0 must not leak into layer 1.
+        let mut work = Plan::new(&seqs, shape, pool.threads());
+        attend_with(isa, &pool, &kv, 0, q, &mut work, &mut out);
+        attend_with(isa, &pool, &kv, layer, q, &mut work, &mut out);
+        let (mut num, mut den) = (0f64, 0f64);
+        for (a, b) in out.iter().zip(&want) {
+            num += (*a as f64 - b).powi(2);
+            den += b * b;
+        }
+        let rel = (num / den).sqrt();
+        assert!(
+            rel < 2e-6,
+            "{isa:?} {dtype:?} hd={hd} plan={plan:?}: rel-L2 {rel:e} against the f64 reference"
+        );
+    }
+}
+
+/// The lane-sum trees alone ([`avx512::sum16`], [`avx2::sum8`]). Lane i of vector j holds
+/// `1024 j + 2^i`, so every sum is exact in f32 and a lane taken from another vector,
+/// dropped or counted twice changes it.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn lane_sum_trees_put_each_vectors_sum_in_its_lane() {
+    use std::arch::x86_64::*;
+    fn check<const N: usize>(sum: impl Fn(&[[f32; N]; N]) -> [f32; N]) {
+        let rows: [[f32; N]; N] = std::array::from_fn(|j| {
+            std::array::from_fn(|i| j as f32 * 1024.0 + (1u32 << i) as f32)
+        });
+        let want: [f32; N] = std::array::from_fn(|j| rows[j].iter().sum());
+        assert_eq!(sum(&rows), want, "{N}-way lane sums");
+    }
+    let mut ran = false;
+    if Features::get().avx512f {
+        check::<16>(|rows| {
+            let mut out = [0f32; 16];
+            // SAFETY: the CPU has AVX-512F; each load reads one 16-float row and the
+            // store writes the 16 floats of `out`.
+            unsafe {
+                let a: [__m512; 16] = std::array::from_fn(|j| _mm512_loadu_ps(rows[j].as_ptr()));
+                _mm512_storeu_ps(out.as_mut_ptr(), avx512::sum16(&a));
+            }
+            out
+        });
+        ran = true;
+    }
+    if Features::get().avx2 {
+        check::<8>(|rows| {
+            let mut out = [0f32; 8];
+            // SAFETY: the CPU has AVX2; each load reads one 8-float row and the store
+            // writes the 8 floats of `out`.
+            unsafe {
+                let a: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(rows[j].as_ptr()));
+                _mm256_storeu_ps(out.as_mut_ptr(), avx2::sum8(&a));
+            }
+            out
+        });
+        ran = true;
+    }
+    if !ran {
+        eprintln!("this CPU has neither AVX-512F nor AVX2, where the lane-sum trees are used");
+    }
+}
+
+#[test]
+fn decodes_that_share_a_prefix_match_the_reference() {
+    let shape = Heads {
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+    };
+    // (context, new tokens, leading slots shared with the others)
+    let plans: &[&[(usize, usize, usize)]] = &[
+        // A group of three with different tails, a sequence too short to join, one with
+        // three new tokens (not a decode), one that shares only 100 slots.
+        &[
+            (300, 1, 300),
+            (520, 1, 300),
+            (1000, 1, 300),
+            (10, 1, 0),
+            (700, 3, 300),
+            (900, 1, 100),
+        ],
+        // A context that is all prefix (its own part is its new token), long tails.
+        &[
+            (1024, 1, 1024),
+            (2100, 1, 1024),
+            (1500, 1, 1024),
+            (1030, 1, 1024),
+        ],
+        // More members than one task holds (chunks of QB).
+        &[(640, 1, 600); QB + 6],
+    ];
+    for plan in plans {
+        for threads in [1, 2, 8] {
+            check_shared(KvDtype::F32, shape, plan, threads);
+        }
+        check_shared(KvDtype::F16, shape, plan, 2);
+    }
+    fn slots(v: &[u32]) -> ForwardSeq<'_> {
+        ForwardSeq {
+            tokens: &[0],
+            positions: &[0],
+            context: v,
+            new_slots: &[9999],
+            logits: LogitsFor::None,
+        }
+    }
+    // Grouping: the shared length is what all members share, cut to whole key blocks.
+    let a: Vec<u32> = (0..700).collect();
+    let mut b = a.clone();
+    b[650] = 5000;
+    let mut c = a.clone();
+    c[100] = 6000;
+    let seqs = [slots(&a), slots(&b), slots(&c), slots(&a[..300])];
+    assert_eq!(shared_prefixes(&seqs), vec![(vec![0, 1, 3], 256)]);
+    assert_eq!(common_prefix(&a, &b), 650);
+    assert_eq!(common_prefix(&a, &a[..300]), 300);
+    assert_eq!(common_prefix(&a[..64], &a[..64]), 64);
+}
+
+#[test]
+fn matches_a_scalar_f64_reference() {
+    let plans: &[&[(usize, usize)]] = &[
+        &[(0, 1)],
+        &[(0, 70)],
+        &[(130, 1), (5, 3), (0, 17)],
+        &[(300, 33), (64, 64), (63, 2)],
+        // Several blocks of query tokens, the last one partial.
+        &[(100, 2 * QB + 22)],
+        // Decode shapes with long contexts: the context is split over several tasks.
+        &[(1000, 1)],
+        &[(2100, 1), (700, 2)],
+        &[(777, 5)],
+    ];
+    for &hd in &[64, 128, 40] {
+        let shape = Heads {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: hd,
+        };
+        for plan in plans {
+            for dtype in [KvDtype::F32, KvDtype::Bf16, KvDtype::F16] {
+                check(dtype, shape, plan, 2);
+            }
+        }
+    }
+    // One thread, and more threads than tasks.
+    let shape = Heads {
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+    };
+    check(KvDtype::F32, shape, &[(200, 40)], 1);
+    check(KvDtype::F32, shape, &[(10, 2)], 8);
+    check(KvDtype::F32, shape, &[(3000, 1)], 1);
+    check(KvDtype::Bf16, shape, &[(3000, 1), (513, 1)], 8);
+    // MHA (a task of up to four tokens takes the direct-score path) and a group of 8.
+    for (heads, kv_heads) in [(4, 4), (8, 1)] {
+        let shape = Heads {
+            heads,
+            kv_heads,
+            head_dim: 64,
+        };
+        for plan in plans {
+            check(KvDtype::F32, shape, plan, 2);
+        }
+    }
+}
