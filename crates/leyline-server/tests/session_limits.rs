@@ -100,7 +100,10 @@ fn an_edit_the_pool_cannot_hold_is_a_503_with_retry_after_and_changes_nothing() 
     assert_eq!(r.status, 200, "{}", r.body);
     let path = format!("/v1/sessions/{id}?tokens=true");
     let before = call(addr, "GET", &path, None).json()["tokens"].clone();
-    let huge = filler.repeat(3);
+    // About 250 tokens: the edited session still fits a sequence (599 tokens), but the
+    // replacement plus the copies of the downstream slots that the tree shares do not fit
+    // the 400 free slots, nor does FORGET's re-prefill.
+    let huge = "The harbour master signs each entry, notes the tide and the weather. ".repeat(18);
     for mode in ["amortize", "forget"] {
         let edit = json!({"mode": mode, "directives": [{"start": 3, "end": 5, "text": huge}]});
         let r = call(addr, "POST", &format!("/v1/sessions/{id}/directives"), Some(edit));
