@@ -1,5 +1,7 @@
-//! leyline-engine: the continuous-batching scheduler over the slot pool, sampling, and
-//! sessions that take directives.
+//! leyline-engine: the continuous-batching scheduler over the shared slot pool with prefix
+//! reuse ([`Engine`], driven on its own thread through [`EngineHandle`]), sessions whose cached
+//! context takes directives, sampling, single-sequence generation ([`generate`]) and the chat
+//! renderer that context policies diff against.
 //!
 //! Design decision: the engine owns the KV storage and decides which slot holds which
 //! token; models only read and write the slots they are handed. It also owns every session
@@ -9,7 +11,6 @@
 
 pub mod engine;
 pub mod error;
-pub mod fidelity;
 pub mod generate;
 pub mod handle;
 pub mod metrics;

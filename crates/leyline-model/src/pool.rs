@@ -44,6 +44,50 @@ unsafe impl Sync for Shared {}
 // SAFETY: as above; the raw pointer is only dereferenced under that protocol.
 unsafe impl Send for Shared {}
 
+/// The pool behind [`SpinPool::global`].
+static GLOBAL: OnceLock<SpinPool> = OnceLock::new();
+
+/// The process's compute threads were already started with another count.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("compute threads already started with {running} threads, {wanted} asked for")]
+pub struct ThreadsError {
+    /// The count asked for.
+    pub wanted: usize,
+    /// The count already running.
+    pub running: usize,
+}
+
+/// Sizes the process's compute threads, once, before the first forward pass: rayon's global
+/// pool (the candle and gemm kernels run on it) and [`SpinPool::global`] get `threads`
+/// threads each; 0 means rayon's default (one per core). Returns the count in use. Calling it
+/// again with the count already in use is a no-op.
+///
+/// # Errors
+/// [`ThreadsError`] when either pool already runs with another count (it was used before
+/// this call, or this is a second call with another count).
+pub fn init_threads(threads: usize) -> Result<usize, ThreadsError> {
+    // `current_num_threads` would start rayon's default pool: ask only after the build.
+    let built = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .is_ok();
+    let running = rayon::current_num_threads();
+    if !built && threads != 0 && running != threads {
+        return Err(ThreadsError {
+            wanted: threads,
+            running,
+        });
+    }
+    let pool = GLOBAL.get_or_init(|| SpinPool::new(running));
+    if pool.threads() != running {
+        return Err(ThreadsError {
+            wanted: running,
+            running: pool.threads(),
+        });
+    }
+    Ok(running)
+}
+
 /// A fixed set of worker threads that run one job on every thread at once.
 pub struct SpinPool {
     shared: Arc<Shared>,
@@ -84,11 +128,10 @@ impl SpinPool {
         }
     }
 
-    /// The process-wide pool, sized like rayon's global pool (`RAYON_NUM_THREADS`, else the
-    /// number of cores) when first used.
+    /// The process-wide pool: [`init_threads`]'s size, or, when that was never called, the
+    /// size of rayon's global pool when first used.
     pub fn global() -> &'static SpinPool {
-        static POOL: OnceLock<SpinPool> = OnceLock::new();
-        POOL.get_or_init(|| SpinPool::new(rayon::current_num_threads()))
+        GLOBAL.get_or_init(|| SpinPool::new(rayon::current_num_threads()))
     }
 
     /// Threads a region runs on.

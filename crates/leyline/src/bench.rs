@@ -1,6 +1,7 @@
 //! `leyline bench ...`: measurements that print medians, for BENCHMARKS.md.
 
-use crate::{load_model, storage_for, ModelArgs};
+use crate::eval::stats::median;
+use crate::{load_model, storage_for, ModelArgs, ThreadsArgs};
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use leyline_engine::{generate, GenerateParams, SamplingParams};
@@ -34,9 +35,8 @@ pub struct EngineArgs {
     /// Repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
-    /// Worker threads (sets RAYON_NUM_THREADS before the pool starts).
-    #[arg(long, default_value_t = 2)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub pool: ThreadsArgs,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -47,11 +47,6 @@ pub struct EngineArgs {
 const FILLER: &str = "The history of navigation is a story of instruments and patience. \
 Sailors read the stars, timed the sun at noon, and counted knots on a rope to guess their speed. \
 Each improvement, from the magnetic compass to the marine chronometer, shortened voyages and saved lives. ";
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// Runs a benchmark.
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -68,7 +63,7 @@ fn engine(a: EngineArgs) -> Result<()> {
     if a.repeat == 0 || a.prompt_tokens == 0 {
         bail!("--repeat and --prompt-tokens must be at least 1");
     }
-    std::env::set_var("RAYON_NUM_THREADS", a.threads.to_string());
+    a.pool.init()?;
     let lm = load_model(&a.model)?;
     let mut text = String::new();
     let mut prompt = Vec::new();
@@ -110,13 +105,16 @@ fn engine(a: EngineArgs) -> Result<()> {
         pp.push(prompt.len() as f64 / prefill);
         tg.push(a.gen_tokens as f64 / stats.decode_time.as_secs_f64());
     }
-    let (pp, tg) = (median(pp), median(tg));
+    let (pp, tg) = (
+        median(&pp).unwrap_or(f64::NAN),
+        median(&tg).unwrap_or(f64::NAN),
+    );
     if a.json {
         println!(
             "{}",
             serde_json::json!({
                 "model": lm.model.info().name,
-                "threads": a.threads,
+                "threads": a.pool.threads,
                 "kv_dtype": a.model.kv_dtype.name(),
                 "prompt_tokens": a.prompt_tokens,
                 "gen_tokens": a.gen_tokens,
@@ -134,11 +132,11 @@ fn engine(a: EngineArgs) -> Result<()> {
         let kv = a.model.kv_dtype;
         println!(
             "| {name} | {} | {kv} | pp{} | {pp:.1} |",
-            a.threads, a.prompt_tokens
+            a.pool.threads, a.prompt_tokens
         );
         println!(
             "| {name} | {} | {kv} | tg{} | {tg:.1} |",
-            a.threads, a.gen_tokens
+            a.pool.threads, a.gen_tokens
         );
     }
     Ok(())

@@ -1,6 +1,7 @@
 //! `leyline bench batch`: decode throughput of the continuous-batching engine at several
 //! batch sizes, and time-to-first-token of a long prompt cold vs. with a cached prefix.
 
+use crate::eval::stats::median;
 use crate::{load_model, ModelArgs};
 use anyhow::{bail, Result};
 use clap::Args;
@@ -44,11 +45,6 @@ pub struct BatchArgs {
     pub json: bool,
     #[command(flatten)]
     pub model: ModelArgs,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Deterministic filler token ids of the model's vocabulary (ordinary text tokens).
@@ -159,7 +155,7 @@ pub fn run(a: BatchArgs) -> Result<()> {
                 );
             }
         }
-        let step = median(times);
+        let step = median(&times).unwrap_or(f64::NAN);
         decode.push((n, step, n as f64 / step));
         eprintln!(
             "batch {n}: {:.1} ms/step, {:.1} tok/s",
@@ -202,7 +198,10 @@ pub fn run(a: BatchArgs) -> Result<()> {
         cold.push(c.ttft.as_secs_f64());
         warm.push(w.ttft.as_secs_f64());
     }
-    let (cold, warm) = (median(cold), median(warm));
+    let (cold, warm) = (
+        median(&cold).unwrap_or(f64::NAN),
+        median(&warm).unwrap_or(f64::NAN),
+    );
     if a.json {
         let d: Vec<_> = decode
             .iter()

@@ -2,11 +2,12 @@
 //! downstream keys rotated) against FORGET's re-prefill of the same edit, for several
 //! downstream lengths, on the in-process engine.
 
-use crate::{load_model, ModelArgs};
+use crate::eval::fidelity::{session_with, PROBE_STUB};
+use crate::eval::stats::median;
+use crate::{load_model, ModelArgs, ThreadsArgs};
 use anyhow::{bail, Result};
 use clap::Args;
 use leyline_core::{Directive, Mode};
-use leyline_engine::fidelity::{session_with, PROBE_STUB};
 use leyline_engine::{EditReport, Engine, EngineConfig};
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,9 +30,8 @@ pub struct SpliceArgs {
     /// Repetitions of each arm; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
-    /// Worker threads (sets RAYON_NUM_THREADS before the pool starts).
-    #[arg(long, default_value_t = 2)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub pool: ThreadsArgs,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -55,11 +55,6 @@ fn tokens(lm: &leyline_model::LoadedModel, text: &str, n: usize) -> Result<Vec<u
     Ok(one.iter().copied().cycle().take(n).collect())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 struct Row {
     downstream: usize,
     amortize_ms: Vec<f64>,
@@ -68,12 +63,20 @@ struct Row {
     forget: EditReport,
 }
 
+impl Row {
+    /// Median milliseconds of the AMORTIZE and the FORGET arm.
+    fn medians(&self) -> (f64, f64) {
+        let m = |v: &[f64]| median(v).unwrap_or(f64::NAN);
+        (m(&self.amortize_ms), m(&self.forget_ms))
+    }
+}
+
 /// Runs `bench splice`.
 pub fn run(a: SpliceArgs) -> Result<()> {
     if a.repeat == 0 || a.span == 0 || a.downstream.is_empty() {
         bail!("--repeat, --span and --downstream must be non-empty / at least 1");
     }
-    std::env::set_var("RAYON_NUM_THREADS", a.threads.to_string());
+    a.pool.init()?;
     let lm = load_model(&a.model)?;
     let longest = a.prefix + a.span + a.downstream.iter().copied().max().unwrap_or(0);
     if longest + 1 >= lm.model.info().context_length {
@@ -149,7 +152,7 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
         let rows: Vec<serde_json::Value> = rows
             .iter()
             .map(|r| {
-                let (am, fm) = (median(r.amortize_ms.clone()), median(r.forget_ms.clone()));
+                let (am, fm) = r.medians();
                 serde_json::json!({
                     "downstream": r.downstream,
                     "amortize_ms": am,
@@ -168,7 +171,7 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
             "{}",
             serde_json::json!({
                 "model": name,
-                "threads": a.threads,
+                "threads": a.pool.threads,
                 "kv_dtype": a.model.kv_dtype.name(),
                 "prefix": a.prefix,
                 "span": a.span,
@@ -181,12 +184,12 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
     }
     println!(
         "{name}, kv {}, {} threads: {} prefix tokens, a {}-token span replaced by {} tokens; medians of {}\n",
-        a.model.kv_dtype, a.threads, a.prefix, a.span, a.stub, a.repeat
+        a.model.kv_dtype, a.pool.threads, a.prefix, a.span, a.stub, a.repeat
     );
     println!("| downstream tokens | AMORTIZE splice ms | FORGET re-prefill ms | ratio | rotated | copied | prefilled A / F |");
     println!("|---|---|---|---|---|---|---|");
     for r in rows {
-        let (am, fm) = (median(r.amortize_ms.clone()), median(r.forget_ms.clone()));
+        let (am, fm) = r.medians();
         println!(
             "| {} | {am:.1} | {fm:.1} | {:.4} | {} | {} | {} / {} |",
             r.downstream,

@@ -4,6 +4,7 @@ mod bench;
 mod bench_batch;
 mod bench_policy;
 mod bench_splice;
+mod eval;
 mod replay;
 mod serve;
 mod verify;
@@ -76,6 +77,22 @@ pub struct ModelArgs {
     /// times that, room for several sessions).
     #[arg(long)]
     pub kv_slots: Option<usize>,
+}
+
+/// The compute threads of a measuring command (`verify`, `bench engine|splice|replay`).
+#[derive(Args, Clone, Copy)]
+pub struct ThreadsArgs {
+    /// Worker threads (sizes the compute thread pools before the model loads).
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+}
+
+impl ThreadsArgs {
+    /// Sizes the process's compute pools to `--threads`; call before the model loads.
+    pub fn init(&self) -> Result<()> {
+        leyline_model::pool::init_threads(self.threads)?;
+        Ok(())
+    }
 }
 
 #[derive(Args, Clone)]

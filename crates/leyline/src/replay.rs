@@ -15,7 +15,7 @@ mod plot;
 mod prepare;
 mod report;
 
-use crate::{load_model, ModelArgs};
+use crate::{load_model, ModelArgs, ThreadsArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use drive::{Arm, RequestRecord, RunParams};
@@ -63,9 +63,8 @@ pub struct ReplayArgs {
     /// Output directory: replay.json, replay.md and the PNG plots.
     #[arg(long, default_value = "replay-out")]
     pub out: PathBuf,
-    /// Worker threads (sets RAYON_NUM_THREADS before the pool starts).
-    #[arg(long, default_value_t = 2)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub pool: ThreadsArgs,
     /// Most prompt tokens prefilled per engine step.
     #[arg(long, default_value_t = leyline_engine::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
@@ -121,7 +120,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
     if a.concurrency.contains(&0) || a.concurrency.is_empty() {
         bail!("--concurrency values must be at least 1");
     }
-    std::env::set_var("RAYON_NUM_THREADS", a.threads.to_string());
+    a.pool.init()?;
     let lm = load_model(&a.model)?;
     let template = lm
         .chat
@@ -254,7 +253,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         "model": info.name,
         "model_path": lm.path.display().to_string(),
         "kv_dtype": a.model.kv_dtype.name(),
-        "threads": a.threads,
+        "threads": a.pool.threads,
         "policy": a.policy,
         "max_tokens": a.max_tokens,
         "prefill_chunk": a.prefill_chunk,

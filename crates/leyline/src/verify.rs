@@ -6,15 +6,16 @@
 //! render trajectories; it gets seeded synthetic probes instead (random token ids with a
 //! random older span evicted), and the report says which source it used.
 
-use crate::{load_any_model, ModelArgs};
-use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
-use leyline_engine::fidelity::{
+use crate::eval::fidelity::{
     build_probes, by_reference_margin, chained_shift_drift, run_probe, splice_deltas,
     synthetic_probes, Probe, ProbeOptions, ProbeOutcome, RotationMath, SyntheticOptions,
     MARGIN_BANDS, PROBE_STUB, SYNTHETIC_MIN_TOKENS,
 };
+use crate::eval::stats::median;
+use crate::{load_any_model, ModelArgs, ThreadsArgs};
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
 use leyline_engine::{ChatRenderer, Engine, EngineConfig};
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::{AnyModel, ForwardSeq, LogitsFor};
@@ -67,9 +68,8 @@ pub struct VerifyArgs {
     /// Rows of the per-probe table (disagreements first, then the nearest ties); 0 omits it.
     #[arg(long, default_value_t = 12)]
     pub show: usize,
-    /// Worker threads (sets RAYON_NUM_THREADS before the pool starts).
-    #[arg(long, default_value_t = 2)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub pool: ThreadsArgs,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -112,7 +112,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     if a.probes == 0 {
         bail!("--probes must be at least 1");
     }
-    std::env::set_var("RAYON_NUM_THREADS", a.threads.to_string());
+    a.pool.init()?;
     let lm = load_any_model(&a.model)?;
     let max_tokens = probe_budget(&a, lm.model().info());
     let (probes, source) = probes(&a, &lm, max_tokens)?;
@@ -339,9 +339,11 @@ fn count(o: &[ProbeOutcome], f: impl Fn(&ProbeOutcome) -> bool) -> usize {
     o.iter().filter(|x| f(x)).count()
 }
 
-fn median(mut v: Vec<usize>) -> usize {
-    v.sort_unstable();
-    v.get(v.len() / 2).copied().unwrap_or(0)
+/// Median prompt tokens and median downstream tokens of the probes (0 for none).
+fn medians(o: &[ProbeOutcome]) -> (usize, usize) {
+    let m =
+        |f: fn(&ProbeOutcome) -> usize| median(&o.iter().map(f).collect::<Vec<_>>()).unwrap_or(0);
+    (m(|p| p.tokens), m(|p| p.downstream))
 }
 
 fn print_json(
@@ -422,8 +424,8 @@ fn print_json(
             "agree_forget": count(o, ProbeOutcome::agree_forget),
             "forget_agree_full": count(o, ProbeOutcome::forget_agree_full),
             "by_full_margin": bands,
-            "median_tokens": median(o.iter().map(|p| p.tokens).collect()),
-            "median_downstream": median(o.iter().map(|p| p.downstream).collect()),
+            "median_tokens": medians(o).0,
+            "median_downstream": medians(o).1,
             "drift_tokens": a.drift_tokens,
             "drift_max_delta": a.drift_max_delta,
             "drift_key_width": info.geometry.k_width(),
@@ -466,8 +468,8 @@ fn print_tables(
         count(o, ProbeOutcome::agree_full),
         count(o, ProbeOutcome::agree_forget),
         count(o, ProbeOutcome::forget_agree_full),
-        median(o.iter().map(|p| p.tokens).collect()),
-        median(o.iter().map(|p| p.downstream).collect()),
+        medians(o).0,
+        medians(o).1,
     );
     println!("By the reference's margin (top1 - top2 logit of the unedited context; a near-tie flips on any change of context):\n");
     println!("| reference margin | probes | AMORTIZE = full context | FORGET = full context |");

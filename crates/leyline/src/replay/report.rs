@@ -2,6 +2,7 @@
 //! Markdown table.
 
 use super::drive::{Arm, RequestRecord, RunOutcome};
+use crate::eval::stats::percentile;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
@@ -56,17 +57,6 @@ pub struct Summary {
     pub prompt_tokens_per_s: f64,
     /// Requests per second of wall time.
     pub requests_per_s: f64,
-}
-
-/// Nearest-rank percentile (`q` in 0..=1) of `v`; NaN when empty.
-pub fn percentile(v: &[f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let rank = (q * s.len() as f64).ceil().max(1.0) as usize;
-    s[rank.min(s.len()) - 1]
 }
 
 fn rate(records: &[&RequestRecord]) -> f64 {
@@ -195,20 +185,4 @@ pub fn targets(rows: &[Summary]) -> String {
         );
     }
     s
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let v: Vec<f64> = (1..=20).map(f64::from).collect();
-        assert_eq!(percentile(&v, 0.5), 10.0);
-        assert_eq!(percentile(&v, 0.95), 19.0);
-        assert_eq!(percentile(&v, 1.0), 20.0);
-        assert_eq!(percentile(&[3.0, 1.0, 2.0], 0.5), 2.0);
-        assert_eq!(percentile(&[7.0], 0.0), 7.0);
-        assert!(percentile(&[], 0.5).is_nan());
-    }
 }

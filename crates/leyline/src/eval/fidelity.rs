@@ -14,17 +14,20 @@
 //! [`Engine::peek_logits`] after the edit, so every arm's logits come from a forward pass
 //! that attends to the edited cache.
 
-use crate::engine::Engine;
-use crate::error::{EngineError, Result};
-use crate::request::{Event, Request};
-use crate::session::{EditReport, SessionEdits, SessionId, SessionRequest};
 use leyline_core::{Directive, Mode};
+use leyline_engine::{
+    EditReport, Engine, EngineError, Event, Request, Result, SessionEdits, SessionId,
+    SessionRequest,
+};
 use leyline_kv::rope::{RopeSpec, RotaryLayout};
 use leyline_kv::rotate::shift_rows_lowprec;
-use leyline_kv::rotate::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, shift_rows};
+use leyline_kv::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use leyline_kv::rotate::shift_rows;
 use leyline_kv::storage::RowsMut;
 use leyline_kv::KvDtype;
 use leyline_policy::{diff_rendered, Edit, Renderer, Role, Trajectory};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
 
@@ -156,24 +159,12 @@ pub struct SyntheticOptions {
     pub seed: u64,
 }
 
-/// splitmix64: small, seeded, and the same everywhere.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi` (`lo` when `hi <= lo`; the modulo bias is irrelevant here).
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        if hi <= lo {
-            return lo;
-        }
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
+/// Uniform in `lo..=hi`; `lo` when `hi <= lo`.
+fn range(rng: &mut StdRng, lo: usize, hi: usize) -> usize {
+    if hi <= lo {
+        lo
+    } else {
+        rng.random_range(lo..=hi)
     }
 }
 
@@ -200,18 +191,18 @@ pub fn synthetic_probes(opts: &SyntheticOptions) -> Result<Vec<Probe>> {
             opts.vocab_size
         )));
     }
-    let mut rng = SplitMix64(opts.seed);
-    let vocab = opts.vocab_size as u64;
-    let ids = |rng: &mut SplitMix64, n: usize| -> Vec<u32> {
-        (0..n).map(|_| (rng.next() % vocab) as u32).collect()
+    let mut rng = StdRng::seed_from_u64(opts.seed);
+    let vocab = opts.vocab_size as u32;
+    let ids = |rng: &mut StdRng, n: usize| -> Vec<u32> {
+        (0..n).map(|_| rng.random_range(0..vocab)).collect()
     };
     Ok((0..opts.probes)
         .map(|i| {
-            let len = rng.range(opts.max_tokens.div_ceil(2), opts.max_tokens);
+            let len = range(&mut rng, opts.max_tokens.div_ceil(2), opts.max_tokens);
             let prompt = ids(&mut rng, len);
-            let start = rng.range((len / 16).max(1), len / 8);
-            let removed = rng.range((len / 8).max(2), len / 4);
-            let stub = rng.range(1, 8.min(removed - 1));
+            let start = range(&mut rng, (len / 16).max(1), len / 8);
+            let removed = range(&mut rng, (len / 8).max(2), len / 4);
+            let stub = range(&mut rng, 1, 8.min(removed - 1));
             Probe {
                 label: format!("synthetic#{i}"),
                 prompt,
@@ -463,17 +454,17 @@ pub enum RotationMath {
     Storage,
 }
 
-/// Deterministic splice deltas: magnitudes in `[1, max_abs]`, random signs (splitmix64).
+/// Deterministic splice deltas: magnitudes uniform in `[1, max_abs]`, random signs.
 pub fn splice_deltas(n: usize, seed: u64, max_abs: u64) -> Vec<i64> {
-    let mut rng = SplitMix64(seed);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let max_abs = max_abs.clamp(1, i64::MAX as u64) as i64;
     (0..n)
         .map(|_| {
-            let r = rng.next();
-            let mag = 1 + (r >> 1) % max_abs.max(1);
-            if r & 1 == 0 {
-                mag as i64
+            let mag = rng.random_range(1..=max_abs);
+            if rng.random() {
+                mag
             } else {
-                -(mag as i64)
+                -mag
             }
         })
         .collect()
