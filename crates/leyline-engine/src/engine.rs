@@ -330,7 +330,9 @@ impl Engine {
     }
 
     fn check_and_claim(&mut self, req: &Request, id: RequestId) -> Result<()> {
-        let claimed = self.validate(req).and_then(|()| self.claim_session(req, id));
+        let claimed = self
+            .validate(req)
+            .and_then(|()| self.claim_session(req, id));
         if claimed.is_err() {
             self.metrics.add(&self.metrics.requests_failed, 1);
         }
@@ -638,7 +640,11 @@ impl Engine {
             let revoked = self.cache.pool().first_revoked(&s.slots);
             let keep = common_prefix(&s.tokens, probe).min(revoked);
             // In FORGET mode, whatever the prompt drops is forgotten, by whatever path.
-            let forget = w.req.session.as_ref().is_some_and(|s| s.mode == Mode::Forget);
+            let forget = w
+                .req
+                .session
+                .as_ref()
+                .is_some_and(|s| s.mode == Mode::Forget);
             self.truncate_session(id, keep, forget)?;
             let s = &self.sessions[&id];
             lineage = s.lineage;

@@ -120,8 +120,7 @@ impl EngineHandle {
         self.tx
             .send(Command::Run(job))
             .map_err(|_| EngineError::Stopped)?;
-        rx.recv()
-            .map_err(|_| EngineError::Stopped)
+        rx.recv().map_err(|_| EngineError::Stopped)
     }
 
     /// Live counters.

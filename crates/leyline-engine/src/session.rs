@@ -177,7 +177,13 @@ mod tests {
         let e = message_edits(&old, &[0, 2, 4, 6], &new, &[0, 2, 3, 5, 7], Mode::Forget);
         assert_eq!(e, vec![Directive::new(2, 4, vec![9], Mode::Forget)]);
         // Bounds past the session's tokens (it was cut since): nothing to diff.
-        assert!(message_edits(&old[..3], &[0, 2, 4, 6], &new, &[0, 2, 3, 5, 7], Mode::Amortize)
-            .is_empty());
+        assert!(message_edits(
+            &old[..3],
+            &[0, 2, 4, 6],
+            &new,
+            &[0, 2, 3, 5, 7],
+            Mode::Amortize
+        )
+        .is_empty());
     }
 }

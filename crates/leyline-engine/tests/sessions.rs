@@ -49,7 +49,11 @@ fn turn(
         ControlFlow::Continue(())
     });
     e.submit(
-        Request::greedy(prompt.to_vec(), n, sink).in_session(SessionRequest { id, mode, edits: SessionEdits::Directives(edits) }),
+        Request::greedy(prompt.to_vec(), n, sink).in_session(SessionRequest {
+            id,
+            mode,
+            edits: SessionEdits::Directives(edits),
+        }),
     );
     e.run_to_completion().unwrap();
     let o = out.lock().unwrap();

@@ -36,11 +36,8 @@ fn quiet() -> Box<dyn FnMut(Event) -> ControlFlow<()> + Send> {
 }
 
 fn run_turn(e: &mut Engine, id: SessionId, prompt: &[u32], mode: Mode, edits: SessionEdits) {
-    let req = Request::greedy(prompt.to_vec(), 1, quiet()).in_session(SessionRequest {
-        id,
-        mode,
-        edits,
-    });
+    let req =
+        Request::greedy(prompt.to_vec(), 1, quiet()).in_session(SessionRequest { id, mode, edits });
     e.try_submit(req).unwrap();
     e.run_to_completion().unwrap();
 }
@@ -126,7 +123,10 @@ fn forget_without_message_bounds_erases_what_the_prompt_drops() {
     }
     // Nobody matches the dropped part any more: not the shared tree, not a fresh lookup.
     let ns = Namespace::shared(0);
-    assert!(e.cache().cached_len(ns, &c) <= at, "the secret is still cached");
+    assert!(
+        e.cache().cached_len(ns, &c) <= at,
+        "the secret is still cached"
+    );
     for &s in &forgotten {
         if e.cache().pool().is_free(s).unwrap() {
             assert!(e.storage().slot_is_zero(s).unwrap(), "slot {s} kept data");
@@ -151,14 +151,20 @@ fn the_one_busy_flag_is_checked_at_submission_and_by_every_session_call() {
     assert_eq!(err.kind(), ErrorKind::Busy);
     assert!(e.session_info(id).unwrap().busy);
     let edit = vec![Directive::new(0, 0, vec![1], Mode::Amortize)];
-    assert_eq!(e.apply_directives(id, edit).unwrap_err().kind(), ErrorKind::Busy);
+    assert_eq!(
+        e.apply_directives(id, edit).unwrap_err().kind(),
+        ErrorKind::Busy
+    );
     assert_eq!(e.delete_session(id).unwrap_err().kind(), ErrorKind::Busy);
     let unknown = Request::greedy(ctx(), 1, quiet()).in_session(SessionRequest {
         id: SessionId(999),
         mode: Mode::Amortize,
         edits: SessionEdits::Tokens,
     });
-    assert_eq!(e.try_submit(unknown).unwrap_err().kind(), ErrorKind::UnknownSession);
+    assert_eq!(
+        e.try_submit(unknown).unwrap_err().kind(),
+        ErrorKind::UnknownSession
+    );
     e.run_to_completion().unwrap();
     let info = e.session_info(id).unwrap();
     assert!(!info.busy);
@@ -174,7 +180,13 @@ fn reaping_drops_expired_then_least_recently_used_idle_sessions_never_busy_ones(
     let timeout = Duration::from_secs(60);
     // Use order: 1, then 0, then 2 (held busy).
     for &i in &[1usize, 0] {
-        run_turn(&mut e, ids[i], &encode("Hello"), Mode::Amortize, SessionEdits::Tokens);
+        run_turn(
+            &mut e,
+            ids[i],
+            &encode("Hello"),
+            Mode::Amortize,
+            SessionEdits::Tokens,
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let busy = Request::greedy(encode("Hi"), 1, quiet()).in_session(SessionRequest {

@@ -148,6 +148,27 @@ fn two_edits() -> DirectiveBatch {
     batch(vec![(2, 4, 3), (8, 9, 2)])
 }
 
+/// [`two_edits`] applied to `w` with `rope`, the prefill failing at `fail_at`; on success the
+/// world takes the new slot list.
+fn splice(
+    w: &mut World,
+    dynamic_rope: bool,
+    fail_at: Option<usize>,
+) -> Result<leyline_kv::splice::Spliced, SpliceError<String>> {
+    let r = apply_splice(
+        &mut w.cache,
+        &mut w.kv,
+        &rope(dynamic_rope),
+        target(&w.seq),
+        &two_edits(),
+        prefill(fail_at),
+    );
+    if let Ok(done) = &r {
+        w.seq = done.slots.clone();
+    }
+    r
+}
+
 #[test]
 fn every_injected_failure_leaves_everything_as_it_was() {
     for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Bf16] {
@@ -155,46 +176,32 @@ fn every_injected_failure_leaves_everything_as_it_was() {
         for fail_at in [0, 1] {
             let mut w = world(dtype, 64, 0);
             let before = snapshot(&w);
-            let r = apply_splice(
-                &mut w.cache,
-                &mut w.kv,
-                &rope(false),
-                target(&w.seq),
-                &two_edits(),
-                prefill(Some(fail_at)),
-            );
+            let r = splice(&mut w, false, Some(fail_at));
             assert!(
                 matches!(r, Err(SpliceError::Prefill { index, .. }) if index == fail_at),
                 "{dtype:?} {fail_at}: {r:?}"
             );
-            assert_eq!(snapshot(&w), before, "{dtype:?}: failure in prefill {fail_at}");
+            assert_eq!(
+                snapshot(&w),
+                before,
+                "{dtype:?}: failure in prefill {fail_at}"
+            );
             w.cache.check_invariants().unwrap();
         }
         // A rope that cannot shift: refused before anything is allocated.
         let mut w = world(dtype, 64, 0);
         let before = snapshot(&w);
-        let r = apply_splice(
-            &mut w.cache,
-            &mut w.kv,
-            &rope(true),
-            target(&w.seq),
-            &two_edits(),
-            prefill(None),
+        let r = splice(&mut w, true, None);
+        assert!(
+            matches!(r, Err(SpliceError::Kv(KvError::NotShiftable(_)))),
+            "{r:?}"
         );
-        assert!(matches!(r, Err(SpliceError::Kv(KvError::NotShiftable(_)))), "{r:?}");
         assert_eq!(snapshot(&w), before);
         // The pool is short for the replacements (5 slots), then for the copies (2 more).
         for (held, what) in [(64 - LEN - 4, "replacements"), (64 - LEN - 6, "copies")] {
             let mut w = world(dtype, 64, held);
             let before = snapshot(&w);
-            let r = apply_splice(
-                &mut w.cache,
-                &mut w.kv,
-                &rope(false),
-                target(&w.seq),
-                &two_edits(),
-                prefill(None),
-            );
+            let r = splice(&mut w, false, None);
             assert!(
                 matches!(r, Err(SpliceError::Kv(KvError::PoolExhausted { .. }))),
                 "{what}: {r:?}"
@@ -218,40 +225,18 @@ fn a_splice_after_a_rollback_equals_one_on_an_untouched_twin_and_rotates_exactly
             k
         })
         .collect();
-    let failed = apply_splice(
-        &mut a.cache,
-        &mut a.kv,
-        &rope(false),
-        target(&a.seq),
-        &two_edits(),
-        prefill(Some(1)),
-    );
+    let failed = splice(&mut a, false, Some(1));
     assert!(failed.is_err());
-    let done_a = apply_splice(
-        &mut a.cache,
-        &mut a.kv,
-        &rope(false),
-        target(&a.seq),
-        &two_edits(),
-        prefill(None),
-    )
-    .unwrap();
-    let done_b = apply_splice(
-        &mut b.cache,
-        &mut b.kv,
-        &rope(false),
-        target(&b.seq),
-        &two_edits(),
-        prefill(None),
-    )
-    .unwrap();
+    let done_a = splice(&mut a, false, None).unwrap();
+    let done_b = splice(&mut b, false, None).unwrap();
     assert_eq!(done_a, done_b);
-    a.seq = done_a.slots.clone();
-    b.seq = done_b.slots.clone();
     assert_eq!(snapshot(&a), snapshot(&b));
     a.cache.check_invariants().unwrap();
     assert_eq!((done_a.rotated, done_a.copied, done_a.prefilled), (7, 2, 5));
-    assert_eq!(done_a.clean_len, 5, "lineage from the first replacement's end on");
+    assert_eq!(
+        done_a.clean_len, 5,
+        "lineage from the first replacement's end on"
+    );
     // Old token i lands at new index i + delta; its keys rotate by delta, head by head,
     // as the rope's own f64-phase rotation does it.
     let spec = rope(false);
@@ -264,8 +249,14 @@ fn a_splice_after_a_rollback_equals_one_on_an_untouched_twin_and_rotates_exactly
         let mut got = vec![0.0; GEOM.k_width()];
         a.kv.gather_k(1, &[slot], &mut got).unwrap();
         for (g, w) in got.iter().zip(&want) {
-            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "token {old}: {g} vs {w}");
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "token {old}: {g} vs {w}"
+            );
         }
-        assert_eq!(a.cache.pool().position(slot).unwrap(), (old as i64 + delta) as u32);
+        assert_eq!(
+            a.cache.pool().position(slot).unwrap(),
+            (old as i64 + delta) as u32
+        );
     }
 }

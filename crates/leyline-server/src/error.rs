@@ -108,9 +108,10 @@ impl ServerError {
             Self::Busy(_) => "conflict_error",
             Self::Overloaded(_) => "rate_limit_error",
             Self::NotImplemented(_) => "not_implemented_error",
-            Self::ShuttingDown(_) | Self::Unavailable { .. } | Self::Engine(_) | Self::Startup(_) => {
-                "server_error"
-            }
+            Self::ShuttingDown(_)
+            | Self::Unavailable { .. }
+            | Self::Engine(_)
+            | Self::Startup(_) => "server_error",
         }
     }
 

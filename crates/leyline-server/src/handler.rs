@@ -89,7 +89,6 @@ pub(crate) async fn create_engine_session(st: &AppState, who: Principal) -> Resu
     })
 }
 
-
 /// Drops expired sessions (and, for `room > 0`, the least recently used idle ones until
 /// `room` more fit) from the engine and the table.
 pub(crate) async fn reap(st: &AppState, room: usize) {
@@ -112,4 +111,3 @@ pub(crate) async fn reap(st: &AppState, room: usize) {
         Err(e) => tracing::warn!("dropping idle sessions: {e}"),
     }
 }
-

@@ -18,9 +18,9 @@
 pub mod auth;
 pub mod error;
 pub mod generation;
+mod handler;
 pub mod metrics;
 pub mod openai;
-mod handler;
 mod routes;
 mod server;
 mod session_routes;

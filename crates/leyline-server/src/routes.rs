@@ -3,9 +3,9 @@
 use crate::auth::{require_key, Principal};
 use crate::error::{Result, ServerError};
 use crate::generation::{self, GenerateSpec, Piece};
+use crate::handler::{create_engine_session, engine_call, parse, ApiJson, St};
 use crate::openai::*;
 use crate::session_routes;
-use crate::handler::{create_engine_session, engine_call, parse, ApiJson, St};
 use crate::state::AppState;
 use axum::extract::{Request, State};
 use axum::middleware::{from_fn_with_state, Next};
@@ -14,9 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use leyline_core::Mode;
-use leyline_engine::{
-    render_prompt, ErrorKind, Failure, SessionEdits, SessionId, SessionRequest,
-};
+use leyline_engine::{render_prompt, ErrorKind, Failure, SessionEdits, SessionId, SessionRequest};
 use leyline_model::chat::RenderOptions;
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -24,7 +22,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_stream::wrappers::ReceiverStream;
-
 
 /// Every route; all but `/health` need the API key when one is set.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -169,8 +166,7 @@ async fn chat_completions(
     let in_session =
         fields.session_id.is_some() || fields.leyline.as_ref().is_some_and(|l| l.mode.is_some());
     // Message bounds anchor the engine's diff of the next turn.
-    let (prompt, bounds) =
-        render_prompt(&st.tokenizer, template, &messages, &opts, in_session)?;
+    let (prompt, bounds) = render_prompt(&st.tokenizer, template, &messages, &opts, in_session)?;
     run(st, who, Kind::Chat, prompt, bounds, gen, fields).await
 }
 

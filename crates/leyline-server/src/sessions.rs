@@ -130,7 +130,10 @@ mod tests {
         assert_eq!(s.resolve(&id, b).unwrap_err().status().as_u16(), 404);
         assert_eq!(s.resolve(&id, a).unwrap(), SessionId(1));
         assert_eq!(s.remove(&id, b).unwrap_err().status().as_u16(), 404);
-        assert_eq!(s.create(a, SessionId(3), 2).unwrap_err().status().as_u16(), 429);
+        assert_eq!(
+            s.create(a, SessionId(3), 2).unwrap_err().status().as_u16(),
+            429
+        );
         s.remove(&id, a).unwrap();
         assert_eq!(s.resolve(&id, a).unwrap_err().status().as_u16(), 404);
         s.remove_engine_sessions(&[SessionId(2)]);

@@ -125,4 +125,3 @@ impl AppState {
         self.draining.load(Ordering::SeqCst)
     }
 }
-

@@ -106,7 +106,12 @@ fn an_edit_the_pool_cannot_hold_is_a_503_with_retry_after_and_changes_nothing() 
     let huge = "The harbour master signs each entry, notes the tide and the weather. ".repeat(18);
     for mode in ["amortize", "forget"] {
         let edit = json!({"mode": mode, "directives": [{"start": 3, "end": 5, "text": huge}]});
-        let r = call(addr, "POST", &format!("/v1/sessions/{id}/directives"), Some(edit));
+        let r = call(
+            addr,
+            "POST",
+            &format!("/v1/sessions/{id}/directives"),
+            Some(edit),
+        );
         assert_eq!(r.status, 503, "{mode}: {}", r.body);
         assert_eq!(r.json()["error"]["code"], "kv_pool_exhausted", "{mode}");
         assert!(
@@ -114,11 +119,19 @@ fn an_edit_the_pool_cannot_hold_is_a_503_with_retry_after_and_changes_nothing() 
             "{mode}: no Retry-After"
         );
         let after = call(addr, "GET", &path, None).json()["tokens"].clone();
-        assert_eq!(after, before, "{mode}: the refused edit changed the session");
+        assert_eq!(
+            after, before,
+            "{mode}: the refused edit changed the session"
+        );
     }
     // An invalid batch is a 400 and an unknown session a 404 on the same route.
     let bad = json!({"directives": [{"start": 9, "end": 3, "text": "x"}]});
-    let r = call(addr, "POST", &format!("/v1/sessions/{id}/directives"), Some(bad.clone()));
+    let r = call(
+        addr,
+        "POST",
+        &format!("/v1/sessions/{id}/directives"),
+        Some(bad.clone()),
+    );
     assert_eq!(r.status, 400, "{}", r.body);
     let r = call(addr, "POST", "/v1/sessions/sess_nope/directives", Some(bad));
     assert_eq!(r.status, 404, "{}", r.body);

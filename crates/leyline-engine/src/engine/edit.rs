@@ -31,6 +31,10 @@ use leyline_model::{ForwardSeq, LogitsFor};
 use std::ops::Range;
 use std::time::Instant;
 
+/// What an edit did, the post-edit positions whose KV it computed (AMORTIZE replacements),
+/// and for FORGET the full edited token list still to prefill.
+pub(crate) type Edited = (EditReport, Vec<Range<usize>>, Option<Vec<u32>>);
+
 impl Engine {
     /// Creates an empty session.
     pub fn create_session(&mut self) -> SessionId {
@@ -127,7 +131,12 @@ impl Engine {
     /// Cuts a session to its first `keep` tokens. With `forget`, what goes is forgotten as
     /// by a FORGET directive (purged from the tree, revoked, zeroed when free); otherwise its
     /// slots are released (zeroed if a FORGET revoked any or they were session-private).
-    pub(crate) fn truncate_session(&mut self, id: SessionId, keep: usize, forget: bool) -> Result<()> {
+    pub(crate) fn truncate_session(
+        &mut self,
+        id: SessionId,
+        keep: usize,
+        forget: bool,
+    ) -> Result<()> {
         let s = self.session_mut(id)?;
         if keep >= s.tokens.len() {
             return Ok(());
@@ -247,7 +256,7 @@ impl Engine {
         mut directives: Vec<Directive>,
         mode: Mode,
         by: Option<RequestId>,
-    ) -> Result<(EditReport, Vec<Range<usize>>, Option<Vec<u32>>)> {
+    ) -> Result<Edited> {
         for d in &mut directives {
             d.mode = mode;
         }
@@ -266,7 +275,11 @@ impl Engine {
             e => e.into(),
         })?;
         if batch.is_empty() {
-            return Ok((EditReport::unchanged(mode, s.tokens.len()), Vec::new(), None));
+            return Ok((
+                EditReport::unchanged(mode, s.tokens.len()),
+                Vec::new(),
+                None,
+            ));
         }
         if batch.new_len() >= self.max_sequence_len() {
             return Err(EngineError::InvalidRequest(format!(
@@ -351,18 +364,25 @@ impl Engine {
             clean_len: s.clean_len,
         };
         let model = &self.model;
-        apply_splice(&mut self.cache, &mut self.kv, rope, target, batch, |kv, job| {
-            let positions: Vec<u32> =
-                (job.positions.start as u32..job.positions.end as u32).collect();
-            let seq = ForwardSeq {
-                tokens: job.tokens,
-                positions: &positions,
-                context: job.context,
-                new_slots: job.slots,
-                logits: LogitsFor::None,
-            };
-            model.forward(kv, &[seq]).map(|_| ())
-        })
+        apply_splice(
+            &mut self.cache,
+            &mut self.kv,
+            rope,
+            target,
+            batch,
+            |kv, job| {
+                let positions: Vec<u32> =
+                    (job.positions.start as u32..job.positions.end as u32).collect();
+                let seq = ForwardSeq {
+                    tokens: job.tokens,
+                    positions: &positions,
+                    context: job.context,
+                    new_slots: job.slots,
+                    logits: LogitsFor::None,
+                };
+                model.forward(kv, &[seq]).map(|_| ())
+            },
+        )
     }
 
     fn forget(&mut self, id: SessionId, batch: &DirectiveBatch) -> Result<(EditReport, Vec<u32>)> {

@@ -167,8 +167,8 @@ impl Txn {
         let segments = batch.segments();
         let mut tables: HashMap<i64, Rotation> = HashMap::new();
         for s in segments.iter().filter(|s| s.delta != 0) {
-            if !tables.contains_key(&s.delta) {
-                tables.insert(s.delta, shift_table(rope, s.delta)?);
+            if let std::collections::hash_map::Entry::Vacant(e) = tables.entry(s.delta) {
+                e.insert(shift_table(rope, s.delta)?);
             }
         }
         let geometry = kv.geometry();

@@ -19,10 +19,10 @@ use leyline_engine::{
     EditReport, Engine, EngineError, Event, Request, Result, SessionEdits, SessionId,
     SessionRequest,
 };
-use leyline_kv::rope::{RopeSpec, RotaryLayout};
-use leyline_kv::rotate::shift_rows_lowprec;
 use leyline_kv::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use leyline_kv::rope::{RopeSpec, RotaryLayout};
 use leyline_kv::rotate::shift_rows;
+use leyline_kv::rotate::shift_rows_lowprec;
 use leyline_kv::storage::RowsMut;
 use leyline_kv::KvDtype;
 use leyline_policy::{diff_rendered, Edit, Renderer, Role, Trajectory};
