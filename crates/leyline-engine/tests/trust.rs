@@ -226,3 +226,35 @@ fn a_panic_on_the_engine_thread_shows_as_a_stopped_engine() {
     assert!(matches!(err, EngineError::Stopped));
     assert_eq!(err.kind(), ErrorKind::Stopped);
 }
+
+#[test]
+fn every_slot_freed_with_session_private_kv_is_zeroed() {
+    let c = ctx();
+    let mut e = engine(4096);
+    let id = e.create_session();
+    run_turn(&mut e, id, &c, Mode::Amortize, SessionEdits::Tokens);
+    // An AMORTIZE edit makes everything after it session-private (it read the old span).
+    let stub = encode(" [gone]");
+    e.apply_directives(
+        id,
+        vec![Directive::new(8, 20, stub.clone(), Mode::Amortize)],
+    )
+    .unwrap();
+    let private: Vec<u32> = e.session_info(id).unwrap().slots[8 + stub.len()..].to_vec();
+    // A second edit drops some of them; deleting the session drops the rest.
+    e.apply_directives(id, vec![Directive::new(12, 16, vec![], Mode::Amortize)])
+        .unwrap();
+    e.delete_session(id).unwrap();
+    let mut freed = 0;
+    for &s in &private {
+        if e.cache().pool().is_free(s).unwrap() {
+            freed += 1;
+            assert!(
+                e.storage().slot_is_zero(s).unwrap(),
+                "slot {s} kept private KV"
+            );
+        }
+    }
+    assert!(freed > 0, "nothing was freed");
+    e.check_no_leaks().unwrap();
+}

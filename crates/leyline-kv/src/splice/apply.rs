@@ -9,7 +9,8 @@
 //!    kept segments before it and let the caller prefill it (the model lives above this
 //!    crate); the segment after the last replacement is rotated last.
 //! 3. **Commit**: positions, lineages and revocations of the new slot list; the sequence's
-//!    references on removed and copied-from slots are dropped.
+//!    references on removed and copied-from slots are dropped, and those that come free
+//!    holding session-private or forgotten KV are zeroed.
 //!
 //! A failure in a prefill rolls back: keys rotated in place are restored bit for bit from a
 //! backup (taken only for segments rotated before a prefill that could still fail), the
@@ -133,7 +134,7 @@ pub fn apply_splice<E>(
         }
     }
     txn.rotate_before(kv, usize::MAX, false);
-    Ok(txn.commit(cache))
+    Ok(txn.commit(cache, kv))
 }
 
 /// A splice between plan and commit.
@@ -331,7 +332,7 @@ impl Txn {
         release_reversed(cache, &self.fresh);
     }
 
-    fn commit(self, cache: &mut PrefixCache) -> Spliced {
+    fn commit(self, cache: &mut PrefixCache, kv: &mut KvStorage) -> Spliced {
         let plan = self.plan;
         let pool = cache.pool_mut();
         // Every slot here is held by the sequence or was just allocated: these cannot fail.
@@ -348,8 +349,15 @@ impl Txn {
             }
         }
         let sources: Vec<u32> = plan.cow.iter().map(|&(src, _)| src).collect();
-        let _ = pool.release_all(&sources);
-        let _ = pool.release_all(&plan.freed);
+        let mut freed = pool.release_all(&sources).unwrap_or_default();
+        freed.extend(pool.release_all(&plan.freed).unwrap_or_default());
+        // Zero on free: what this sequence alone held was session-private or forgotten.
+        for s in freed {
+            let private = !pool.lineage(s).is_ok_and(|l| l.is_shared());
+            if private || pool.is_revoked(s).unwrap_or(true) {
+                let _ = kv.zero_slot(s);
+            }
+        }
         Spliced {
             rotated: plan.to_rotate.len(),
             copied: plan.cow.len(),
