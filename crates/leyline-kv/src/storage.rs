@@ -232,13 +232,6 @@ pub struct KRowsBackup {
     halves: Vec<u16>,
 }
 
-impl KRowsBackup {
-    /// The slots whose rows it holds.
-    pub fn slots(&self) -> &[u32] {
-        &self.slots
-    }
-}
-
 struct LayerRows {
     k: Rows,
     v: Rows,

@@ -80,7 +80,7 @@ impl Engine {
     }
 
     /// Ids of the sessions, least recently used first.
-    pub fn sessions_by_use(&self) -> Vec<(SessionId, Instant, bool)> {
+    fn sessions_by_use(&self) -> Vec<(SessionId, Instant, bool)> {
         let mut v: Vec<_> = self
             .sessions
             .iter()
