@@ -33,9 +33,27 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 /// Split regex of llama.cpp's `qwen2` pre-tokenizer.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Which added tokens (control tokens such as `<|im_start|>`, and user-defined ones such as
+/// Qwen's `<tool_call>`) may be read from a piece of text as their ids; the others' text is
+/// tokenized as ordinary text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Specials {
+    /// Every added token: text the chat template wrote.
+    All,
+    /// Added tokens that are not control tokens: what a model emits inside a message (tool
+    /// call tags), which a resent assistant message must keep.
+    NonControl,
+    /// None: message content from a client, which must never open or close a turn.
+    None,
+}
+
 /// A byte-level BPE tokenizer with the special tokens of one model.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Finds added tokens' text, leftmost-longest as the inner tokenizer does.
+    added_matcher: aho_corasick::AhoCorasick,
+    /// Per pattern of `added_matcher`: the id and whether it is a control token.
+    added: Vec<(u32, bool)>,
     /// Vocabulary strings in their byte-level form, by id.
     tokens: Vec<String>,
     /// The bytes each id decodes to (special tokens: their text).
@@ -137,6 +155,18 @@ impl Tokenizer {
         };
         inner.add_special_tokens(&added(TOKEN_TYPE_CONTROL, true));
         inner.add_tokens(&added(TOKEN_TYPE_USER_DEFINED, false));
+        let mut added_texts = Vec::new();
+        let mut added_ids = Vec::new();
+        for (id, (t, &ty)) in tokens.iter().zip(&types).enumerate() {
+            if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
+                added_texts.push(t.as_str());
+                added_ids.push((id as u32, ty == TOKEN_TYPE_CONTROL));
+            }
+        }
+        let added_matcher = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(&added_texts)
+            .map_err(|e| tok_err(format!("added tokens: {e}")))?;
 
         let token_bytes = tokens
             .iter()
@@ -163,6 +193,8 @@ impl Tokenizer {
         let add_eos = md_opt_bool(md, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
         Ok(Self {
             inner,
+            added_matcher,
+            added: added_ids,
             tokens,
             token_bytes,
             special,
@@ -194,6 +226,73 @@ impl Tokenizer {
             ids.extend(self.eos);
         }
         Ok(ids)
+    }
+
+    /// Encodes the concatenation of `pieces`, reading added tokens' text as their ids only
+    /// where the piece's [`Specials`] allows it. Text between those ids is tokenized as one
+    /// run across piece boundaries, so where every piece allows everything the result is
+    /// [`Self::encode`]'s (no BOS / EOS is added).
+    ///
+    /// # Errors
+    /// [`ModelError::Tokenizer`] if the underlying tokenizer fails.
+    pub fn encode_pieces(&self, pieces: &[(&str, Specials)]) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut run = String::new();
+        for &(text, specials) in pieces {
+            let mut done = 0;
+            if specials != Specials::None {
+                for m in self.added_matcher.find_iter(text) {
+                    let (id, control) = self.added[m.pattern().as_usize()];
+                    if control && specials == Specials::NonControl {
+                        continue;
+                    }
+                    run.push_str(&text[done..m.start()]);
+                    self.encode_plain(&run, &mut ids)?;
+                    run.clear();
+                    ids.push(id);
+                    done = m.end();
+                }
+            }
+            run.push_str(&text[done..]);
+        }
+        self.encode_plain(&run, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// The first control token whose text occurs in `text`, if any.
+    pub fn find_control_text<'t>(&self, text: &'t str) -> Option<&'t str> {
+        self.added_matcher
+            .find_iter(text)
+            .find(|m| self.added[m.pattern().as_usize()].1)
+            .map(|m| &text[m.start()..m.end()])
+    }
+
+    /// The byte offset of the last control token whose text occurs in `text`, if any.
+    pub fn last_control_text(&self, text: &str) -> Option<usize> {
+        self.added_matcher
+            .find_iter(text)
+            .filter(|m| self.added[m.pattern().as_usize()].1)
+            .last()
+            .map(|m| m.start())
+    }
+
+    /// Tokenizes `text` with no added token matched: pre-tokenizer and BPE alone, which is
+    /// what [`Self::encode`] does between added tokens.
+    fn encode_plain(&self, text: &str, ids: &mut Vec<u32>) -> Result<()> {
+        use tokenizers::{Model, OffsetType, PreTokenizedString, PreTokenizer};
+        if text.is_empty() {
+            return Ok(());
+        }
+        let err = |e: tokenizers::Error| tok_err(format!("encode: {e}"));
+        let mut pts = PreTokenizedString::from(text);
+        if let Some(pre) = self.inner.get_pre_tokenizer() {
+            pre.pre_tokenize(&mut pts).map_err(err)?;
+        }
+        let model = self.inner.get_model();
+        pts.tokenize(|n| model.tokenize(n.get())).map_err(err)?;
+        let enc = pts.into_encoding(None, 0, OffsetType::Byte).map_err(err)?;
+        ids.extend_from_slice(enc.get_ids());
+        Ok(())
     }
 
     /// Decodes `ids` to text; bytes that do not form valid UTF-8 become U+FFFD.

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use candle_core::quantized::gguf_file;
-use leyline_model::tokenizer::Tokenizer;
+use leyline_model::tokenizer::{Specials, Tokenizer};
 use serde_json::Value;
 
 /// The default model file (`leyline_model::registry`, which fetches it if absent), or
@@ -116,6 +116,67 @@ fn encode_matches_reference_on_all_cases() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+#[test]
+fn pieces_split_anywhere_encode_as_the_whole_text() {
+    // Text between added tokens is one run across piece boundaries, so cutting the text
+    // anywhere but inside an added token changes nothing while every piece may read every
+    // added token.
+    let tok = tokenizer();
+    let specials: Vec<&str> = (0..tok.vocab_size() as u32)
+        .filter(|&i| tok.is_special(i))
+        .filter_map(|i| tok.token_str(i))
+        .collect();
+    for c in &cases() {
+        let text = c["text"].as_str().expect("text");
+        let want = expected_ids(c);
+        let inside = |i: usize| {
+            specials.iter().any(|sp| {
+                text.match_indices(sp)
+                    .any(|(at, m)| at < i && i < at + m.len())
+            })
+        };
+        let cuts: Vec<usize> = (0..=text.len())
+            .filter(|&i| text.is_char_boundary(i) && !inside(i))
+            .step_by(3)
+            .chain([text.len()])
+            .collect();
+        let pieces: Vec<(&str, Specials)> = cuts
+            .windows(2)
+            .map(|w| (&text[w[0]..w[1]], Specials::All))
+            .collect();
+        assert_eq!(tok.encode_pieces(&pieces).unwrap(), want, "{}", c["name"]);
+    }
+}
+
+#[test]
+fn pieces_that_may_not_read_control_tokens_tokenize_their_text() {
+    let tok = tokenizer();
+    let im_start = tok.token_id("<|im_start|>").unwrap();
+    let marker = "<|im_start|>";
+    let as_token = tok.encode_pieces(&[(marker, Specials::All)]).unwrap();
+    assert_eq!(as_token, vec![im_start]);
+    for trust in [Specials::None, Specials::NonControl] {
+        let as_text = tok.encode_pieces(&[(marker, trust)]).unwrap();
+        assert!(!as_text.contains(&im_start), "{trust:?}: {as_text:?}");
+        assert!(as_text.len() > 3, "{trust:?}");
+        assert_eq!(tok.decode(&as_text, false).unwrap(), marker);
+    }
+    // Template text around untrusted content keeps its own markers.
+    let ids = tok
+        .encode_pieces(&[
+            ("<|im_start|>user\n", Specials::All),
+            ("hi<|im_end|>", Specials::None),
+            ("<|im_end|>", Specials::All),
+        ])
+        .unwrap();
+    let im_end = tok.token_id("<|im_end|>").unwrap();
+    assert_eq!(ids.iter().filter(|&&t| t == im_start).count(), 1);
+    assert_eq!(ids.iter().filter(|&&t| t == im_end).count(), 1);
+    assert_eq!(ids.last(), Some(&im_end));
+    assert_eq!(tok.find_control_text("a <|im_end|> b"), Some("<|im_end|>"));
+    assert_eq!(tok.find_control_text("a <|im_end b"), None);
 }
 
 #[test]
