@@ -54,6 +54,8 @@ pub struct EngineConfig {
     /// Under [`PrefillOrder::Shortest`], a sequence left without prefill in this many steps
     /// goes ahead of every shorter prompt from then on (no prompt starves).
     pub prefill_patience: u32,
+    /// Most requests waiting for admission; more are refused ([`ErrorKind::Overloaded`]).
+    pub max_waiting: usize,
 }
 
 /// [`EngineConfig::kv_dtype`] unless set otherwise. f16 by measurement on the default model
@@ -66,6 +68,8 @@ pub const DEFAULT_PREFILL_PATIENCE: u32 = 32;
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 /// [`EngineConfig::decode_prefill_chunk`] unless set otherwise.
 pub const DEFAULT_DECODE_PREFILL_CHUNK: usize = 128;
+/// [`EngineConfig::max_waiting`] unless set otherwise.
+pub const DEFAULT_MAX_WAITING: usize = 256;
 
 /// How a step hands its prefill budget to the sequences still prefilling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,6 +121,7 @@ impl EngineConfig {
             max_running: 64,
             prefill_order: PrefillOrder::Shortest,
             prefill_patience: DEFAULT_PREFILL_PATIENCE,
+            max_waiting: DEFAULT_MAX_WAITING,
         }
     }
 
@@ -332,6 +337,7 @@ impl Engine {
     fn check_and_claim(&mut self, req: &Request, id: RequestId) -> Result<()> {
         let claimed = self
             .validate(req)
+            .and_then(|()| self.check_queue_room())
             .and_then(|()| self.claim_session(req, id));
         if claimed.is_err() {
             self.metrics.add(&self.metrics.requests_failed, 1);
@@ -349,6 +355,21 @@ impl Engine {
             bounds: None,
         });
         self.update_gauges();
+    }
+
+    fn check_queue_room(&mut self) -> Result<()> {
+        if self.waiting.len() >= self.cfg.max_waiting {
+            self.cancel_abandoned();
+        }
+        if self.waiting.len() >= self.cfg.max_waiting {
+            self.metrics
+                .add(&self.metrics.requests_rejected_queue_full, 1);
+            return Err(EngineError::Overloaded(format!(
+                "{} requests are waiting already; retry later",
+                self.waiting.len()
+            )));
+        }
+        Ok(())
     }
 
     /// Marks the request's session busy until the request ends.
@@ -405,10 +426,13 @@ impl Engine {
     /// # Errors
     /// Only for engine-internal failures; per-request problems go to that request's sink.
     pub fn step(&mut self) -> Result<StepReport> {
-        let mut report = StepReport {
-            admitted: self.admit()?,
-            ..Default::default()
-        };
+        let mut report = StepReport::default();
+        self.cancel_abandoned();
+        if self.cancel_abandoned_prefills() {
+            // Their slots go back before admission.
+            self.retire(&mut report);
+        }
+        report.admitted = self.admit()?;
         if self.running.is_empty() {
             self.update_gauges();
             return Ok(report);
@@ -545,6 +569,20 @@ impl Engine {
         }
         self.retire(&mut report);
         Ok(report)
+    }
+
+    /// Ends running sequences still prefilling whose receiver has gone: the rest of their
+    /// prompt is computed for nobody. (A generating one learns it at its next token.)
+    fn cancel_abandoned_prefills(&mut self) -> bool {
+        let mut any = false;
+        for r in &mut self.running {
+            if r.finish.is_none() && r.computed() < r.prompt_len && !r.req.is_alive() {
+                r.finish = Some(FinishReason::Cancelled);
+                self.metrics.add(&self.metrics.requests_cancelled, 1);
+                any = true;
+            }
+        }
+        any
     }
 
     /// Indices of the sequences with prompt left to prefill, in the order they get budget.

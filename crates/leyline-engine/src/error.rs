@@ -13,10 +13,17 @@ pub enum EngineError {
     /// The session has a request in flight.
     #[error("session {0} is busy: a request is in flight")]
     SessionBusy(u64),
+    /// The session's cache was dropped for room: its tokens are gone until its next turn
+    /// resends the history.
+    #[error("session {0} lost its cached context to make room; resend its history in a turn")]
+    SessionShed(u64),
     /// The KV pool cannot hold what the request needs, even after evicting unlocked
     /// prefixes and shedding idle sessions' KV.
     #[error("{0}")]
     OutOfKv(String),
+    /// The queue of waiting requests is full.
+    #[error("{0}")]
+    Overloaded(String),
     /// The engine thread has stopped.
     #[error("the engine has stopped")]
     Stopped,
@@ -41,8 +48,12 @@ pub enum ErrorKind {
     UnknownSession,
     /// The session has a request in flight (409).
     Busy,
+    /// The session's cache was dropped for room; its history must be resent (409).
+    Shed,
     /// The KV pool is full (503, retry later).
     OutOfKv,
+    /// Too many requests are waiting (503, retry later).
+    Overloaded,
     /// The engine has stopped (503).
     Stopped,
     /// An internal failure of the model or the KV layer (500).
@@ -57,6 +68,7 @@ impl EngineError {
             EngineError::InvalidRequest(_) | EngineError::Directive(_) => ErrorKind::Invalid,
             EngineError::UnknownSession(_) => ErrorKind::UnknownSession,
             EngineError::SessionBusy(_) => ErrorKind::Busy,
+            EngineError::SessionShed(_) => ErrorKind::Shed,
             EngineError::OutOfKv(_)
             | EngineError::Kv(KvError::PoolExhausted { .. } | KvError::CowExhausted { .. }) => {
                 ErrorKind::OutOfKv
@@ -64,6 +76,7 @@ impl EngineError {
             // AMORTIZE on a model whose rope cannot shift: the caller asked for what the
             // model cannot do (FORGET can).
             EngineError::Kv(KvError::NotShiftable(_)) => ErrorKind::Invalid,
+            EngineError::Overloaded(_) => ErrorKind::Overloaded,
             EngineError::Stopped => ErrorKind::Stopped,
             EngineError::Model(_) | EngineError::Kv(_) => ErrorKind::Internal,
         }

@@ -39,6 +39,11 @@ metrics! {
     requests_finished,
     /// Requests that failed.
     requests_failed,
+    /// Requests dropped because their receiver went away while they were queued or
+    /// prefilling (a prefilling one also counts as finished: it leaves through retirement).
+    requests_cancelled,
+    /// Requests refused because the queue was full.
+    requests_rejected_queue_full,
     /// Prompt tokens of admitted requests.
     prompt_tokens,
     /// Prompt tokens served from the prefix cache.

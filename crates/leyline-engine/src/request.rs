@@ -88,6 +88,16 @@ pub enum Event {
 /// Receives a request's events; returning `Break` cancels the request.
 pub type EventSink = Box<dyn FnMut(Event) -> ControlFlow<()> + Send>;
 
+/// Says whether anyone still waits for a request's events. The engine asks before
+/// admission and before every prefill chunk, so a request whose client has gone costs
+/// nothing more (its sink is only asked when a token is ready).
+pub type Liveness = Box<dyn Fn() -> bool + Send>;
+
+/// Whose prefix cache a request may read and feed: requests of different tenants never
+/// share KV, so one tenant's `cached_tokens` say nothing about another's prompts and one
+/// tenant's FORGET never touches another's cache. 0 is the default tenant.
+pub type Tenant = u64;
+
 /// A generation request.
 pub struct Request {
     /// Prompt token ids (not empty).
@@ -102,6 +112,10 @@ pub struct Request {
     pub session: Option<SessionRequest>,
     /// Where events go.
     pub sink: EventSink,
+    /// Whether the receiver is still there; `None` means always.
+    pub alive: Option<Liveness>,
+    /// Whose prefix cache the request uses (a session request uses its session's).
+    pub tenant: Tenant,
 }
 
 impl Request {
@@ -115,7 +129,14 @@ impl Request {
             stop_tokens: Vec::new(),
             session: None,
             sink,
+            alive: None,
+            tenant: 0,
         }
+    }
+
+    /// Whether the receiver still waits for the request's events.
+    pub(crate) fn is_alive(&self) -> bool {
+        self.alive.as_ref().is_none_or(|f| f())
     }
 
     /// The same request, continuing `session` (whose edits apply first).
@@ -133,6 +154,7 @@ impl std::fmt::Debug for Request {
             .field("prompt_len", &self.prompt.len())
             .field("max_tokens", &self.max_tokens)
             .field("session", &self.session)
+            .field("tenant", &self.tenant)
             .finish_non_exhaustive()
     }
 }

@@ -90,15 +90,22 @@ impl Sampler {
         if p.temperature == 0.0 || p.top_k == 1 {
             return argmax(logits).unwrap_or(0);
         }
+        let Some(top) = logits
+            .iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .max_by(f32::total_cmp)
+        else {
+            return 0;
+        };
+        // Shifted before scaling: the top logit becomes 0, so a temperature near zero
+        // sends the others to -inf (probability 0), never to inf - inf = NaN.
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
             .filter(|(_, x)| x.is_finite())
-            .map(|(i, &x)| (i as u32, x / p.temperature))
+            .map(|(i, &x)| (i as u32, (x - top) / p.temperature))
             .collect();
-        if cand.is_empty() {
-            return 0;
-        }
         let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1);
         if p.top_k > 0 && p.top_k < cand.len() {
             cand.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
@@ -162,6 +169,23 @@ mod tests {
         for _ in 0..50 {
             assert_eq!(k1.sample(&logits), 1);
             assert_eq!(p.sample(&logits), 1);
+        }
+    }
+
+    #[test]
+    fn a_temperature_near_zero_is_greedy_not_nan() {
+        // 1e-40 is a subnormal f32: dividing raw logits by it overflows to inf, and
+        // inf - inf in the softmax is NaN.
+        let logits = [30.0, 31.5, -2.0, 31.0];
+        for t in [1e-40f32, 1e-30, f32::MIN_POSITIVE] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: t,
+                seed: 3,
+                ..Default::default()
+            });
+            for _ in 0..50 {
+                assert_eq!(s.sample(&logits), 1, "temperature {t}");
+            }
         }
     }
 

@@ -91,11 +91,17 @@ impl EditReport {
 #[derive(Debug, Clone)]
 pub(crate) struct Session {
     pub(crate) lineage: Lineage,
+    /// Whose prefix cache the session reads and feeds.
+    pub(crate) tenant: u64,
     pub(crate) tokens: Vec<u32>,
     /// One reference held per slot.
     pub(crate) slots: Vec<u32>,
     /// Tokens before this index hold lineage-free KV (computed from tokens alone).
     pub(crate) clean_len: usize,
+    /// Tokens whose KV was shed for room while the prefix tree may still hold a prefix of
+    /// them (the session's lineage-free part): a later FORGET turn purges from the tree
+    /// what it drops of these, as it would from the session's own slots.
+    pub(crate) shed: Vec<u32>,
     /// Message bounds of the last prompt run in the session, while its tokens still begin
     /// with that prompt; `None` after explicit directives or a turn without bounds.
     pub(crate) bounds: Option<Vec<usize>>,
@@ -110,12 +116,14 @@ pub(crate) struct Session {
 }
 
 impl Session {
-    pub(crate) fn new(lineage: Lineage) -> Self {
+    pub(crate) fn new(lineage: Lineage, tenant: u64) -> Self {
         Self {
             lineage,
+            tenant,
             tokens: Vec::new(),
             slots: Vec::new(),
             clean_len: usize::MAX,
+            shed: Vec::new(),
             bounds: None,
             busy: None,
             turns: 0,

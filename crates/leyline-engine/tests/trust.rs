@@ -258,3 +258,61 @@ fn every_slot_freed_with_session_private_kv_is_zeroed() {
     assert!(freed > 0, "nothing was freed");
     e.check_no_leaks().unwrap();
 }
+
+#[test]
+fn forget_erases_from_the_tree_what_a_shed_session_dropped() {
+    // A session whose KV was shed for room no longer holds the slots of its past turns,
+    // but the prefix tree may: a later FORGET turn must purge them from there too.
+    let sys = encode("<|im_start|>system\nYou answer briefly.<|im_end|>\n");
+    let secret = encode(
+        "<|im_start|>user\nThe vault code is 4-4-1-9 and the courier leaves at dawn.<|im_end|>\n\
+         <|im_start|>assistant\n",
+    );
+    // Long enough that, once evicted for the stranger below, the pool has room for the
+    // FORGET turn without evicting anything else.
+    let more = encode(&format!(
+        "<|im_start|>user\nAnd the weather? {}<|im_end|>\n<|im_start|>assistant\n",
+        "Tell me about the clouds, the wind and the rain. ".repeat(5)
+    ));
+    let a: Vec<u32> = sys.iter().chain(&secret).copied().collect();
+    let ab: Vec<u32> = a.iter().chain(&more).copied().collect();
+    let pool = ab.len() + 40;
+    let mut e = engine(pool);
+    let id = e.create_session();
+    run_turn(&mut e, id, &a, Mode::Forget, SessionEdits::Tokens);
+    run_turn(&mut e, id, &ab, Mode::Forget, SessionEdits::Tokens);
+    // A stranger's prompt that fits only once the session's KV goes: the session is shed
+    // and the tree keeps the older part of its path (the one holding the secret).
+    let filler = vec![encode(" word")[0]; 46];
+    e.try_submit(Request::greedy(filler, 1, quiet())).unwrap();
+    e.run_to_completion().unwrap();
+    assert!(
+        e.session_info(id).unwrap().tokens.is_empty(),
+        "the session was shed"
+    );
+    let ns = Namespace::shared(0);
+    assert!(
+        e.cache().cached_len(ns, &a) > sys.len() + 4,
+        "the tree still holds the secret before the FORGET (else this test shows nothing)"
+    );
+    // Directives written against the tokens the session had are refused as such (a client
+    // racing the shedding gets "resend", not "your range is wrong").
+    let err = e
+        .apply_directives(id, vec![Directive::new(0, 1, vec![], Mode::Forget)])
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Shed, "{err}");
+    // The FORGET turn drops the secret message.
+    let mut edited = sys.clone();
+    edited.extend(encode(
+        "<|im_start|>user\n[removed]<|im_end|>\n<|im_start|>assistant\n",
+    ));
+    run_turn(&mut e, id, &edited, Mode::Forget, SessionEdits::Tokens);
+    let at = a.iter().zip(&edited).take_while(|(x, y)| x == y).count();
+    assert!(
+        e.cache().cached_len(ns, &a) <= at,
+        "the forgotten message is still cached: {} of {} tokens, {at} kept",
+        e.cache().cached_len(ns, &a),
+        a.len()
+    );
+    e.check_no_leaks().unwrap();
+}

@@ -25,27 +25,37 @@ use std::collections::{BTreeSet, HashMap};
 use crate::error::{KvError, Result};
 use crate::slots::{Lineage, SlotPool};
 
-/// A tree's namespace: one root per `(model, lineage)`.
+/// A tree's namespace: one root per `(model, tenant, lineage)`. Nothing is matched across
+/// namespaces, so two tenants never read each other's KV nor learn from a match what the
+/// other cached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Namespace {
     /// The model (or adapter) whose KV the slots hold.
     pub model: u32,
+    /// Whose cache it is (an API key, or a key and a salt); 0 is the default tenant.
+    pub tenant: u64,
     /// The edit history the slots may belong to.
     pub lineage: Lineage,
 }
 
 impl Namespace {
-    /// The namespace `(model, lineage)`.
+    /// The namespace `(model, lineage)` of the default tenant.
     pub const fn new(model: u32, lineage: Lineage) -> Self {
-        Self { model, lineage }
-    }
-
-    /// The lineage-free namespace of `model`.
-    pub const fn shared(model: u32) -> Self {
         Self {
             model,
-            lineage: Lineage::SHARED,
+            tenant: 0,
+            lineage,
         }
+    }
+
+    /// The lineage-free namespace of `model` for the default tenant.
+    pub const fn shared(model: u32) -> Self {
+        Self::new(model, Lineage::SHARED)
+    }
+
+    /// The same namespace for `tenant`.
+    pub const fn for_tenant(self, tenant: u64) -> Self {
+        Self { tenant, ..self }
     }
 }
 

@@ -13,23 +13,14 @@ use leyline_kv::KvError;
 use proptest::prelude::*;
 
 const CAP: usize = 40;
-const NAMESPACES: [Namespace; 4] = [
-    Namespace {
-        model: 0,
-        lineage: Lineage::SHARED,
-    },
-    Namespace {
-        model: 0,
-        lineage: Lineage(1),
-    },
-    Namespace {
-        model: 0,
-        lineage: Lineage(2),
-    },
-    Namespace {
-        model: 1,
-        lineage: Lineage::SHARED,
-    },
+/// Shared and per-session lineages, a second model, and a second tenant of the first: no
+/// match may cross any of them.
+const NAMESPACES: [Namespace; 5] = [
+    Namespace::shared(0),
+    Namespace::new(0, Lineage(1)),
+    Namespace::new(0, Lineage(2)),
+    Namespace::shared(1),
+    Namespace::shared(0).for_tenant(7),
 ];
 
 type Model = BTreeMap<(Namespace, Vec<u32>), u32>;

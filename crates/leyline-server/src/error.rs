@@ -29,9 +29,21 @@ pub enum ServerError {
         /// A stable machine-readable code.
         code: &'static str,
     },
+    /// The request names a host or origin this server does not answer for (403).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The client was too slow sending the request (408).
+    #[error("{0}")]
+    RequestTimeout(String),
     /// The session has a request in flight (409).
     #[error("{0}")]
     Busy(String),
+    /// The session's cache was dropped for room; resend its history (409).
+    #[error("{0}")]
+    Shed(String),
+    /// The body is not `application/json` (415).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
     /// The body exceeds the configured limit (413).
     #[error("{0}")]
     PayloadTooLarge(String),
@@ -89,8 +101,11 @@ impl ServerError {
             Self::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::NotFound { .. } => StatusCode::NOT_FOUND,
-            Self::Busy(_) => StatusCode::CONFLICT,
+            Self::Forbidden(_) => StatusCode::FORBIDDEN,
+            Self::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            Self::Busy(_) | Self::Shed(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             Self::ShuttingDown(_) | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -101,11 +116,14 @@ impl ServerError {
     /// The stable OpenAI error `type`.
     pub fn error_type(&self) -> &'static str {
         match self {
-            Self::InvalidRequest { .. } | Self::NotFound { .. } | Self::PayloadTooLarge(_) => {
-                "invalid_request_error"
-            }
+            Self::InvalidRequest { .. }
+            | Self::NotFound { .. }
+            | Self::PayloadTooLarge(_)
+            | Self::UnsupportedMediaType(_)
+            | Self::RequestTimeout(_) => "invalid_request_error",
             Self::Unauthorized(_) => "authentication_error",
-            Self::Busy(_) => "conflict_error",
+            Self::Forbidden(_) => "permission_error",
+            Self::Busy(_) | Self::Shed(_) => "conflict_error",
             Self::Overloaded(_) => "rate_limit_error",
             Self::NotImplemented(_) => "not_implemented_error",
             Self::ShuttingDown(_)
@@ -120,8 +138,12 @@ impl ServerError {
             Self::InvalidRequest { code, .. } => *code,
             Self::Unauthorized(_) => Some("invalid_api_key"),
             Self::NotFound { code, .. } => Some(code),
+            Self::Forbidden(_) => Some("forbidden_host"),
+            Self::RequestTimeout(_) => Some("body_timeout"),
             Self::Busy(_) => Some("session_busy"),
+            Self::Shed(_) => Some("session_shed"),
             Self::PayloadTooLarge(_) => Some("body_too_large"),
+            Self::UnsupportedMediaType(_) => Some("unsupported_media_type"),
             Self::Overloaded(_) => Some("overloaded"),
             Self::NotImplemented(_) => Some("not_implemented"),
             Self::ShuttingDown(_) => Some("shutting_down"),
@@ -159,7 +181,7 @@ impl IntoResponse for ServerError {
             tracing::warn!(error_type = self.error_type(), "{self}");
         }
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
-        if matches!(self, Self::Unavailable { .. }) {
+        if matches!(self, Self::Unavailable { .. } | Self::Overloaded(_)) {
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
                 axum::http::HeaderValue::from_static("1"),
@@ -202,9 +224,14 @@ impl From<leyline_engine::Failure> for ServerError {
                 code: "session_not_found",
             },
             K::Busy => Self::Busy(f.message),
+            K::Shed => Self::Shed(f.message),
             K::OutOfKv => Self::Unavailable {
                 message: f.message,
                 code: "kv_pool_exhausted",
+            },
+            K::Overloaded => Self::Unavailable {
+                message: f.message,
+                code: "queue_full",
             },
             K::Stopped => Self::Unavailable {
                 message: f.message,
@@ -239,15 +266,21 @@ mod tests {
                 message: "x".into(),
                 code: "model_not_found",
             },
+            ServerError::Forbidden("x".into()),
+            ServerError::RequestTimeout("x".into()),
             ServerError::Busy("x".into()),
             ServerError::PayloadTooLarge("x".into()),
+            ServerError::UnsupportedMediaType("x".into()),
             ServerError::Overloaded("x".into()),
             ServerError::NotImplemented("x".into()),
             ServerError::ShuttingDown("x".into()),
             ServerError::Engine("x".into()),
         ];
         let codes: Vec<u16> = all.iter().map(|e| e.status().as_u16()).collect();
-        assert_eq!(codes, [400, 401, 404, 409, 413, 429, 501, 503, 500]);
+        assert_eq!(
+            codes,
+            [400, 401, 404, 403, 408, 409, 413, 415, 429, 501, 503, 500]
+        );
     }
 
     #[test]
@@ -257,7 +290,9 @@ mod tests {
             (K::Invalid, 400),
             (K::UnknownSession, 404),
             (K::Busy, 409),
+            (K::Shed, 409),
             (K::OutOfKv, 503),
+            (K::Overloaded, 503),
             (K::Stopped, 503),
             (K::Internal, 500),
         ];
@@ -265,7 +300,9 @@ mod tests {
             let e = ServerError::from(Failure::new(kind, "x"));
             assert_eq!(e.status().as_u16(), status, "{kind:?}");
         }
-        let out = ServerError::from(Failure::new(K::OutOfKv, "full")).into_response();
-        assert_eq!(out.headers()["retry-after"], "1");
+        for kind in [K::OutOfKv, K::Overloaded] {
+            let out = ServerError::from(Failure::new(kind, "full")).into_response();
+            assert_eq!(out.headers()["retry-after"], "1", "{kind:?}");
+        }
     }
 }

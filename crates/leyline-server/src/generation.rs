@@ -3,8 +3,8 @@
 //!
 //! Decoding and stop matching run inside the sink (on the engine thread, a few microseconds
 //! per token) so a stop string cancels the request at once and the engine still reports
-//! exact usage. A receiver that goes away (client disconnected) cancels the request at its
-//! next token.
+//! exact usage. A receiver that goes away (client disconnected) cancels the request: in the
+//! queue or while it prefills at the engine's next step, while it generates at its next token.
 
 use leyline_engine::{ErrorKind, Event, Failure, Request, SamplingParams, Usage};
 use leyline_model::tokenizer::Tokenizer;
@@ -96,6 +96,8 @@ pub struct GenerateSpec {
     pub stop: Vec<String>,
     /// The engine session it continues, with its edits.
     pub session: Option<leyline_engine::SessionRequest>,
+    /// Whose prefix cache it uses.
+    pub tenant: leyline_engine::Tenant,
 }
 
 /// Builds the engine request and the channel its pieces arrive on.
@@ -104,6 +106,9 @@ pub fn request(
     tokenizer: Arc<Tokenizer>,
 ) -> (Request, mpsc::UnboundedReceiver<Piece>) {
     let (tx, rx) = mpsc::unbounded_channel();
+    // The receiver goes when the client does (the handler or the stream task is dropped).
+    let probe = tx.clone();
+    let alive: leyline_engine::Liveness = Box::new(move || !probe.is_closed());
     let mut decoder = tokenizer.decode_stream(true);
     let mut matcher = StopMatcher::new(spec.stop);
     let mut stopped = false;
@@ -178,6 +183,8 @@ pub fn request(
         stop_tokens: spec.stop_tokens,
         session: spec.session,
         sink,
+        alive: Some(alive),
+        tenant: spec.tenant,
     };
     (req, rx)
 }

@@ -20,22 +20,34 @@ impl FromRequest<Arc<AppState>> for ApiJson {
     type Rejection = ServerError;
 
     async fn from_request(req: Request, st: &Arc<AppState>) -> Result<Self> {
+        crate::guard::require_json(req.headers())?;
         let limit = st.config.max_body_bytes;
+        let timeout = st.config.body_timeout;
         let mut stream = req.into_body().into_data_stream();
         let mut buf: Vec<u8> = Vec::new();
         let mut total = 0usize;
         // Past the limit, keep reading (up to 8x) and discard, so the client gets the
         // 413 instead of a reset connection while still sending.
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk
-                .map_err(|e| ServerError::bad_request(format!("reading the body failed: {e}")))?;
-            total += chunk.len();
-            if total <= limit {
-                buf.extend_from_slice(&chunk);
-            } else if total > limit.saturating_mul(8) {
-                break;
+        let read = async {
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk.map_err(|e| {
+                    ServerError::bad_request(format!("reading the body failed: {e}"))
+                })?;
+                total += chunk.len();
+                if total <= limit {
+                    buf.extend_from_slice(&chunk);
+                } else if total > limit.saturating_mul(8) {
+                    break;
+                }
             }
-        }
+            Ok::<(), ServerError>(())
+        };
+        tokio::time::timeout(timeout, read).await.map_err(|_| {
+            ServerError::RequestTimeout(format!(
+                "the request body did not arrive within {} s",
+                timeout.as_secs_f64()
+            ))
+        })??;
         if total > limit {
             return Err(ServerError::PayloadTooLarge(format!(
                 "the request body is larger than the limit of {limit} bytes"
@@ -78,10 +90,17 @@ pub(crate) async fn engine_call<T: Send + 'static>(
         .map_err(ServerError::from)
 }
 
-pub(crate) async fn create_engine_session(st: &AppState, who: Principal) -> Result<String> {
+/// Creates a session in the engine and the table, under the caller's tenant (split by
+/// `cache_salt`); returns its public id.
+pub(crate) async fn create_engine_session(
+    st: &AppState,
+    who: Principal,
+    cache_salt: Option<&str>,
+) -> Result<String> {
     let limits = st.config.sessions;
     reap(st, 1).await;
-    let eid = engine_call(st, |e| e.create_session()).await?;
+    let tenant = who.tenant(cache_salt);
+    let eid = engine_call(st, move |e| e.create_tenant_session(tenant)).await?;
     st.sessions.create(who, eid, limits.max).inspect_err(|_| {
         // Lost a race for the last place: the engine session must not outlive this.
         let engine = st.engine.clone();

@@ -18,6 +18,7 @@
 pub mod auth;
 pub mod error;
 pub mod generation;
+mod guard;
 mod handler;
 pub mod metrics;
 pub mod openai;

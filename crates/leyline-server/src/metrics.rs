@@ -26,6 +26,10 @@ pub struct ServerMetrics {
     pub streams_open: AtomicU64,
     /// Streams that ended with an error event.
     pub stream_errors: AtomicU64,
+    /// HTTP connections open now.
+    pub connections_open: AtomicU64,
+    /// HTTP connections accepted.
+    pub connections_accepted: AtomicU64,
 }
 
 impl ServerMetrics {
@@ -67,6 +71,13 @@ impl ServerMetrics {
         let _ = writeln!(
             out,
             "# TYPE leyline_stream_errors_total counter\nleyline_stream_errors_total {errs}"
+        );
+        let conns = self.connections_open.load(Ordering::Relaxed);
+        let accepted = self.connections_accepted.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "# TYPE leyline_http_connections_open gauge\nleyline_http_connections_open {conns}\n\
+             # TYPE leyline_http_connections_total counter\nleyline_http_connections_total {accepted}"
         );
         let _ = writeln!(out, "# TYPE leyline_http_responses_total counter");
         for ((route, status), n) in self

@@ -70,7 +70,31 @@ pub struct GenerationFields {
     /// Leyline options.
     #[serde(default)]
     pub leyline: Option<LeylineOptions>,
+    /// Separates the prefix caches of users behind one API key (as vLLM's `cache_salt`):
+    /// requests match only cached prefixes computed under the same key and salt.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+    /// Not implemented: refused unless empty.
+    #[serde(default)]
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Not implemented: refused unless 0.
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
+    /// Not implemented: refused unless 0.
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+    /// Not implemented: refused unless 1.
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
+    /// Chat log probabilities: not implemented, refused unless false.
+    #[serde(default)]
+    pub top_logprobs: Option<i64>,
 }
+
+/// Longest stop string, in bytes: matching holds back at most this much text per token.
+pub const MAX_STOP_BYTES: usize = 256;
+/// Longest `cache_salt`, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
 
 /// What the server generates with, after validation.
 #[derive(Debug, Clone)]
@@ -115,7 +139,8 @@ impl GenerationFields {
             ));
         }
         let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
+        // Checked as the sampler holds it: 1e-50 is positive as f64 and 0 as f32.
+        if !((top_p as f32) > 0.0 && top_p <= 1.0) {
             return Err(ServerError::invalid(
                 "top_p",
                 format!("top_p must be in (0, 1], got {top_p}"),
@@ -147,6 +172,26 @@ impl GenerationFields {
                 "stop strings must not be empty",
             ));
         }
+        if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(ServerError::invalid(
+                "stop",
+                format!(
+                    "stop strings may have at most {MAX_STOP_BYTES} bytes, got {}",
+                    long.len()
+                ),
+            ));
+        }
+        self.refuse_unimplemented()?;
+        if self
+            .cache_salt
+            .as_ref()
+            .is_some_and(|s| s.is_empty() || s.len() > MAX_CACHE_SALT_BYTES)
+        {
+            return Err(ServerError::invalid(
+                "cache_salt",
+                format!("cache_salt must have 1 to {MAX_CACHE_SALT_BYTES} bytes"),
+            ));
+        }
         let seed = match self.seed {
             Some(s) => s as u64,
             None => rand::random(),
@@ -172,6 +217,35 @@ impl GenerationFields {
     }
 }
 
+impl GenerationFields {
+    /// Sampling controls this server does not implement are refused with the field named,
+    /// rather than silently ignored; their neutral values pass.
+    fn refuse_unimplemented(&self) -> Result<()> {
+        let refuse = |field: &str| {
+            Err(ServerError::invalid(
+                field,
+                format!("{field} is not supported by this server; leave it out"),
+            ))
+        };
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return refuse("logit_bias");
+        }
+        for (field, v, neutral) in [
+            ("presence_penalty", self.presence_penalty, 0.0),
+            ("frequency_penalty", self.frequency_penalty, 0.0),
+            ("repetition_penalty", self.repetition_penalty, 1.0),
+        ] {
+            if v.is_some_and(|v| v != neutral) {
+                return refuse(field);
+            }
+        }
+        if self.top_logprobs.is_some_and(|n| n != 0) {
+            return refuse("top_logprobs");
+        }
+        Ok(())
+    }
+}
+
 /// A message's `content`: text, or a list of parts of which only text parts are served.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -192,6 +266,9 @@ pub struct ContentPart {
     #[serde(default)]
     pub text: Option<String>,
 }
+
+/// The roles a chat message may have.
+pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 /// One message of a chat request.
 #[derive(Debug, Clone, Deserialize)]
@@ -218,6 +295,16 @@ impl WireMessage {
     /// # Errors
     /// A non-text content part.
     pub fn into_chat(self, index: usize) -> Result<ChatMessage> {
+        if !ROLES.contains(&self.role.as_str()) {
+            return Err(ServerError::invalid(
+                &format!("messages[{index}].role"),
+                format!(
+                    "unknown role {:?}; expected one of {}",
+                    self.role,
+                    ROLES.join(", ")
+                ),
+            ));
+        }
         let content = match self.content {
             None => None,
             Some(Content::Text(t)) => Some(t),
@@ -261,6 +348,9 @@ pub struct ChatCompletionRequest {
     /// Tool schemas, passed to the chat template.
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
+    /// Log probabilities (not supported; refused unless false).
+    #[serde(default)]
+    pub logprobs: Option<bool>,
 }
 
 /// A completion prompt: text, one text in a list, or token ids.

@@ -39,6 +39,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/sessions/{id}/directives",
             post(session_routes::apply_directives),
         )
+        .route("/v1/cache/flush", post(flush_cache))
         .route_layer(from_fn_with_state(Arc::clone(&state), require_key));
     Router::new()
         .route("/health", get(health))
@@ -49,6 +50,10 @@ pub fn router(state: Arc<AppState>) -> Router {
                 code: "unknown_route",
             }
         })
+        .layer(from_fn_with_state(
+            Arc::clone(&state),
+            crate::guard::check_host,
+        ))
         .layer(from_fn_with_state(Arc::clone(&state), track))
         .with_state(state)
 }
@@ -67,13 +72,14 @@ async fn track(State(st): St, req: Request, next: Next) -> Response {
 
 /// The metrics label of a path: known routes, with session ids folded.
 fn route_label(path: &str) -> String {
-    const KNOWN: [&str; 6] = [
+    const KNOWN: [&str; 7] = [
         "/health",
         "/metrics",
         "/v1/models",
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/sessions",
+        "/v1/cache/flush",
     ];
     if KNOWN.contains(&path) {
         return path.to_string();
@@ -119,7 +125,59 @@ async fn metrics(State(st): St) -> Response {
         .into_response()
 }
 
+/// `POST /v1/cache/flush`: empties the caller's prefix cache (every tenant's on a server
+/// without keys) of what no running request holds. Sessions keep their KV.
+async fn flush_cache(State(st): St, Extension(who): Extension<Principal>) -> Result<Json<Value>> {
+    let tenant = match who {
+        Principal::Anonymous => None,
+        key => Some(key.tenant(None)),
+    };
+    let freed = engine_call(&st, move |e| e.flush_prefix_cache(tenant)).await??;
+    Ok(Json(
+        json!({"object": "cache.flushed", "freed_slots": freed}),
+    ))
+}
+
 impl AppState {
+    /// Refuses, before any rendering or tokenizing, a prompt that cannot fit: `messages`
+    /// messages (each renders to at least one token) or `text_bytes` bytes of text (each token
+    /// covers at most `max_token_bytes`).
+    fn check_prompt_size(&self, messages: usize, text_bytes: usize) -> Result<()> {
+        let limit = self.max_sequence_len;
+        let at_least = messages.max(text_bytes.div_ceil(self.max_token_bytes.max(1)));
+        if at_least < limit {
+            return Ok(());
+        }
+        Err(ServerError::InvalidRequest {
+            message: format!(
+                "the prompt has at least {at_least} tokens but this server holds at most {} per sequence (context length {})",
+                limit - 1,
+                self.context_length
+            ),
+            param: Some("messages".into()),
+            code: Some("context_length_exceeded"),
+        })
+    }
+
+    /// Runs `f` (rendering, tokenizing) on the blocking pool, at most `max_rendering` at once,
+    /// so a huge prompt never holds an async worker.
+    async fn off_workers<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&AppState) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let permit = Arc::clone(&self.rendering)
+            .acquire_owned()
+            .await
+            .map_err(|_| ServerError::ShuttingDown("the server is shutting down".into()))?;
+        let st = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            f(&st)
+        })
+        .await
+        .map_err(|e| ServerError::Engine(format!("rendering the prompt panicked: {e}")))?
+    }
+
     fn check_model(&self, model: &str) -> Result<()> {
         if model == self.config.model_name {
             return Ok(());
@@ -143,9 +201,17 @@ async fn chat_completions(
     let fields: GenerationFields = parse(&v)?;
     st.check_model(&req.model)?;
     let gen = fields.validate()?;
-    let template = st.chat.as_ref().ok_or_else(|| {
-        ServerError::bad_request("this model has no chat template; use /v1/completions")
-    })?;
+    if req.logprobs == Some(true) {
+        return Err(ServerError::invalid(
+            "logprobs",
+            "logprobs are not supported by this server; leave it out",
+        ));
+    }
+    if st.chat.is_none() {
+        return Err(ServerError::bad_request(
+            "this model has no chat template; use /v1/completions",
+        ));
+    }
     if req.messages.is_empty() {
         return Err(ServerError::invalid(
             "messages",
@@ -158,6 +224,11 @@ async fn chat_completions(
         .enumerate()
         .map(|(i, m)| m.into_chat(i))
         .collect::<Result<Vec<_>>>()?;
+    let text_bytes = messages
+        .iter()
+        .map(|m| m.content.as_ref().map_or(0, String::len))
+        .sum();
+    st.check_prompt_size(messages.len(), text_bytes)?;
     let opts = RenderOptions {
         add_generation_prompt: true,
         tools: req.tools,
@@ -166,7 +237,21 @@ async fn chat_completions(
     let in_session =
         fields.session_id.is_some() || fields.leyline.as_ref().is_some_and(|l| l.mode.is_some());
     // Message bounds anchor the engine's diff of the next turn.
-    let (prompt, bounds) = render_prompt(&st.tokenizer, template, &messages, &opts, in_session)?;
+    let (prompt, bounds) = st
+        .off_workers(move |st| {
+            let template = st
+                .chat
+                .as_ref()
+                .ok_or_else(|| ServerError::bad_request("this model has no chat template"))?;
+            Ok(render_prompt(
+                &st.tokenizer,
+                template,
+                &messages,
+                &opts,
+                in_session,
+            )?)
+        })
+        .await?;
     run(st, who, Kind::Chat, prompt, bounds, gen, fields).await
 }
 
@@ -192,9 +277,9 @@ async fn completions(
             "logprobs are not supported",
         ));
     }
-    let prompt = match req.prompt {
-        Prompt::Text(t) => st.tokenizer.encode(&t, true)?,
-        Prompt::Texts(mut v) if v.len() == 1 => st.tokenizer.encode(&v.remove(0), true)?,
+    let text = match req.prompt {
+        Prompt::Text(t) => t,
+        Prompt::Texts(mut v) if v.len() == 1 => v.remove(0),
         Prompt::Texts(v) => {
             return Err(ServerError::invalid(
                 "prompt",
@@ -211,9 +296,13 @@ async fn completions(
                     ),
                 ));
             }
-            ids
+            return run(st, who, Kind::Completion, ids, None, gen, fields).await;
         }
     };
+    st.check_prompt_size(0, text.len())?;
+    let prompt = st
+        .off_workers(move |st| Ok(st.tokenizer.encode(&text, true)?))
+        .await?;
     run(st, who, Kind::Completion, prompt, None, gen, fields).await
 }
 
@@ -241,7 +330,7 @@ async fn open_session(
     let mode = fields.leyline.as_ref().and_then(|l| l.mode);
     let id = match (&fields.session_id, mode) {
         (Some(id), _) => id.clone(),
-        (None, Some(_)) => create_engine_session(st, who).await?,
+        (None, Some(_)) => create_engine_session(st, who, fields.cache_salt.as_deref()).await?,
         (None, None) => return Ok(None),
     };
     let engine = st.sessions.resolve(&id, who)?;
@@ -314,6 +403,7 @@ async fn run(
         stop_tokens: st.stop_tokens.clone(),
         stop: gen.stop.clone(),
         session: session_req,
+        tenant: who.tenant(fields.cache_salt.as_deref()),
     };
     let (req, rx) = generation::request(spec, Arc::clone(&st.tokenizer));
     // Refusals known at once (invalid, unknown or busy session) get their status before
@@ -504,6 +594,8 @@ fn stream(
             let piece = tokio::select! {
                 p = rx.recv() => p,
                 _ = abort.wait_for(|a| *a) => Some(Piece::Failed(Failure::new(ErrorKind::Stopped, "the server shut down before the request finished"))),
+                // The client went away: dropping `rx` tells the engine to stop.
+                _ = tx.closed() => break,
             };
             match piece {
                 Some(Piece::Text(t)) => ok = send(event(&ctx.chunk(Some(t), false, None))).await,

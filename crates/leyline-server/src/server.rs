@@ -34,13 +34,7 @@ impl Server {
             .map_err(|e| ServerError::Startup(e.to_string()))?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let app = routes::router(Arc::clone(&state));
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let task = tokio::spawn(accept_loop(listener, app, Arc::clone(&state), stopped));
         tracing::info!("listening on http://{addr}");
         let reaper = tokio::spawn(session_routes::reap_periodically(Arc::downgrade(&state)));
         Ok(Self {
@@ -86,6 +80,71 @@ impl Server {
     }
 }
 
+/// Serves connections until `stopped`, then waits for the open ones to finish (each is told
+/// to close once its request in flight is answered).
+///
+/// Each connection has `header_timeout` to send a request's headers (idle keep-alive
+/// connections too), so half-open connections cannot pile up; at most `max_connections` are
+/// open, and further ones wait in the kernel's listen backlog.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    state: Arc<AppState>,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let cfg = &state.config;
+    let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections.max(1)));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let permit = tokio::select! {
+            p = Arc::clone(&slots).acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            _ = &mut stopped => break,
+        };
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait, do not spin.
+                    tracing::warn!("accepting a connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut stopped => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(cfg.header_timeout)
+            .serve_connection(TokioIo::new(stream), service);
+        let conn = graceful.watch(conn);
+        let st = Arc::clone(&state);
+        st.metrics
+            .connections_accepted
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        st.metrics
+            .connections_open
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("connection ended: {e}");
+            }
+            st.metrics
+                .connections_open
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            drop(permit);
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
 async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
@@ -113,6 +172,14 @@ async fn shutdown_signal() {
 /// # Errors
 /// The engine or the runtime cannot start, or the address cannot be bound.
 pub fn serve(config: ServerConfig, lm: LoadedModel, engine_config: EngineConfig) -> Result<()> {
+    if !config.addr.ip().is_loopback() && config.api_keys.is_empty() {
+        tracing::warn!("listening on {} without an API key", config.addr);
+        eprintln!(
+            "leyline: WARNING: listening on {} with no --api-key: anyone who can reach this \
+             address can use the server and read its sessions",
+            config.addr
+        );
+    }
     let engine = Engine::new(Arc::clone(&lm.model), engine_config)?;
     let thread = EngineThread::spawn(engine)?;
     let state = AppState::new(config, thread.handle(), lm)?;

@@ -32,7 +32,7 @@ pub(crate) async fn create_session(
     State(st): St,
     Extension(who): Extension<Principal>,
 ) -> Result<Json<Value>> {
-    let id = create_engine_session(&st, who).await?;
+    let id = create_engine_session(&st, who, None).await?;
     Ok(Json(json!({"id": id, "object": "session", "length": 0})))
 }
 

@@ -31,6 +31,19 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Bounds on open sessions (each pins its KV).
     pub sessions: sessions::SessionLimits,
+    /// Host names (optionally `name:port`) that requests may name in their `Host` header;
+    /// `*` allows any. Loopback names always pass, and so does the bound address. Guards a
+    /// local server against DNS rebinding; a deployment behind a proxy adds its names.
+    pub allowed_hosts: Vec<String>,
+    /// How long a client may take to send a request's headers (slowloris guard); also how
+    /// long an idle keep-alive connection stays open.
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request's body.
+    pub body_timeout: Duration,
+    /// Most open connections; further ones wait in the listen backlog.
+    pub max_connections: usize,
+    /// Most prompts rendered and tokenized at once (off the async workers).
+    pub max_rendering: usize,
 }
 
 impl ServerConfig {
@@ -45,6 +58,11 @@ impl ServerConfig {
             default_max_tokens: 512,
             shutdown_grace: Duration::from_secs(30),
             sessions: sessions::SessionLimits::default(),
+            allowed_hosts: Vec::new(),
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            max_connections: 512,
+            max_rendering: 2,
         }
     }
 }
@@ -60,9 +78,13 @@ pub struct AppState {
     pub(crate) context_length: usize,
     pub(crate) max_sequence_len: usize,
     pub(crate) vocab_size: usize,
+    /// The most bytes of text one token covers (a prompt of `n` bytes has at least
+    /// `n / max_token_bytes` tokens).
+    pub(crate) max_token_bytes: usize,
     pub(crate) sessions: Arc<sessions::Sessions>,
     pub(crate) metrics: metrics::ServerMetrics,
     pub(crate) admission: Arc<Semaphore>,
+    pub(crate) rendering: Arc<Semaphore>,
     pub(crate) draining: AtomicBool,
     pub(crate) abort: watch::Sender<bool>,
     pub(crate) created: u64,
@@ -74,13 +96,18 @@ impl AppState {
     /// Blocks briefly on the engine (one call between steps) to read its limits.
     ///
     /// # Errors
-    /// The engine has stopped.
+    /// The engine has stopped, or an API key is empty.
     pub fn new(config: ServerConfig, engine: EngineHandle, lm: LoadedModel) -> Result<Arc<Self>> {
+        crate::auth::check_keys(&config.api_keys)?;
         let (max_sequence_len, context_length, vocab_size) = engine.call(|e: &mut Engine| {
             let info = e.model().info();
             (e.max_sequence_len(), info.context_length, info.vocab_size)
         })?;
         let tokenizer = Arc::new(lm.tokenizer);
+        let max_token_bytes = (0..tokenizer.vocab_size() as u32)
+            .filter_map(|id| tokenizer.token_bytes(id).map(<[u8]>::len))
+            .max()
+            .unwrap_or(1);
         let mut stop_tokens: Vec<u32> = tokenizer.eos_id().into_iter().collect();
         if let Some(t) = tokenizer
             .token_id("<|im_end|>")
@@ -89,6 +116,7 @@ impl AppState {
             stop_tokens.push(t);
         }
         let admission = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
+        let rendering = Arc::new(Semaphore::new(config.max_rendering.max(1)));
         let created = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -102,9 +130,11 @@ impl AppState {
             context_length,
             max_sequence_len,
             vocab_size,
+            max_token_bytes,
             sessions: Arc::default(),
             metrics: metrics::ServerMetrics::default(),
             admission,
+            rendering,
             draining: AtomicBool::new(false),
             abort: watch::channel(false).0,
             created,

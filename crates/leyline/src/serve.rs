@@ -20,7 +20,7 @@ pub struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
-    /// Most generation requests in flight; more get 429.
+    /// Most generation requests in flight; more get 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     max_concurrent: usize,
     /// max_tokens when a request sets none.
@@ -51,6 +51,24 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may run after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
+    /// Host names clients may use to reach the server (the Host header; `name` or
+    /// `name:port`, comma-separated; `*` for any). IP addresses and localhost always work;
+    /// list the names a proxy or DNS gives the server. Guards against DNS rebinding.
+    #[arg(long, value_delimiter = ',')]
+    allowed_hosts: Vec<String>,
+    /// Seconds a client has to send a request's headers (and an idle keep-alive connection
+    /// stays open).
+    #[arg(long, default_value_t = 10)]
+    header_timeout: u64,
+    /// Seconds a client has to send a request's body.
+    #[arg(long, default_value_t = 30)]
+    body_timeout: u64,
+    /// Most open connections; more wait in the listen backlog.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
+    /// Most requests waiting for the engine; more get 503 with Retry-After.
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_MAX_WAITING)]
+    max_queued: usize,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -68,6 +86,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         decode_prefill_chunk: a.decode_prefill_chunk,
         prefill_order: a.prefill_order,
         prefill_patience: a.prefill_patience,
+        max_waiting: a.max_queued.max(1),
         ..leyline_engine::EngineConfig::new(slots)
     };
     let name = a
@@ -87,6 +106,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.max_concurrent = a.max_concurrent;
     cfg.default_max_tokens = a.default_max_tokens;
     cfg.shutdown_grace = std::time::Duration::from_secs(a.shutdown_grace);
+    cfg.allowed_hosts = a.allowed_hosts;
+    cfg.header_timeout = std::time::Duration::from_secs(a.header_timeout.max(1));
+    cfg.body_timeout = std::time::Duration::from_secs(a.body_timeout.max(1));
+    cfg.max_connections = a.max_connections.max(1);
     cfg.sessions = leyline_server::sessions::SessionLimits {
         max: a.max_sessions.max(1),
         idle_timeout: std::time::Duration::from_secs(a.session_idle_timeout),

@@ -22,6 +22,10 @@ impl Engine {
             let Some(mut w) = self.waiting.pop_front() else {
                 break;
             };
+            if !w.req.is_alive() {
+                self.cancel_waiting(w);
+                continue;
+            }
             // A session's edits apply once, at its first admission attempt.
             if let (None, Some(sr)) = (&w.edit, w.req.session.as_mut()) {
                 let edits = std::mem::take(&mut sr.edits);
@@ -63,6 +67,25 @@ impl Engine {
         Ok(admitted)
     }
 
+    /// Drops a waiting request whose receiver has gone. Its session's edits, if they were
+    /// applied, stay: the session holds the edited context.
+    fn cancel_waiting(&mut self, w: Waiting) {
+        self.unclaim_session(w.req.session.as_ref().map(|s| s.id));
+        self.metrics.add(&self.metrics.requests_cancelled, 1);
+    }
+
+    /// Drops every waiting request whose receiver has gone, wherever it is in the queue.
+    pub(super) fn cancel_abandoned(&mut self) {
+        if self.waiting.iter().all(|w| w.req.is_alive()) {
+            return;
+        }
+        let (live, gone): (Vec<_>, Vec<_>) = self.waiting.drain(..).partition(|w| w.req.is_alive());
+        self.waiting = live.into();
+        for w in gone {
+            self.cancel_waiting(w);
+        }
+    }
+
     fn fail_waiting(&mut self, mut w: Waiting, failure: Failure) {
         self.unclaim_session(w.req.session.as_ref().map(|s| s.id));
         self.metrics.add(&self.metrics.requests_failed, 1);
@@ -73,10 +96,14 @@ impl Engine {
     /// must first drain.
     fn try_admit(&mut self, w: Waiting) -> Result<Admission> {
         let prompt_len = w.req.prompt.len();
-        let ns = Namespace::shared(self.model_id);
+        let session = w.req.session.as_ref().map(|s| s.id);
+        let tenant = match session.and_then(|id| self.sessions.get(&id)) {
+            Some(s) => s.tenant,
+            None => w.req.tenant,
+        };
+        let ns = Namespace::shared(self.model_id).for_tenant(tenant);
         // Leave at least the last prompt token to run: its logits pick the first token.
         let probe = &w.req.prompt[..prompt_len - 1];
-        let session = w.req.session.as_ref().map(|s| s.id);
         let (mut prefix, mut lock, mut lineage, mut clean_len) =
             (Vec::new(), None, Lineage::SHARED, usize::MAX);
         let mut from_session = false;
@@ -96,6 +123,8 @@ impl Engine {
                 .as_ref()
                 .is_some_and(|s| s.mode == Mode::Forget);
             self.truncate_session(id, keep, forget)?;
+            let mode = if forget { Mode::Forget } else { Mode::Amortize };
+            self.settle_shed(id, probe, mode, ns)?;
             let s = &self.sessions[&id];
             lineage = s.lineage;
             clean_len = s.clean_len;

@@ -36,12 +36,19 @@ use std::time::Instant;
 pub(crate) type Edited = (EditReport, Vec<Range<usize>>, Option<Vec<u32>>);
 
 impl Engine {
-    /// Creates an empty session.
+    /// Creates an empty session of the default tenant.
     pub fn create_session(&mut self) -> SessionId {
+        self.create_tenant_session(0)
+    }
+
+    /// A new, empty session of `tenant`: its requests read and feed only that tenant's
+    /// prefix cache.
+    pub fn create_tenant_session(&mut self, tenant: crate::Tenant) -> SessionId {
         let id = SessionId(self.next_session);
         self.next_session += 1;
         // Lineage 0 is the shared one; sessions take the rest.
-        self.sessions.insert(id, Session::new(Lineage(id.0)));
+        self.sessions
+            .insert(id, Session::new(Lineage(id.0), tenant));
         id
     }
 
@@ -108,6 +115,29 @@ impl Engine {
         Ok(())
     }
 
+    /// Empties the prefix cache of `tenant` (every tenant's with `None`) of whatever no
+    /// running request holds; sessions keep their KV. Returns the slots freed.
+    ///
+    /// # Errors
+    /// Pool failures.
+    pub fn flush_prefix_cache(&mut self, tenant: Option<crate::Tenant>) -> Result<usize> {
+        let removed = match tenant {
+            None => self.cache.evict(usize::MAX),
+            Some(t) => {
+                let ns = leyline_kv::radix::Namespace::shared(self.model_id).for_tenant(t);
+                self.cache.drop_namespace(ns).map_err(|e| match e {
+                    leyline_kv::KvError::NodeLocked(_) => EngineError::Overloaded(
+                        "a running request holds part of this cache; retry when it ends".into(),
+                    ),
+                    e => e.into(),
+                })?
+            }
+        };
+        self.zero_private(&removed.freed)?;
+        self.update_gauges();
+        Ok(removed.freed.len())
+    }
+
     /// Drops one reference on each of `slots` and zeroes those that became free while
     /// holding session-private (not lineage-free) or forgotten KV.
     pub(crate) fn release_slots(&mut self, slots: &[u32]) -> Result<usize> {
@@ -155,6 +185,30 @@ impl Engine {
         Ok(())
     }
 
+    /// What a turn in `mode` does with the tokens session `id` shed: in FORGET mode, every
+    /// cached entry along them from where `prompt` leaves them is purged from `ns` (the
+    /// session no longer holds those slots, so the tree is searched by tokens); either way
+    /// the record goes, since the session's next tokens are its own again.
+    pub(crate) fn settle_shed(
+        &mut self,
+        id: SessionId,
+        prompt: &[u32],
+        mode: Mode,
+        ns: leyline_kv::radix::Namespace,
+    ) -> Result<()> {
+        let shed = std::mem::take(&mut self.session_mut(id)?.shed);
+        let keep = leyline_kv::radix::common_prefix(&shed, prompt);
+        if mode != Mode::Forget || keep >= shed.len() {
+            return Ok(());
+        }
+        let path = self.cache.match_prefix(ns, &shed).slots;
+        if path.len() > keep {
+            let removed = self.cache.purge_slots(&path[keep..]);
+            self.scrub(&removed.freed)?;
+        }
+        Ok(())
+    }
+
     /// FORGET's erasure of `slots` the caller holds: no cached path leads through them or
     /// anything computed after them, they are revoked, the caller's references go, and every
     /// slot that became free is zeroed. Returns the slots zeroed. A path a running request
@@ -183,6 +237,11 @@ impl Engine {
         let Some(id) = lru else {
             return Ok(false);
         };
+        let s = self.session_mut(id)?;
+        let clean = s.clean_len.min(s.tokens.len());
+        if clean > 0 {
+            s.shed = s.tokens[..clean].to_vec();
+        }
         self.truncate_session(id, 0, false)?;
         self.metrics.add(&self.metrics.sessions_shed, 1);
         Ok(true)
@@ -217,6 +276,12 @@ impl Engine {
         id: SessionId,
         directives: Vec<Directive>,
     ) -> Result<EditReport> {
+        let s = self.session(id)?;
+        if s.tokens.is_empty() && !s.shed.is_empty() && !directives.is_empty() {
+            // Its cache went for room since the caller last looked: the directives' ranges
+            // describe tokens the session no longer holds.
+            return Err(EngineError::SessionShed(id.0));
+        }
         let mode = directives.first().map_or(Mode::Amortize, |d| d.mode);
         let (mut report, _, target) = self.edit_session(id, directives, mode, None)?;
         self.session_mut(id)?.bounds = None;

@@ -2,10 +2,7 @@
 
 use super::*;
 
-const NS: Namespace = Namespace {
-    model: 0,
-    lineage: Lineage::SHARED,
-};
+const NS: Namespace = Namespace::shared(0);
 
 /// Allocates slots for `tokens`, inserts them and drops the caller's references, as a
 /// finished request would. Returns the slots passed in.
@@ -117,6 +114,9 @@ fn namespaces_are_isolated() {
     let own = put(&mut c, l1, &[1, 2, 3, 4]);
     assert_eq!(c.match_prefix(l2, &[1, 2, 3, 4]).len, 0);
     assert_eq!(c.match_prefix(other_model, &[1, 2, 3]).len, 0);
+    // Another tenant shares nothing, not even lineage-free slots.
+    assert_eq!(c.match_prefix(NS.for_tenant(3), &[1, 2, 3]).len, 0);
+    assert_eq!(c.cached_len(NS.for_tenant(3), &[1, 2, 3]), 0);
     assert_eq!(c.match_prefix(NS, &[1, 2, 3, 4]).slots, shared);
     assert_eq!(c.match_prefix(l1, &[1, 2, 3, 4]).slots, own);
     // A session sees the shared namespace and its own, never another lineage's.
