@@ -25,7 +25,7 @@ use crate::error::{EngineError, ErrorKind, Failure, Result};
 use crate::metrics::Metrics;
 use crate::request::{Event, FinishReason, Request, RequestId, Usage};
 use crate::sampling::Sampler;
-use crate::session::{EditReport, Session, SessionId};
+use crate::session::{EditReport, Session, SessionEdits, SessionId};
 use leyline_kv::radix::{LockReceipt, Namespace, PrefixCache};
 use leyline_kv::slots::Lineage;
 use leyline_kv::{KvDtype, KvStorage};
@@ -181,10 +181,20 @@ struct Waiting {
     id: RequestId,
     req: Request,
     submitted: Instant,
-    /// What the session's edits did; set at the first admission attempt (edits apply once).
+    /// What the session's edits did (they apply at submission).
     edit: Option<EditReport>,
     /// Positions whose KV the edit computed (AMORTIZE replacements).
     edit_ranges: Vec<Range<usize>>,
+    /// The prompt's message bounds, kept by the session for its next turn.
+    bounds: Option<Vec<usize>>,
+}
+
+/// What a session request's edits did at submission.
+#[derive(Default)]
+struct TurnEdit {
+    report: Option<EditReport>,
+    /// Positions whose KV the edit computed (AMORTIZE replacements).
+    ranges: Vec<Range<usize>>,
     /// The prompt's message bounds, kept by the session for its next turn.
     bounds: Option<Vec<usize>>,
 }
@@ -303,28 +313,61 @@ impl Engine {
         self.model.info().context_length.min(self.kv.capacity())
     }
 
-    /// Queues a request. Requests that can never run fail here, with their sink told why.
+    /// Queues a request. Requests that can never run fail here, with their sink told why;
+    /// a session request's edits apply here.
     pub fn submit(&mut self, mut req: Request) -> RequestId {
         let id = self.take_id();
-        if let Err(e) = self.check_and_claim(&req, id) {
-            let _ = (req.sink)(Event::Failed(e.failure()));
-            return id;
+        match self.prepare(&mut req, id) {
+            Ok(turn) => self.enqueue(id, req, turn),
+            Err(e) => {
+                let _ = (req.sink)(Event::Failed(e.failure()));
+            }
         }
-        self.enqueue(id, req);
         id
     }
 
-    /// Queues a request, or answers at once why it can never run (the sink is then not
-    /// called): invalid, unknown or busy session. A server answers these with a status
-    /// before it starts a response.
+    /// Queues a request, or answers at once why it cannot run (the sink is then not
+    /// called): invalid, unknown or busy session, a full queue, or a session edit that is
+    /// invalid or finds the pool short. A server answers these with a status before it
+    /// starts a response.
     ///
     /// # Errors
-    /// As above; the request is dropped.
-    pub fn try_submit(&mut self, req: Request) -> Result<RequestId> {
+    /// As above; the request is dropped and its session is as it was.
+    pub fn try_submit(&mut self, mut req: Request) -> Result<RequestId> {
         let id = self.take_id();
-        self.check_and_claim(&req, id)?;
-        self.enqueue(id, req);
+        let turn = self.prepare(&mut req, id)?;
+        self.enqueue(id, req, turn);
         Ok(id)
+    }
+
+    /// Validates `req`, claims its session and applies the session's edits (once, now:
+    /// an edit that fails is answered before the request is queued).
+    fn prepare(&mut self, req: &mut Request, id: RequestId) -> Result<TurnEdit> {
+        self.check_and_claim(req, id)?;
+        let Some(sr) = req.session.as_mut() else {
+            return Ok(TurnEdit::default());
+        };
+        let edits = std::mem::take(&mut sr.edits);
+        let bounds = match &edits {
+            SessionEdits::Messages(b) => Some(b.clone()),
+            _ => None,
+        };
+        let (sid, mode) = (sr.id, sr.mode);
+        let edited = self
+            .turn_directives(sid, edits, &req.prompt, mode)
+            .and_then(|d| self.edit_session(sid, d, mode, Some(id)));
+        match edited {
+            Ok((report, ranges, _)) => Ok(TurnEdit {
+                report: Some(report),
+                ranges,
+                bounds,
+            }),
+            Err(e) => {
+                self.unclaim_session(Some(sid));
+                self.metrics.add(&self.metrics.requests_failed, 1);
+                Err(e)
+            }
+        }
     }
 
     fn take_id(&mut self) -> RequestId {
@@ -345,14 +388,14 @@ impl Engine {
         claimed
     }
 
-    fn enqueue(&mut self, id: RequestId, req: Request) {
+    fn enqueue(&mut self, id: RequestId, req: Request, turn: TurnEdit) {
         self.waiting.push_back(Waiting {
             id,
             req,
             submitted: Instant::now(),
-            edit: None,
-            edit_ranges: Vec::new(),
-            bounds: None,
+            edit: turn.report,
+            edit_ranges: turn.ranges,
+            bounds: turn.bounds,
         });
         self.update_gauges();
     }

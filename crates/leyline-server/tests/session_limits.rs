@@ -136,3 +136,44 @@ fn an_edit_the_pool_cannot_hold_is_a_503_with_retry_after_and_changes_nothing() 
     let r = call(addr, "POST", "/v1/sessions/sess_nope/directives", Some(bad));
     assert_eq!(r.status, 404, "{}", r.body);
 }
+
+#[test]
+fn a_chat_turn_whose_edit_the_pool_cannot_hold_is_a_503_before_any_stream() {
+    let addr = start(600, SessionLimits::default());
+    let id = new_session(addr);
+    let filler = "The archive lists every ship that entered the harbour, its cargo and its crew. "
+        .repeat(12);
+    let history = |first: &str| {
+        json!([
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": format!("{filler} Summarize.")},
+        ])
+    };
+    let body = json!({
+        "model": MODEL, "messages": history(&filler), "max_tokens": 2, "temperature": 0,
+        "session_id": id,
+    });
+    let r = call(addr, "POST", "/v1/chat/completions", Some(body));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let path = format!("/v1/sessions/{id}?tokens=true");
+    let before = call(addr, "GET", &path, None).json()["tokens"].clone();
+    // The first message grows: the splice needs the replacement plus copies of everything
+    // after it that the tree shares, more than the pool has free.
+    let huge = "The harbour master signs each entry, notes the tide and the weather. ".repeat(18);
+    for stream in [true, false] {
+        let body = json!({
+            "model": MODEL, "messages": history(&huge), "max_tokens": 2, "temperature": 0,
+            "session_id": id, "stream": stream, "leyline": {"mode": "amortize"},
+        });
+        let r = call(addr, "POST", "/v1/chat/completions", Some(body));
+        assert_eq!(r.status, 503, "stream {stream}: {}", r.body);
+        assert_eq!(r.json()["error"]["code"], "kv_pool_exhausted");
+        assert_eq!(r.header("retry-after"), Some("1"));
+        let after = call(addr, "GET", &path, None).json()["tokens"].clone();
+        assert_eq!(
+            after, before,
+            "stream {stream}: the refused turn changed the session"
+        );
+    }
+}

@@ -1,12 +1,11 @@
-//! Admission: a waiting request's session edits apply (once), its prefix is found in its
-//! session or the prefix tree, and its slots are reserved, evicting unlocked prefixes and
-//! then idle sessions' KV when the pool is short; or it waits, or is refused.
+//! Admission: a waiting request's prefix is found in its session (whose edits applied at
+//! submission) or the prefix tree, and its slots are reserved, evicting unlocked prefixes
+//! and then idle sessions' KV when the pool is short; or it waits, or is refused.
 
 use super::{Admission, Engine, Running, Waiting, MIN_INFLIGHT_SHARE};
 use crate::error::{EngineError, ErrorKind, Failure, Result};
 use crate::request::Event;
 use crate::sampling::Sampler;
-use crate::session::SessionEdits;
 use leyline_core::Mode;
 use leyline_kv::radix::{common_prefix, Namespace};
 use leyline_kv::slots::Lineage;
@@ -19,35 +18,12 @@ impl Engine {
         let mut admitted = 0;
         let mut deferred = Vec::new();
         while self.running.len() < self.cfg.max_running {
-            let Some(mut w) = self.waiting.pop_front() else {
+            let Some(w) = self.waiting.pop_front() else {
                 break;
             };
             if !w.req.is_alive() {
                 self.cancel_waiting(w);
                 continue;
-            }
-            // A session's edits apply once, at its first admission attempt.
-            if let (None, Some(sr)) = (&w.edit, w.req.session.as_mut()) {
-                let edits = std::mem::take(&mut sr.edits);
-                if let SessionEdits::Messages(b) = &edits {
-                    w.bounds = Some(b.clone());
-                }
-                let (id, mode) = (sr.id, sr.mode);
-                let edited = self
-                    .turn_directives(id, edits, &w.req.prompt, mode)
-                    .and_then(|d| self.edit_session(id, d, mode, Some(w.id)));
-                match edited {
-                    Ok((r, ranges, _)) => {
-                        w.edit = Some(r);
-                        w.edit_ranges = ranges;
-                    }
-                    Err(e) => {
-                        let mut f = e.failure();
-                        f.message = format!("directives refused: {}", f.message);
-                        self.fail_waiting(w, f);
-                        continue;
-                    }
-                }
             }
             match self.try_admit(w)? {
                 Admission::Admitted => admitted += 1,
