@@ -95,6 +95,22 @@ impl ThreadsArgs {
     }
 }
 
+/// The compute threads of a serving command (`run`, `chat`, `serve`).
+#[derive(Args, Clone, Copy)]
+pub struct ServeThreadsArgs {
+    /// Compute threads for the model's kernels (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+impl ServeThreadsArgs {
+    /// Sizes the process's compute pools to `--threads`; call before the model loads.
+    pub fn init(&self) -> Result<()> {
+        leyline_model::pool::init_threads(self.threads)?;
+        Ok(())
+    }
+}
+
 #[derive(Args, Clone)]
 struct SamplingArgs {
     /// Most tokens to generate (at least 1).
@@ -137,6 +153,8 @@ struct RunArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    threads: ServeThreadsArgs,
     /// Print timing and throughput to stderr at the end.
     #[arg(long)]
     stats: bool,
@@ -151,6 +169,8 @@ struct ChatArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    threads: ServeThreadsArgs,
 }
 
 fn main() {
@@ -285,6 +305,7 @@ fn run(a: RunArgs) -> Result<()> {
     if a.prompt.is_empty() {
         bail!("the prompt is empty: pass some text with --prompt");
     }
+    a.threads.init()?;
     let lm = load_model(&a.model)?;
     let prompt = lm.tokenizer.encode(&a.prompt, true)?;
     if prompt.is_empty() {
@@ -338,6 +359,7 @@ fn stream(
 }
 
 fn chat(a: ChatArgs) -> Result<()> {
+    a.threads.init()?;
     let lm = load_model(&a.model)?;
     let template = lm.chat.as_ref().with_context(|| {
         format!(

@@ -1,6 +1,6 @@
 //! `leyline serve`: the OpenAI-compatible HTTP server.
 
-use crate::{load_model, ModelArgs};
+use crate::{load_model, ModelArgs, ServeThreadsArgs};
 use anyhow::Result;
 use clap::Args;
 use leyline_model::registry;
@@ -71,10 +71,13 @@ pub struct ServeArgs {
     max_queued: usize,
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    threads: ServeThreadsArgs,
 }
 
 /// Loads the model and serves until SIGINT or SIGTERM.
 pub fn run(a: ServeArgs) -> Result<()> {
+    a.threads.init()?;
     let lm = load_model(&a.model)?;
     let slots = a
         .model
