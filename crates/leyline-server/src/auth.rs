@@ -124,6 +124,9 @@ pub async fn require_key(
             req.extensions_mut().insert(p);
             next.run(req).await
         }
+        Err(e) if req.uri().path().starts_with("/v1/messages") => {
+            crate::anthropic::error_response(e)
+        }
         Err(e) => e.into_response(),
     }
 }

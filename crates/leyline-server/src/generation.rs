@@ -25,6 +25,8 @@ pub enum Piece {
         usage: Usage,
         /// Prompt plus generated tokens with KV in the cache.
         tokens: Vec<u32>,
+        /// The stop string that ended the text, if one did.
+        stop_sequence: Option<String>,
     },
     /// The request failed; nothing follows.
     Failed(Failure),
@@ -35,6 +37,7 @@ pub enum Piece {
 pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
+    matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -43,20 +46,27 @@ impl StopMatcher {
         Self {
             stops,
             held: String::new(),
+            matched: None,
         }
+    }
+
+    /// The stop string that was found, once one was.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Adds `text`; returns the text safe to emit, and whether a stop string was found
     /// (then the text before it is returned and the rest dropped).
     pub fn push(&mut self, text: &str) -> (String, bool) {
         self.held.push_str(text);
-        if let Some(at) = self
+        if let Some((at, stop)) = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|&(at, _)| at)
         {
             let out = self.held[..at].to_string();
+            self.matched = Some(stop.clone());
             self.held.clear();
             return (out, true);
         }
@@ -167,6 +177,7 @@ pub fn request(
                     finish_reason,
                     usage,
                     tokens,
+                    stop_sequence: matcher.matched().map(str::to_string),
                 });
                 ControlFlow::Break(())
             }
@@ -226,6 +237,9 @@ mod tests {
     #[test]
     fn earliest_of_several_stops_wins_and_no_stops_pass_through() {
         assert_eq!(run(&["c", "b"], &["abcd"]), ("a".to_string(), true));
+        let mut m = StopMatcher::new(vec!["c".into(), "b".into()]);
+        m.push("abcd");
+        assert_eq!(m.matched(), Some("b"));
         assert_eq!(run(&[], &["ab", "cd"]), ("abcd".to_string(), false));
         // Multi-byte characters are never split when holding back.
         assert_eq!(run(&["éx"], &["aé", "y"]), ("aéy".to_string(), false));

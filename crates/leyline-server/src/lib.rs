@@ -15,11 +15,13 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod anthropic;
 pub mod auth;
 pub mod error;
 pub mod generation;
 mod guard;
 mod handler;
+mod messages;
 pub mod metrics;
 pub mod openai;
 mod routes;
@@ -27,6 +29,8 @@ mod server;
 mod session_routes;
 pub mod sessions;
 mod state;
+mod submit;
+pub mod toolcall;
 
 pub use auth::Principal;
 pub use error::{Result, ServerError};

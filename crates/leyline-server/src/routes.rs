@@ -2,19 +2,19 @@
 
 use crate::auth::{require_key, Principal};
 use crate::error::{Result, ServerError};
-use crate::generation::{self, GenerateSpec, Piece};
-use crate::handler::{create_engine_session, engine_call, parse, ApiJson, St};
+use crate::generation::Piece;
+use crate::handler::{engine_call, parse, ApiJson, St};
 use crate::openai::*;
 use crate::session_routes;
 use crate::state::AppState;
+use crate::submit::{report, start, SessionRun, Started};
 use axum::extract::{Request, State};
 use axum::middleware::{from_fn_with_state, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use leyline_core::Mode;
-use leyline_engine::{render_prompt, ErrorKind, Failure, SessionEdits, SessionId, SessionRequest};
+use leyline_engine::{render_prompt, ErrorKind, Failure};
 use leyline_model::chat::RenderOptions;
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -40,6 +40,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             post(session_routes::apply_directives),
         )
         .route("/v1/cache/flush", post(flush_cache))
+        .route("/v1/messages", post(crate::messages::messages))
         .route_layer(from_fn_with_state(Arc::clone(&state), require_key));
     Router::new()
         .route("/health", get(health))
@@ -72,7 +73,8 @@ async fn track(State(st): St, req: Request, next: Next) -> Response {
 
 /// The metrics label of a path: known routes, with session ids folded.
 fn route_label(path: &str) -> String {
-    const KNOWN: [&str; 7] = [
+    const KNOWN: [&str; 8] = [
+        "/v1/messages",
         "/health",
         "/metrics",
         "/v1/models",
@@ -142,7 +144,7 @@ impl AppState {
     /// Refuses, before any rendering or tokenizing, a prompt that cannot fit: `messages`
     /// messages (each renders to at least one token) or `text_bytes` bytes of text (each token
     /// covers at most `max_token_bytes`).
-    fn check_prompt_size(&self, messages: usize, text_bytes: usize) -> Result<()> {
+    pub(crate) fn check_prompt_size(&self, messages: usize, text_bytes: usize) -> Result<()> {
         let limit = self.max_sequence_len;
         let at_least = messages.max(text_bytes.div_ceil(self.max_token_bytes.max(1)));
         if at_least < limit {
@@ -161,7 +163,7 @@ impl AppState {
 
     /// Runs `f` (rendering, tokenizing) on the blocking pool, at most `max_rendering` at once,
     /// so a huge prompt never holds an async worker.
-    async fn off_workers<T: Send + 'static>(
+    pub(crate) async fn off_workers<T: Send + 'static>(
         self: &Arc<Self>,
         f: impl FnOnce(&AppState) -> Result<T> + Send + 'static,
     ) -> Result<T> {
@@ -178,7 +180,7 @@ impl AppState {
         .map_err(|e| ServerError::Engine(format!("rendering the prompt panicked: {e}")))?
     }
 
-    fn check_model(&self, model: &str) -> Result<()> {
+    pub(crate) fn check_model(&self, model: &str) -> Result<()> {
         if model == self.config.model_name {
             return Ok(());
         }
@@ -312,35 +314,6 @@ enum Kind {
     Completion,
 }
 
-/// The session a request runs in.
-struct SessionRun {
-    /// Its public id.
-    id: String,
-    engine: SessionId,
-    mode: Mode,
-}
-
-/// The request's session, if it runs in one: a named one, or a new one when
-/// `leyline.mode` comes without a session id (its id comes back in `leyline`).
-async fn open_session(
-    st: &Arc<AppState>,
-    who: Principal,
-    fields: &GenerationFields,
-) -> Result<Option<SessionRun>> {
-    let mode = fields.leyline.as_ref().and_then(|l| l.mode);
-    let id = match (&fields.session_id, mode) {
-        (Some(id), _) => id.clone(),
-        (None, Some(_)) => create_engine_session(st, who, fields.cache_salt.as_deref()).await?,
-        (None, None) => return Ok(None),
-    };
-    let engine = st.sessions.resolve(&id, who)?;
-    Ok(Some(SessionRun {
-        id,
-        engine,
-        mode: mode.unwrap_or(Mode::Amortize),
-    }))
-}
-
 async fn run(
     st: Arc<AppState>,
     who: Principal,
@@ -350,65 +323,12 @@ async fn run(
     gen: Generation,
     fields: GenerationFields,
 ) -> Result<Response> {
-    if prompt.is_empty() {
-        return Err(ServerError::invalid("prompt", "the prompt is empty"));
-    }
-    let limit = st.max_sequence_len;
-    if prompt.len() >= limit {
-        return Err(ServerError::InvalidRequest {
-            message: format!(
-                "the prompt has {} tokens but this server holds at most {} per sequence (context length {})",
-                prompt.len(),
-                limit - 1,
-                st.context_length
-            ),
-            param: Some("messages".into()),
-            code: Some("context_length_exceeded"),
-        });
-    }
-    let room = limit - prompt.len();
-    let max_tokens = match gen.max_tokens {
-        Some(m) if m > st.context_length => {
-            return Err(ServerError::InvalidRequest {
-                message: format!(
-                    "max_tokens is {m} but the model's context length is {} tokens",
-                    st.context_length
-                ),
-                param: Some("max_tokens".into()),
-                code: Some("context_length_exceeded"),
-            })
-        }
-        Some(m) => m.min(room),
-        None => st.config.default_max_tokens.min(room),
-    };
-    let permit = Arc::clone(&st.admission).try_acquire_owned().map_err(|_| {
-        ServerError::Overloaded(format!(
-            "{} requests are in flight; retry later",
-            st.config.max_concurrent
-        ))
-    })?;
-    let session = open_session(&st, who, &fields).await?;
-    // The engine diffs the prompt against the session along the message bounds.
-    let session_req = session.as_ref().map(|s| SessionRequest {
-        id: s.engine,
-        mode: s.mode,
-        edits: bounds
-            .map(SessionEdits::Messages)
-            .unwrap_or(SessionEdits::Tokens),
-    });
-    let spec = GenerateSpec {
-        prompt,
-        max_tokens,
-        sampling: gen.sampling,
-        stop_tokens: st.stop_tokens.clone(),
-        stop: gen.stop.clone(),
-        session: session_req,
-        tenant: who.tenant(fields.cache_salt.as_deref()),
-    };
-    let (req, rx) = generation::request(spec, Arc::clone(&st.tokenizer));
-    // Refusals known at once (invalid, unknown or busy session) get their status before
-    // any response starts.
-    engine_call(&st, move |e| e.try_submit(req)).await??;
+    let Started {
+        rx,
+        permit,
+        session,
+        ..
+    } = start(&st, who, prompt, bounds, &gen, &fields).await?;
     let ctx = Ctx {
         id: format!(
             "{}{:024x}",
@@ -444,18 +364,6 @@ fn now() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
-}
-
-fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>) -> LeylineReport {
-    let edit = usage.edit.as_ref();
-    LeylineReport {
-        session_id: session.as_ref().map(|s| s.id.clone()),
-        mode: session.as_ref().map(|s| s.mode),
-        directives_applied: edit.map_or(0, |e| e.directives),
-        tokens_reused: usage.cached_tokens,
-        tokens_rotated: edit.map_or(0, |e| e.rotated),
-        tokens_prefilled: usage.computed_tokens(),
-    }
 }
 
 async fn collect(

@@ -239,3 +239,63 @@ pub fn metric(text: &str, name: &str) -> u64 {
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| panic!("metric {name} missing"))
 }
+
+/// Runs `tests/python/{script}` against the shared test server (`BASE_URL MODEL KEY_A
+/// KEY_B`, base URL ending in `/v1` unless `bare_base`), failing with its output unless it
+/// exits 0 within 600 s. Fails, never skips, when python3 or the package `package` is missing.
+pub fn run_client_script(script: &str, package: &str, bare_base: bool) {
+    use std::process::{Command, Stdio};
+    use std::time::Instant;
+    let probe = Command::new("python3")
+        .args([
+            "-c",
+            &format!("import {package}; print({package}.__version__)"),
+        ])
+        .output();
+    match probe {
+        Err(e) => panic!("python3 is needed for this test and could not run: {e}"),
+        Ok(o) if !o.status.success() => panic!(
+            "the Python package `{package}` is needed for this test: `python3 -m pip install {package}` ({})",
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Ok(_) => {}
+    }
+    let addr = server();
+    let path = format!("{}/tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
+    let dir = std::env::temp_dir().join(format!("leyline-{package}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let out_path = dir.join("out.txt");
+    let out = std::fs::File::create(&out_path).expect("output file");
+    let base = if bare_base {
+        format!("http://{addr}")
+    } else {
+        format!("http://{addr}/v1")
+    };
+    let mut child = Command::new("python3")
+        .arg(&path)
+        .arg(base)
+        .args([MODEL, KEY_A, KEY_B])
+        .stdout(Stdio::from(out.try_clone().expect("dup")))
+        .stderr(Stdio::from(out))
+        .spawn()
+        .expect("start python3");
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let log = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("{log}");
+    match status {
+        None => panic!("{script} ran past 600 s:\n{log}"),
+        Some(s) => assert!(s.success(), "{script} failed ({s}):\n{log}"),
+    }
+}

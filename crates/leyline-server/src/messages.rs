@@ -1,0 +1,377 @@
+//! `POST /v1/messages`: Anthropic's Messages API over the same engine, sessions and prefix
+//! cache as chat completions. Tool calls the model writes in its template's format come back
+//! as `tool_use` blocks; usage counts cache reads as Anthropic does; errors use its envelope.
+
+use crate::anthropic::{self, MessagesRequest};
+use crate::auth::Principal;
+use crate::error::{Result, ServerError};
+use crate::generation::Piece;
+use crate::handler::{parse, ApiJson, St};
+use crate::openai::{GenerationFields, LeylineOptions, StopSpec};
+use crate::state::AppState;
+use crate::submit::{report, start, Started};
+use crate::toolcall::{Segment, ToolCallSplitter};
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use leyline_model::chat::RenderOptions;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// Leyline's fields on an Anthropic request.
+#[derive(Debug, Default, Deserialize)]
+struct LeylineFields {
+    #[serde(default)]
+    session_id: Option<String>,
+    #[serde(default)]
+    leyline: Option<LeylineOptions>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+}
+
+/// The handler: every failure is answered in Anthropic's error envelope.
+pub(crate) async fn messages(
+    State(st): St,
+    Extension(who): Extension<Principal>,
+    body: std::result::Result<ApiJson, ServerError>,
+) -> Response {
+    match handle(st, who, body).await {
+        Ok(r) => r,
+        Err(e) => anthropic::error_response(e),
+    }
+}
+
+async fn handle(
+    st: Arc<AppState>,
+    who: Principal,
+    body: std::result::Result<ApiJson, ServerError>,
+) -> Result<Response> {
+    let ApiJson(v) = body?;
+    let req: MessagesRequest = parse(&v)?;
+    let extra: LeylineFields = parse(&v)?;
+    st.check_model(&req.model)?;
+    if req.max_tokens < 1 {
+        return Err(ServerError::invalid(
+            "max_tokens",
+            format!("max_tokens must be at least 1, got {}", req.max_tokens),
+        ));
+    }
+    let fields = GenerationFields {
+        max_tokens: Some(req.max_tokens),
+        temperature: req.temperature,
+        top_p: req.top_p,
+        stop: req.stop_sequences.clone().map(StopSpec::Many),
+        stream: req.stream,
+        session_id: extra.session_id,
+        leyline: extra.leyline,
+        cache_salt: extra.cache_salt,
+        ..Default::default()
+    };
+    let mut gen = fields.validate().map_err(|e| match e {
+        // The OpenAI name of the field is `stop`; here it is `stop_sequences`.
+        ServerError::InvalidRequest {
+            message,
+            param,
+            code,
+        } if param.as_deref() == Some("stop") => ServerError::InvalidRequest {
+            message: message.replace("stop strings", "stop_sequences"),
+            param: Some("stop_sequences".into()),
+            code,
+        },
+        e => e,
+    })?;
+    if let Some(k) = req.top_k {
+        gen.sampling.top_k = usize::try_from(k)
+            .map_err(|_| ServerError::invalid("top_k", format!("top_k must be >= 0, got {k}")))?;
+    }
+    let chat = anthropic::to_chat(&req)?;
+    let tools = anthropic::template_tools(&req)?;
+    let split_calls = tools.is_some();
+    let text_bytes = chat
+        .iter()
+        .map(|m| m.content.as_ref().map_or(0, String::len))
+        .sum();
+    st.check_prompt_size(chat.len(), text_bytes)?;
+    let opts = RenderOptions {
+        add_generation_prompt: true,
+        tools,
+        ..Default::default()
+    };
+    let in_session =
+        fields.session_id.is_some() || fields.leyline.as_ref().is_some_and(|l| l.mode.is_some());
+    let (prompt, bounds) = st
+        .off_workers(move |st| {
+            let template = st
+                .chat
+                .as_ref()
+                .ok_or_else(|| ServerError::bad_request("this model has no chat template"))?;
+            Ok(leyline_engine::render_prompt(
+                &st.tokenizer,
+                template,
+                &chat,
+                &opts,
+                in_session,
+            )?)
+        })
+        .await?;
+    let started = start(&st, who, prompt, bounds, &gen, &fields).await?;
+    let ctx = Ctx {
+        id: format!("msg_{:024x}", rand::random::<u128>() >> 32),
+        model: st.config.model_name.clone(),
+        split_calls,
+    };
+    if gen.stream {
+        Ok(stream(st, ctx, started).into_response())
+    } else {
+        collect(st, ctx, started).await
+    }
+}
+
+struct Ctx {
+    id: String,
+    model: String,
+    /// Whether tools were offered: then tool calls are split out of the text.
+    split_calls: bool,
+}
+
+fn tool_use_id() -> String {
+    format!("toolu_{:024x}", rand::random::<u128>() >> 32)
+}
+
+/// A segment as a content block.
+fn block(s: &Segment) -> Value {
+    match s {
+        Segment::Text(t) => json!({"type": "text", "text": t}),
+        Segment::Call { name, arguments } => {
+            json!({"type": "tool_use", "id": tool_use_id(), "name": name, "input": arguments})
+        }
+    }
+}
+
+async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Response> {
+    let Started {
+        mut rx,
+        permit: _permit,
+        session,
+        ..
+    } = started;
+    let mut abort = st.abort.subscribe();
+    let mut text = String::new();
+    loop {
+        let piece = tokio::select! {
+            p = rx.recv() => p,
+            _ = abort.wait_for(|a| *a) => {
+                return Err(ServerError::ShuttingDown("the server shut down before the request finished".into()))
+            }
+        };
+        match piece {
+            Some(Piece::Text(t)) => text.push_str(&t),
+            Some(Piece::Failed(f)) => return Err(ServerError::from(f)),
+            None => return Err(ServerError::Engine("the engine dropped the request".into())),
+            Some(Piece::Done {
+                finish_reason,
+                usage,
+                stop_sequence,
+                ..
+            }) => {
+                let segments = if ctx.split_calls {
+                    ToolCallSplitter::split(&text)
+                } else if text.is_empty() {
+                    Vec::new()
+                } else {
+                    vec![Segment::Text(text)]
+                };
+                let called = segments.iter().any(|s| matches!(s, Segment::Call { .. }));
+                let content: Vec<Value> = segments.iter().map(block).collect();
+                let body = json!({
+                    "id": ctx.id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": ctx.model,
+                    "content": content,
+                    "stop_reason": anthropic::stop_reason(finish_reason, stop_sequence.as_deref(), called),
+                    "stop_sequence": stop_sequence,
+                    "usage": anthropic::usage(&usage),
+                    "leyline": report(&usage, &session),
+                });
+                return Ok(Json(body).into_response());
+            }
+        }
+    }
+}
+
+/// Builds the stream's events: content blocks open, grow and close in order.
+struct Blocks {
+    next: usize,
+    open_text: Option<usize>,
+    called: bool,
+}
+
+impl Blocks {
+    fn event(name: &str, data: Value) -> Event {
+        Event::default().event(name).data(data.to_string())
+    }
+
+    fn close_text(&mut self, out: &mut Vec<Event>) {
+        if let Some(i) = self.open_text.take() {
+            out.push(Self::event(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": i}),
+            ));
+        }
+    }
+
+    fn push(&mut self, s: Segment, out: &mut Vec<Event>) {
+        match s {
+            Segment::Text(t) => {
+                let i = match self.open_text {
+                    Some(i) => i,
+                    None => {
+                        let i = self.next;
+                        self.next += 1;
+                        self.open_text = Some(i);
+                        out.push(Self::event(
+                            "content_block_start",
+                            json!({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}}),
+                        ));
+                        i
+                    }
+                };
+                out.push(Self::event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": t}}),
+                ));
+            }
+            Segment::Call { name, arguments } => {
+                self.close_text(out);
+                let i = self.next;
+                self.next += 1;
+                self.called = true;
+                out.push(Self::event(
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": i, "content_block": {"type": "tool_use", "id": tool_use_id(), "name": name, "input": {}}}),
+                ));
+                out.push(Self::event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": arguments.to_string()}}),
+                ));
+                out.push(Self::event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": i}),
+                ));
+            }
+        }
+    }
+}
+
+fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
+    let Started {
+        mut rx,
+        permit,
+        session,
+        prompt_tokens,
+    } = started;
+    let (tx, out) = mpsc::channel::<std::result::Result<Event, Infallible>>(64);
+    st.metrics
+        .streams_open
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tokio::spawn(async move {
+        let _permit = permit;
+        let mut abort = st.abort.subscribe();
+        let mut events = vec![
+            Blocks::event(
+                "message_start",
+                json!({"type": "message_start", "message": {
+                    "id": ctx.id, "type": "message", "role": "assistant", "model": ctx.model,
+                    "content": [], "stop_reason": null, "stop_sequence": null,
+                    "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+                }}),
+            ),
+            Blocks::event("ping", json!({"type": "ping"})),
+        ];
+        let mut blocks = Blocks {
+            next: 0,
+            open_text: None,
+            called: false,
+        };
+        let mut splitter = ToolCallSplitter::default();
+        'run: loop {
+            for e in events.drain(..) {
+                if tx.send(Ok(e)).await.is_err() {
+                    break 'run;
+                }
+            }
+            let piece = tokio::select! {
+                p = rx.recv() => p,
+                _ = abort.wait_for(|a| *a) => Some(Piece::Failed(leyline_engine::Failure::new(
+                    leyline_engine::ErrorKind::Stopped,
+                    "the server shut down before the request finished",
+                ))),
+                _ = tx.closed() => break,
+            };
+            match piece {
+                Some(Piece::Text(t)) => {
+                    let segments = if ctx.split_calls {
+                        splitter.push(&t)
+                    } else {
+                        vec![Segment::Text(t)]
+                    };
+                    for s in segments {
+                        blocks.push(s, &mut events);
+                    }
+                }
+                Some(Piece::Done {
+                    finish_reason,
+                    usage,
+                    stop_sequence,
+                    ..
+                }) => {
+                    for s in splitter.finish() {
+                        blocks.push(s, &mut events);
+                    }
+                    blocks.close_text(&mut events);
+                    let reason = anthropic::stop_reason(
+                        finish_reason,
+                        stop_sequence.as_deref(),
+                        blocks.called,
+                    );
+                    events.push(Blocks::event(
+                        "message_delta",
+                        json!({"type": "message_delta",
+                               "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+                               "usage": anthropic::usage(&usage),
+                               "leyline": report(&usage, &session)}),
+                    ));
+                    events.push(Blocks::event(
+                        "message_stop",
+                        json!({"type": "message_stop"}),
+                    ));
+                    for e in events.drain(..) {
+                        if tx.send(Ok(e)).await.is_err() {
+                            break;
+                        }
+                    }
+                    break;
+                }
+                Some(Piece::Failed(f)) => {
+                    st.metrics
+                        .stream_errors
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let body = anthropic::error_body(&ServerError::from(f));
+                    let _ = tx.send(Ok(Blocks::event("error", body))).await;
+                    break;
+                }
+                None => break,
+            }
+        }
+        st.metrics
+            .streams_open
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    });
+    Sse::new(ReceiverStream::new(out)).keep_alive(KeepAlive::default())
+}

@@ -1,0 +1,151 @@
+//! Starting a generation: limits, admission, the request's session, and the submission to
+//! the engine, shared by every API that generates (OpenAI's chat and completions,
+//! Anthropic's messages); each API then shapes the pieces that come back.
+
+use crate::auth::Principal;
+use crate::error::{Result, ServerError};
+use crate::generation::{self, GenerateSpec, Piece};
+use crate::handler::{create_engine_session, engine_call};
+use crate::openai::{Generation, GenerationFields, LeylineReport};
+use crate::state::AppState;
+use leyline_core::Mode;
+use leyline_engine::{SessionEdits, SessionId, SessionRequest};
+use std::sync::Arc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+
+/// The session a request runs in.
+pub(crate) struct SessionRun {
+    /// Its public id.
+    pub(crate) id: String,
+    pub(crate) engine: SessionId,
+    pub(crate) mode: Mode,
+}
+
+/// The request's session, if it runs in one: a named one, or a new one when
+/// `leyline.mode` comes without a session id (its id comes back in `leyline`).
+async fn open_session(
+    st: &Arc<AppState>,
+    who: Principal,
+    fields: &GenerationFields,
+) -> Result<Option<SessionRun>> {
+    let mode = fields.leyline.as_ref().and_then(|l| l.mode);
+    let id = match (&fields.session_id, mode) {
+        (Some(id), _) => id.clone(),
+        (None, Some(_)) => create_engine_session(st, who, fields.cache_salt.as_deref()).await?,
+        (None, None) => return Ok(None),
+    };
+    let engine = st.sessions.resolve(&id, who)?;
+    Ok(Some(SessionRun {
+        id,
+        engine,
+        mode: mode.unwrap_or(Mode::Amortize),
+    }))
+}
+
+/// A generation the engine accepted.
+pub(crate) struct Started {
+    /// Its pieces, in order.
+    pub(crate) rx: mpsc::UnboundedReceiver<Piece>,
+    /// Its place among the requests in flight, held until the answer is complete.
+    pub(crate) permit: OwnedSemaphorePermit,
+    /// The session it runs in, if any.
+    pub(crate) session: Option<SessionRun>,
+    /// Prompt tokens.
+    pub(crate) prompt_tokens: usize,
+}
+
+/// Checks `prompt` and `gen` against the server's limits, takes a place among the requests
+/// in flight, opens the request's session, and submits. Refusals known at once (invalid,
+/// unknown or busy session, a session edit that does not fit, a full queue) come back as
+/// errors before any response starts.
+///
+/// # Errors
+/// As above.
+pub(crate) async fn start(
+    st: &Arc<AppState>,
+    who: Principal,
+    prompt: Vec<u32>,
+    bounds: Option<Vec<usize>>,
+    gen: &Generation,
+    fields: &GenerationFields,
+) -> Result<Started> {
+    if prompt.is_empty() {
+        return Err(ServerError::invalid("prompt", "the prompt is empty"));
+    }
+    let limit = st.max_sequence_len;
+    if prompt.len() >= limit {
+        return Err(ServerError::InvalidRequest {
+            message: format!(
+                "the prompt has {} tokens but this server holds at most {} per sequence (context length {})",
+                prompt.len(),
+                limit - 1,
+                st.context_length
+            ),
+            param: Some("messages".into()),
+            code: Some("context_length_exceeded"),
+        });
+    }
+    let room = limit - prompt.len();
+    let max_tokens = match gen.max_tokens {
+        Some(m) if m > st.context_length => {
+            return Err(ServerError::InvalidRequest {
+                message: format!(
+                    "max_tokens is {m} but the model's context length is {} tokens",
+                    st.context_length
+                ),
+                param: Some("max_tokens".into()),
+                code: Some("context_length_exceeded"),
+            })
+        }
+        Some(m) => m.min(room),
+        None => st.config.default_max_tokens.min(room),
+    };
+    let permit = Arc::clone(&st.admission).try_acquire_owned().map_err(|_| {
+        ServerError::Overloaded(format!(
+            "{} requests are in flight; retry later",
+            st.config.max_concurrent
+        ))
+    })?;
+    let session = open_session(st, who, fields).await?;
+    // The engine diffs the prompt against the session along the message bounds.
+    let session_req = session.as_ref().map(|s| SessionRequest {
+        id: s.engine,
+        mode: s.mode,
+        edits: bounds
+            .map(SessionEdits::Messages)
+            .unwrap_or(SessionEdits::Tokens),
+    });
+    let prompt_tokens = prompt.len();
+    let spec = GenerateSpec {
+        prompt,
+        max_tokens,
+        sampling: gen.sampling,
+        stop_tokens: st.stop_tokens.clone(),
+        stop: gen.stop.clone(),
+        session: session_req,
+        tenant: who.tenant(fields.cache_salt.as_deref()),
+    };
+    let (req, rx) = generation::request(spec, Arc::clone(&st.tokenizer));
+    // Refusals known at once (invalid, unknown or busy session) get their status before
+    // any response starts.
+    engine_call(st, move |e| e.try_submit(req)).await??;
+    Ok(Started {
+        rx,
+        permit,
+        session,
+        prompt_tokens,
+    })
+}
+
+/// The `leyline` object of a response: what the cache did for it.
+pub(crate) fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>) -> LeylineReport {
+    let edit = usage.edit.as_ref();
+    LeylineReport {
+        session_id: session.as_ref().map(|s| s.id.clone()),
+        mode: session.as_ref().map(|s| s.mode),
+        directives_applied: edit.map_or(0, |e| e.directives),
+        tokens_reused: usage.cached_tokens,
+        tokens_rotated: edit.map_or(0, |e| e.rotated),
+        tokens_prefilled: usage.computed_tokens(),
+    }
+}

@@ -1,0 +1,158 @@
+"""Drives a running Leyline server with the official `anthropic` client (Messages API).
+
+Run by tests/anthropic_client.rs:
+    python3 anthropic_client.py BASE_URL MODEL KEY_A KEY_B
+Exits non-zero with a message on the first failed check.
+"""
+
+import sys
+
+import anthropic
+
+BASE, MODEL, KEY_A, KEY_B = sys.argv[1:5]
+# The SDK sends the key as `x-api-key` and appends /v1/messages to the base URL.
+A = anthropic.Anthropic(base_url=BASE, api_key=KEY_A, max_retries=0, timeout=300)
+BAD = anthropic.Anthropic(base_url=BASE, api_key="not-a-key", max_retries=0, timeout=300)
+# This SDK version has no sampling arguments; the server reads them from the body.
+GREEDY = {"temperature": 0}
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def expect(exc, fn, what):
+    try:
+        fn()
+    except exc as e:
+        return e
+    raise AssertionError(f"{what}: expected {exc.__name__}")
+
+
+def text_of(msg):
+    return "".join(b.text for b in msg.content if b.type == "text")
+
+
+def plain_and_cached():
+    system = "You are a terse assistant. " * 10
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    r = A.messages.create(model=MODEL, max_tokens=12, system=system, messages=msgs,
+                          metadata={"user_id": "u-1"}, extra_body={"temperature": 0, "top_k": 40})
+    check(r.type == "message" and r.role == "assistant", f"message shape: {r}")
+    check(r.id.startswith("msg_"), r.id)
+    check(r.content and r.content[0].type == "text" and text_of(r), f"text content: {r.content}")
+    check(r.stop_reason in ("end_turn", "max_tokens"), r.stop_reason)
+    check(r.usage.output_tokens > 0, f"usage: {r.usage}")
+    first_in = r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0)
+    again = A.messages.create(model=MODEL, max_tokens=12, system=system, messages=msgs,
+                              extra_body=GREEDY)
+    check(text_of(again) == text_of(r), "greedy answers repeat")
+    cached = again.usage.cache_read_input_tokens or 0
+    check(cached >= first_in - 2, f"the repeat reads the prompt from the cache: {again.usage}")
+    # Anthropic's meaning: input_tokens excludes what was read from the cache.
+    check(again.usage.input_tokens + cached == first_in,
+          f"input_tokens + cache_read_input_tokens is the prompt: {again.usage} vs {first_in}")
+    return text_of(r)
+
+
+def streamed(expected_text):
+    system = "You are a terse assistant. " * 10
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    kinds = []
+    with A.messages.stream(model=MODEL, max_tokens=12, system=system, messages=msgs,
+                           extra_body=GREEDY) as s:
+        for event in s:
+            kinds.append(event.type)
+        final = s.get_final_message()
+    for k in ("message_start", "content_block_start", "content_block_delta",
+              "content_block_stop", "message_delta", "message_stop"):
+        check(k in kinds, f"stream has {k}: {kinds}")
+    check(kinds.index("message_start") < kinds.index("content_block_start")
+          < kinds.index("content_block_stop") < kinds.index("message_delta")
+          < kinds.index("message_stop"), f"event order: {kinds}")
+    check(text_of(final) == expected_text, f"streamed {text_of(final)!r} vs {expected_text!r}")
+    check(final.stop_reason in ("end_turn", "max_tokens"), final.stop_reason)
+    check(final.usage.output_tokens > 0 and final.usage.cache_read_input_tokens > 0,
+          f"final usage from message_delta: {final.usage}")
+
+
+def stop_sequence():
+    msgs = [{"role": "user", "content": "Write a sentence about the sea."}]
+    r = A.messages.create(model=MODEL, max_tokens=32, messages=msgs, extra_body=GREEDY,
+                          stop_sequences=[" "])
+    check(r.stop_reason == "stop_sequence" and r.stop_sequence == " ",
+          f"stopped at the space: {r.stop_reason} {r.stop_sequence!r}")
+    check(" " not in text_of(r), repr(text_of(r)))
+
+
+def tool_blocks_in_history():
+    msgs = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_01", "name": "get_weather", "input": {"city": "Paris"}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01",
+             "content": [{"type": "text", "text": "18 C and sunny"}]},
+            {"type": "text", "text": "Summarize it."},
+        ]},
+    ]
+    tools = [{"name": "get_weather", "description": "Weather of a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    r = A.messages.create(model=MODEL, max_tokens=8, messages=msgs, tools=tools,
+                          tool_choice={"type": "auto"}, extra_body=GREEDY)
+    check(r.content is not None and r.usage.input_tokens > 20, f"tool history served: {r}")
+
+
+def session_edit():
+    history = [
+        {"role": "user", "content": "Remember: the code word is heron. " * 8},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Say the code word."},
+    ]
+    r = A.messages.create(model=MODEL, max_tokens=6, messages=history,
+                          extra_body={**GREEDY, "leyline": {"mode": "amortize"}})
+    ly = (r.model_extra or {}).get("leyline") or {}
+    sid = ly.get("session_id")
+    check(sid, f"a session was opened: {r.model_extra}")
+    edited = [dict(history[0], content="Remember: the code word is crane."), *history[1:]]
+    r2 = A.messages.create(model=MODEL, max_tokens=6, messages=edited,
+                           extra_body={**GREEDY, "session_id": sid, "leyline": {"mode": "amortize"}})
+    ly2 = r2.model_extra["leyline"]
+    check(ly2["directives_applied"] >= 1, f"the edit was spliced: {ly2}")
+    check(r2.usage.cache_read_input_tokens > 0, f"downstream tokens kept: {r2.usage}")
+
+
+def errors():
+    e = expect(anthropic.BadRequestError, lambda: A.messages.create(
+        model=MODEL, max_tokens=8,
+        messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), "image block")
+    check(e.body["type"] == "error" and e.body["error"]["type"] == "invalid_request_error", e.body)
+    check("messages[0].content[0].type" in e.body["error"]["message"]
+          or "image" in e.body["error"]["message"], e.body)
+    e = expect(anthropic.BadRequestError, lambda: A.messages.create(
+        model=MODEL, max_tokens=8,
+        messages=[{"role": "user", "content": [{"type": "tool_result"}]}]), "tool_result without id")
+    check("tool_use_id" in e.body["error"]["message"], e.body)
+    e = expect(anthropic.AuthenticationError, lambda: BAD.messages.create(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}]), "bad key")
+    check(e.body["error"]["type"] == "authentication_error", e.body)
+    e = expect(anthropic.NotFoundError, lambda: A.messages.create(
+        model="no-such-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}]), "model")
+    check(e.body["error"]["type"] == "not_found_error", e.body)
+    e = expect(anthropic.BadRequestError, lambda: A.messages.create(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+        tools=[{"name": "f", "input_schema": {"type": "object"}}],
+        tool_choice={"type": "any"}), "tool_choice any")
+    check("tool_choice" in e.body["error"]["message"], e.body)
+
+
+text = plain_and_cached()
+streamed(text)
+stop_sequence()
+tool_blocks_in_history()
+session_edit()
+errors()
+print("anthropic client: all checks passed")
