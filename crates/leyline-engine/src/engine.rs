@@ -730,6 +730,7 @@ impl Engine {
                 };
                 s.tokens = r.tokens[..usable].to_vec();
                 s.slots = r.slots[..usable].to_vec();
+                s.clean_len = s.clean_len.min(r.clean_len);
                 s.busy = None;
                 s.last_used = Instant::now();
                 s.turns += 1;

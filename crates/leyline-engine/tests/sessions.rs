@@ -699,10 +699,11 @@ fn forget_while_another_request_reads_the_span() {
     };
     let mut e = engine(4096);
     let id = e.create_session();
-    turn(&mut e, id, &ctx, Vec::new(), Mode::Forget, 3);
+    // Sent in an AMORTIZE turn, the context is shared with the tree (a FORGET turn would
+    // keep it private): the reader matches it there and is still decoding when the
+    // session forgets the tool output.
+    turn(&mut e, id, &ctx, Vec::new(), Mode::Amortize, 3);
     let old = e.session_info(id).unwrap();
-    // The session's first turn went into the tree; the reader matches it there and is still
-    // decoding when the session forgets the tool output.
     let (req, reader) = request(reader_prompt, 8);
     e.submit(req);
     while e.step().unwrap().decode_seqs == 0 {}
@@ -755,7 +756,8 @@ fn copies_of_forgotten_kv_stay_forgotten() {
     let (start, end, stub) = tool_span(&ctx);
     let mut e = engine(4096);
     let s = e.create_session();
-    turn(&mut e, s, &ctx, Vec::new(), Mode::Forget, 2);
+    // Sent in an AMORTIZE turn, so that it is published to the tree.
+    turn(&mut e, s, &ctx, Vec::new(), Mode::Amortize, 2);
     // Two sessions whose first turns borrow the published context from the tree.
     let follow = [ctx.clone(), encode("Thanks.")].concat();
     let (t, u) = (e.create_session(), e.create_session());

@@ -279,8 +279,9 @@ fn forget_erases_from_the_tree_what_a_shed_session_dropped() {
     let pool = ab.len() + 40;
     let mut e = engine(pool);
     let id = e.create_session();
-    run_turn(&mut e, id, &a, Mode::Forget, SessionEdits::Tokens);
-    run_turn(&mut e, id, &ab, Mode::Forget, SessionEdits::Tokens);
+    // Sent in AMORTIZE turns, the messages are shared with the tree.
+    run_turn(&mut e, id, &a, Mode::Amortize, SessionEdits::Tokens);
+    run_turn(&mut e, id, &ab, Mode::Amortize, SessionEdits::Tokens);
     // A stranger's prompt that fits only once the session's KV goes: the session is shed
     // and the tree keeps the older part of its path (the one holding the secret).
     let filler = vec![encode(" word")[0]; 46];
@@ -314,5 +315,34 @@ fn forget_erases_from_the_tree_what_a_shed_session_dropped() {
         e.cache().cached_len(ns, &a),
         a.len()
     );
+    e.check_no_leaks().unwrap();
+}
+
+#[test]
+fn what_a_forget_turn_computes_never_enters_the_shared_tree() {
+    // A session in FORGET mode keeps its KV to itself: once the server drops the session
+    // (reaped, shed, deleted), nothing it computed can be matched by anyone, even when the
+    // client later forgets that content through another session.
+    let c = ctx();
+    let ns = Namespace::shared(0);
+    let mut e = engine(4096);
+    let forget = e.create_session();
+    run_turn(&mut e, forget, &c, Mode::Forget, SessionEdits::Tokens);
+    assert_eq!(
+        e.cache().cached_len(ns, &c),
+        0,
+        "a FORGET turn fed the tree"
+    );
+    let held = e.session_info(forget).unwrap().slots;
+    assert!(held.len() + 1 >= c.len(), "the session holds its context");
+    e.delete_session(forget).unwrap();
+    for &s in &held {
+        assert!(e.cache().pool().is_free(s).unwrap(), "slot {s} still held");
+        assert!(e.storage().slot_is_zero(s).unwrap(), "slot {s} kept data");
+    }
+    // The same context in AMORTIZE mode is shared, as before.
+    let amortize = e.create_session();
+    run_turn(&mut e, amortize, &c, Mode::Amortize, SessionEdits::Tokens);
+    assert!(e.cache().cached_len(ns, &c) + 1 >= c.len());
     e.check_no_leaks().unwrap();
 }

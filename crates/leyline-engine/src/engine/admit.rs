@@ -82,6 +82,11 @@ impl Engine {
         let probe = &w.req.prompt[..prompt_len - 1];
         let (mut prefix, mut lock, mut lineage, mut clean_len) =
             (Vec::new(), None, Lineage::SHARED, usize::MAX);
+        let forget_turn = w
+            .req
+            .session
+            .as_ref()
+            .is_some_and(|s| s.mode == Mode::Forget);
         let mut from_session = false;
         if let Some(id) = session {
             let s = self
@@ -93,13 +98,12 @@ impl Engine {
             let revoked = self.cache.pool().first_revoked(&s.slots);
             let keep = common_prefix(&s.tokens, probe).min(revoked);
             // In FORGET mode, whatever the prompt drops is forgotten, by whatever path.
-            let forget = w
-                .req
-                .session
-                .as_ref()
-                .is_some_and(|s| s.mode == Mode::Forget);
-            self.truncate_session(id, keep, forget)?;
-            let mode = if forget { Mode::Forget } else { Mode::Amortize };
+            self.truncate_session(id, keep, forget_turn)?;
+            let mode = if forget_turn {
+                Mode::Forget
+            } else {
+                Mode::Amortize
+            };
             self.settle_shed(id, probe, mode, ns)?;
             let s = &self.sessions[&id];
             lineage = s.lineage;
@@ -130,6 +134,12 @@ impl Engine {
             prefix = m.slots;
         }
         let cached = prefix.len();
+        if forget_turn {
+            // What a FORGET turn computes stays its session's: it never enters the shared
+            // tree, so that dropping it later (even after the server reaped the session)
+            // leaves nothing anyone can match.
+            clean_len = clean_len.min(cached);
+        }
         let edit_in_prefix: usize = w
             .edit_ranges
             .iter()

@@ -173,7 +173,10 @@ impl Engine {
         }
         let stale = s.slots.split_off(keep);
         s.tokens.truncate(keep);
-        if keep == 0 || (forget && s.clean_len >= keep) {
+        if forget {
+            // What it prefills next in FORGET mode stays private (see `forget`).
+            s.clean_len = s.clean_len.min(keep);
+        } else if keep == 0 {
             // Whatever it prefills next is computed from its tokens alone.
             s.clean_len = usize::MAX;
         }
@@ -465,10 +468,11 @@ impl Engine {
         let sess = self.session_mut(id)?;
         sess.tokens.truncate(start);
         sess.slots.truncate(start);
-        if sess.clean_len >= start {
-            // What follows is computed again from tokens alone.
-            sess.clean_len = usize::MAX;
-        }
+        // What follows is computed again from tokens alone, but stays the session's: KV a
+        // FORGET turn computes never enters the shared tree, so a later FORGET can always
+        // find all of it in the session (even once the server has reaped the session, its
+        // private KV is zeroed, never left for others to match).
+        sess.clean_len = sess.clean_len.min(start);
         let zeroed = self.purge(&old_tail)?;
         let report = EditReport {
             mode: Mode::Forget,
