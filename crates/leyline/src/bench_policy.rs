@@ -30,7 +30,8 @@ pub struct PolicyArgs {
     /// messages, instead of to the original history.
     #[arg(long)]
     pub stateful: bool,
-    /// A GGUF file whose tokenizer and chat template to use (default: the default model).
+    /// A GGUF file or a known model's name whose tokenizer and chat template to use
+    /// (default: the default model).
     #[arg(long, short = 'm', env = "LEYLINE_MODEL")]
     pub model: Option<PathBuf>,
     /// Print one JSON object instead of tables.
@@ -40,10 +41,7 @@ pub struct PolicyArgs {
 
 /// Tokenizer and chat template from the GGUF metadata, without the weights.
 fn tokenizer_and_template(model: Option<PathBuf>) -> Result<(Tokenizer, ChatTemplate)> {
-    let path = match model {
-        Some(p) => p,
-        None => leyline_model::registry::default_model_path()?,
-    };
+    let path = crate::resolve_model(model.as_deref())?;
     if path.is_dir() {
         return Err(leyline_model::ModelError::NoTokenizer { path }.into());
     }

@@ -37,7 +37,7 @@ enum Command {
     Chat(ChatArgs),
     /// Serve the OpenAI-compatible HTTP API (sessions, directives, SSE, /metrics).
     Serve(serve::ServeArgs),
-    /// Manage models: fetch the default model, list known ones.
+    /// Manage models: fetch a known model (default: the default model), list known ones.
     #[command(subcommand)]
     Model(ModelCommand),
     /// Benchmarks.
@@ -65,9 +65,10 @@ enum ModelCommand {
 /// Options shared by every command that loads a model.
 #[derive(Args, Clone)]
 pub struct ModelArgs {
-    /// A local llama-family GGUF file, or a DeepSeek-V2 checkpoint directory (config.json +
-    /// safetensors; it has no tokenizer, so only `verify` takes it). Default: the smollm2-135m
-    /// model, fetched on first use.
+    /// A known model's name (`leyline model list`; fetched on first use), a local
+    /// llama-family GGUF file, or a DeepSeek-V2 checkpoint directory (config.json +
+    /// safetensors; it has no tokenizer, so only `verify` takes it). A name wins over a file
+    /// of the same name: write ./NAME for the file. Default: smollm2-135m.
     #[arg(long, short = 'm', env = "LEYLINE_MODEL")]
     pub model: Option<PathBuf>,
     /// KV cache storage type: f16, bf16 or f32 (exact, twice the memory).
@@ -211,7 +212,7 @@ fn dispatch(cli: Cli) -> Result<()> {
                 } else {
                     "not fetched".into()
                 };
-                println!("{:<16} {}  [{}]", m.name, m.description, state);
+                println!("{:<20} {}  [{}]", m.name, m.description, state);
             }
             Ok(())
         }
@@ -223,8 +224,13 @@ fn dispatch(cli: Cli) -> Result<()> {
 fn fetch_with_progress(m: &registry::KnownModel) -> Result<PathBuf> {
     let bar = ProgressBar::new_spinner();
     bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    // Without a terminal the bar draws nothing: each stage is then one line, for logs.
+    let lines = bar.is_hidden();
     let path = registry::fetch(m, &mut |e| match e {
         FetchEvent::Stage { name, total } => {
+            if lines {
+                eprintln!("leyline: {name}");
+            }
             match total {
                 Some(t) => {
                     bar.set_length(t);
@@ -259,19 +265,26 @@ pub fn load_any_model(args: &ModelArgs) -> Result<AnyModel> {
 
 /// `--model`, or the default model's cached file (fetched on first use).
 fn model_path(args: &ModelArgs) -> Result<PathBuf> {
-    Ok(match &args.model {
-        Some(p) => p.clone(),
-        None => {
-            let m = registry::known_model(registry::DEFAULT_MODEL)?;
-            let p = registry::cached_path(m);
-            if p.is_file() {
-                p
-            } else {
-                eprintln!("leyline: fetching the default model {} (first use)", m.name);
-                fetch_with_progress(m)?
-            }
-        }
-    })
+    resolve_model(args.model.as_deref())
+}
+
+/// A `--model` value as a path: a known model's name becomes its cached file, fetched with
+/// progress on first use; an existing path is itself; `None` is the default model. Anything
+/// else is a one-line error listing the known names.
+pub fn resolve_model(value: Option<&std::path::Path>) -> Result<PathBuf> {
+    let m = match value {
+        None => registry::known_model(registry::DEFAULT_MODEL)?,
+        Some(v) => match registry::model_ref(v)? {
+            registry::ModelRef::Path(p) => return Ok(p),
+            registry::ModelRef::Known(m) => m,
+        },
+    };
+    let p = registry::cached_path(m);
+    if p.is_file() {
+        return Ok(p);
+    }
+    eprintln!("leyline: fetching {} (first use)", m.name);
+    fetch_with_progress(m)
 }
 
 /// Storage for one sequence of the loaded model.

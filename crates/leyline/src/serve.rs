@@ -97,10 +97,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| match &a.model.model {
             None => registry::DEFAULT_MODEL.to_string(),
-            Some(p) => p
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "leyline".into()),
+            Some(p) => match registry::model_ref(p) {
+                Ok(registry::ModelRef::Known(m)) => m.name.to_string(),
+                _ => p
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "leyline".into()),
+            },
         });
     let mut cfg = leyline_server::ServerConfig::new(name);
     cfg.addr = a.addr;

@@ -133,6 +133,40 @@ fn a_good_run_says_paris() {
     assert!(text.contains("Paris"), "{text}");
 }
 
+#[test]
+fn unknown_model_name_lists_the_known_ones() {
+    let out = leyline(&["run", "--prompt", "hi", "--model", "qwen-9000"]);
+    assert_one_line_error(
+        &out,
+        &[
+            "qwen-9000",
+            "cannot open",
+            "known models: smollm2-135m, qwen2.5-coder-0.5b",
+        ],
+    );
+}
+
+/// `--model NAME` of a known model loads its cached file: the same run as the default's.
+#[test]
+fn a_registry_name_is_a_model() {
+    default_model();
+    let out = leyline(&[
+        "run",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+        "--model",
+        "smollm2-135m",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Paris"));
+}
+
 fn mla_fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../leyline-model/tests/fixtures/mla")
