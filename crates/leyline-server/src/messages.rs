@@ -9,7 +9,7 @@ use crate::generation::Piece;
 use crate::handler::{parse, ApiJson, St};
 use crate::openai::{GenerationFields, LeylineOptions, StopSpec};
 use crate::state::AppState;
-use crate::submit::{report, start, Started};
+use crate::submit::{collect_text, report, start, Collected, Started};
 use crate::toolcall::{Segment, ToolCallSplitter};
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -160,49 +160,33 @@ async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Respon
         session,
         ..
     } = started;
-    let mut abort = st.abort.subscribe();
-    let mut text = String::new();
-    loop {
-        let piece = tokio::select! {
-            p = rx.recv() => p,
-            _ = abort.wait_for(|a| *a) => {
-                return Err(ServerError::ShuttingDown("the server shut down before the request finished".into()))
-            }
-        };
-        match piece {
-            Some(Piece::Text(t)) => text.push_str(&t),
-            Some(Piece::Failed(f)) => return Err(ServerError::from(f)),
-            None => return Err(ServerError::Engine("the engine dropped the request".into())),
-            Some(Piece::Done {
-                finish_reason,
-                usage,
-                stop_sequence,
-                ..
-            }) => {
-                let segments = if ctx.split_calls {
-                    ToolCallSplitter::split(&text)
-                } else if text.is_empty() {
-                    Vec::new()
-                } else {
-                    vec![Segment::Text(text)]
-                };
-                let called = segments.iter().any(|s| matches!(s, Segment::Call { .. }));
-                let content: Vec<Value> = segments.iter().map(block).collect();
-                let body = json!({
-                    "id": ctx.id,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": ctx.model,
-                    "content": content,
-                    "stop_reason": anthropic::stop_reason(finish_reason, stop_sequence.as_deref(), called),
-                    "stop_sequence": stop_sequence,
-                    "usage": anthropic::usage(&usage),
-                    "leyline": report(&usage, &session),
-                });
-                return Ok(Json(body).into_response());
-            }
-        }
-    }
+    let Collected {
+        text,
+        finish_reason,
+        usage,
+        stop_sequence,
+    } = collect_text(&st, &mut rx).await?;
+    let segments = if ctx.split_calls {
+        ToolCallSplitter::split(&text)
+    } else if text.is_empty() {
+        Vec::new()
+    } else {
+        vec![Segment::Text(text)]
+    };
+    let called = segments.iter().any(|s| matches!(s, Segment::Call { .. }));
+    let content: Vec<Value> = segments.iter().map(block).collect();
+    let body = json!({
+        "id": ctx.id,
+        "type": "message",
+        "role": "assistant",
+        "model": ctx.model,
+        "content": content,
+        "stop_reason": anthropic::stop_reason(finish_reason, stop_sequence.as_deref(), called),
+        "stop_sequence": stop_sequence,
+        "usage": anthropic::usage(&usage),
+        "leyline": report(&usage, &session),
+    });
+    Ok(Json(body).into_response())
 }
 
 /// Builds the stream's events: content blocks open, grow and close in order.

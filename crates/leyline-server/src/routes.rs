@@ -7,7 +7,7 @@ use crate::handler::{engine_call, parse, ApiJson, St};
 use crate::openai::*;
 use crate::session_routes;
 use crate::state::AppState;
-use crate::submit::{report, start, SessionRun, Started};
+use crate::submit::{collect_text, report, start, Collected, SessionRun, Started};
 use axum::extract::{Request, State};
 use axum::middleware::{from_fn_with_state, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -373,64 +373,47 @@ async fn collect(
     _permit: OwnedSemaphorePermit,
     session: Option<SessionRun>,
 ) -> Result<Response> {
-    let mut abort = st.abort.subscribe();
-    let mut text = String::new();
-    loop {
-        let piece = tokio::select! {
-            p = rx.recv() => p,
-            _ = abort.wait_for(|a| *a) => {
-                return Err(ServerError::ShuttingDown("the server shut down before the request finished".into()))
-            }
-        };
-        match piece {
-            Some(Piece::Text(t)) => text.push_str(&t),
-            Some(Piece::Failed(f)) => return Err(ServerError::from(f)),
-            None => return Err(ServerError::Engine("the engine dropped the request".into())),
-            Some(Piece::Done {
+    let Collected {
+        text,
+        finish_reason,
+        usage,
+        ..
+    } = collect_text(&st, &mut rx).await?;
+    let leyline = report(&usage, &session);
+    let body = match ctx.kind {
+        Kind::Chat => serde_json::to_value(ChatCompletion {
+            id: ctx.id,
+            object: "chat.completion",
+            created: ctx.created,
+            model: ctx.model,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ResponseMessage {
+                    role: "assistant",
+                    content: text,
+                },
                 finish_reason,
-                usage,
-                ..
-            }) => {
-                let leyline = report(&usage, &session);
-                let body = match ctx.kind {
-                    Kind::Chat => serde_json::to_value(ChatCompletion {
-                        id: ctx.id,
-                        object: "chat.completion",
-                        created: ctx.created,
-                        model: ctx.model,
-                        choices: vec![ChatChoice {
-                            index: 0,
-                            message: ResponseMessage {
-                                role: "assistant",
-                                content: text,
-                            },
-                            finish_reason,
-                            logprobs: None,
-                        }],
-                        usage: WireUsage::from(&usage),
-                        leyline,
-                    }),
-                    Kind::Completion => serde_json::to_value(Completion {
-                        id: ctx.id,
-                        object: "text_completion",
-                        created: ctx.created,
-                        model: ctx.model,
-                        choices: vec![CompletionChoice {
-                            text,
-                            index: 0,
-                            logprobs: None,
-                            finish_reason,
-                        }],
-                        usage: WireUsage::from(&usage),
-                        leyline,
-                    }),
-                };
-                return Ok(
-                    Json(body.map_err(|e| ServerError::Engine(e.to_string()))?).into_response()
-                );
-            }
-        }
-    }
+                logprobs: None,
+            }],
+            usage: WireUsage::from(&usage),
+            leyline,
+        }),
+        Kind::Completion => serde_json::to_value(Completion {
+            id: ctx.id,
+            object: "text_completion",
+            created: ctx.created,
+            model: ctx.model,
+            choices: vec![CompletionChoice {
+                text,
+                index: 0,
+                logprobs: None,
+                finish_reason,
+            }],
+            usage: WireUsage::from(&usage),
+            leyline,
+        }),
+    };
+    Ok(Json(body.map_err(|e| ServerError::Engine(e.to_string()))?).into_response())
 }
 
 impl Ctx {

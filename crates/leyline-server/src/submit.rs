@@ -149,3 +149,53 @@ pub(crate) fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>
         tokens_prefilled: usage.computed_tokens(),
     }
 }
+
+/// A generation's whole answer, for the APIs' non-streamed responses.
+pub(crate) struct Collected {
+    /// The text, stop strings cut.
+    pub(crate) text: String,
+    /// OpenAI's finish reason: `stop` or `length`.
+    pub(crate) finish_reason: &'static str,
+    /// Counts and timings.
+    pub(crate) usage: leyline_engine::Usage,
+    /// The stop string that ended the text, if one did.
+    pub(crate) stop_sequence: Option<String>,
+}
+
+/// Reads a generation to its end.
+///
+/// # Errors
+/// The engine's failure, the engine dropping the request, or the server shutting down.
+pub(crate) async fn collect_text(
+    st: &AppState,
+    rx: &mut mpsc::UnboundedReceiver<Piece>,
+) -> Result<Collected> {
+    let mut abort = st.abort.subscribe();
+    let mut text = String::new();
+    loop {
+        let piece = tokio::select! {
+            p = rx.recv() => p,
+            _ = abort.wait_for(|a| *a) => {
+                return Err(ServerError::ShuttingDown("the server shut down before the request finished".into()))
+            }
+        };
+        match piece {
+            Some(Piece::Text(t)) => text.push_str(&t),
+            Some(Piece::Failed(f)) => return Err(ServerError::from(f)),
+            None => return Err(ServerError::Engine("the engine dropped the request".into())),
+            Some(Piece::Done {
+                finish_reason,
+                usage,
+                stop_sequence,
+                ..
+            }) => {
+                return Ok(Collected {
+                    text,
+                    finish_reason,
+                    usage,
+                    stop_sequence,
+                })
+            }
+        }
+    }
+}
