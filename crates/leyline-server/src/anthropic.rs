@@ -45,6 +45,9 @@ pub struct MessagesRequest {
     /// Stream the answer as server-sent events.
     #[serde(default)]
     pub stream: Option<bool>,
+    /// Server-side context editing: `{"edits": [{"type": "clear_tool_uses_20250919", ...}]}`.
+    #[serde(default)]
+    pub context_management: Option<Value>,
 }
 
 fn text_of(v: &Value, at: &str) -> Result<String> {
@@ -190,11 +193,11 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>> {
         out.extend(results);
         let joined = text.join("\n\n");
         if role == "assistant" {
+            // Content stays a string (maybe empty) beside tool calls: templates that
+            // concatenate it (SmolLM2's) fail on a missing one, and `if content` is false
+            // either way for those that test it (Qwen2.5's).
             let mut a = ChatMessage::new("assistant", joined);
             if !calls.is_empty() {
-                if a.content.as_deref() == Some("") {
-                    a.content = None;
-                }
                 a.tool_calls = Some(calls);
             }
             out.push(a);

@@ -17,6 +17,7 @@
 
 pub mod anthropic;
 pub mod auth;
+pub mod context;
 pub mod error;
 pub mod generation;
 mod guard;

@@ -89,7 +89,13 @@ async fn handle(
         gen.sampling.top_k = usize::try_from(k)
             .map_err(|_| ServerError::invalid("top_k", format!("top_k must be >= 0, got {k}")))?;
     }
-    let chat = anthropic::to_chat(&req)?;
+    let mut chat = anthropic::to_chat(&req)?;
+    let applied = match &req.context_management {
+        Some(cm) => crate::context::apply(&mut chat, cm, &st.tokenizer)?,
+        None => Vec::new(),
+    };
+    let context_management = (req.context_management.is_some())
+        .then(|| json!({"applied_edits": applied.iter().map(|a| a.to_json()).collect::<Vec<_>>()}));
     let tools = anthropic::template_tools(&req)?;
     let split_calls = tools.is_some();
     let text_bytes = chat
@@ -124,6 +130,7 @@ async fn handle(
         id: format!("msg_{:024x}", rand::random::<u128>() >> 32),
         model: st.config.model_name.clone(),
         split_calls,
+        context_management,
     };
     if gen.stream {
         Ok(stream(st, ctx, started).into_response())
@@ -137,6 +144,8 @@ struct Ctx {
     model: String,
     /// Whether tools were offered: then tool calls are split out of the text.
     split_calls: bool,
+    /// What the request's context edits did, when it asked for any.
+    context_management: Option<Value>,
 }
 
 fn tool_use_id() -> String {
@@ -175,7 +184,7 @@ async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Respon
     };
     let called = segments.iter().any(|s| matches!(s, Segment::Call { .. }));
     let content: Vec<Value> = segments.iter().map(block).collect();
-    let body = json!({
+    let mut body = json!({
         "id": ctx.id,
         "type": "message",
         "role": "assistant",
@@ -186,6 +195,9 @@ async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Respon
         "usage": anthropic::usage(&usage),
         "leyline": report(&usage, &session),
     });
+    if let Some(cm) = ctx.context_management {
+        body["context_management"] = cm;
+    }
     Ok(Json(body).into_response())
 }
 
@@ -324,13 +336,14 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
                         stop_sequence.as_deref(),
                         blocks.called,
                     );
-                    events.push(Blocks::event(
-                        "message_delta",
-                        json!({"type": "message_delta",
-                               "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
-                               "usage": anthropic::usage(&usage),
-                               "leyline": report(&usage, &session)}),
-                    ));
+                    let mut delta = json!({"type": "message_delta",
+                           "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+                           "usage": anthropic::usage(&usage),
+                           "leyline": report(&usage, &session)});
+                    if let Some(cm) = &ctx.context_management {
+                        delta["context_management"] = cm.clone();
+                    }
+                    events.push(Blocks::event("message_delta", delta));
                     events.push(Blocks::event(
                         "message_stop",
                         json!({"type": "message_stop"}),

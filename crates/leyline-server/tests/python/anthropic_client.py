@@ -149,10 +149,42 @@ def errors():
     check("tool_choice" in e.body["error"]["message"], e.body)
 
 
+def context_editing():
+    msgs = [{"role": "user", "content": "Check the weather in four cities."}]
+    for i, city in enumerate(["Paris", "Rome", "Oslo", "Lima"]):
+        msgs.append({"role": "assistant", "content": [
+            {"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather", "input": {"city": city}}]})
+        msgs.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{i}",
+             "content": f"{city}: " + "sunny and mild, a light wind from the west. " * 6}]})
+    msgs[-1]["content"].append({"type": "text", "text": "Summarize."})
+    # The SDK sends this through its beta namespace: /v1/messages?beta=true with a header.
+    r = A.beta.messages.create(
+        model=MODEL, max_tokens=4, messages=msgs, betas=["context-management-2025-06-27"],
+        context_management={"edits": [{"type": "clear_tool_uses_20250919",
+                                       "trigger": {"type": "tool_uses", "value": 1},
+                                       "keep": {"type": "tool_uses", "value": 1}}]},
+        extra_body=GREEDY)
+    edits = r.context_management.applied_edits
+    check(len(edits) == 1 and edits[0].type == "clear_tool_uses_20250919", f"{edits}")
+    check(edits[0].cleared_tool_uses == 3, f"all but the last tool use cleared: {edits}")
+    check(edits[0].cleared_input_tokens > 100, f"{edits}")
+    plain = A.messages.create(model=MODEL, max_tokens=4, messages=msgs, extra_body=GREEDY)
+    seen = r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0)
+    full = plain.usage.input_tokens + (plain.usage.cache_read_input_tokens or 0)
+    check(seen + 100 < full, f"the model saw the edited history: {seen} vs {full} tokens")
+    e = expect(anthropic.BadRequestError, lambda: A.beta.messages.create(
+        model=MODEL, max_tokens=4, messages=msgs, betas=["context-management-2025-06-27"],
+        context_management={"edits": [{"type": "clear_everything_2099"}]}), "unknown edit")
+    check("context_management.edits[0]" in e.body["error"]["message"] or
+          "clear_everything" in e.body["error"]["message"], e.body)
+
+
 text = plain_and_cached()
 streamed(text)
 stop_sequence()
 tool_blocks_in_history()
 session_edit()
+context_editing()
 errors()
 print("anthropic client: all checks passed")
