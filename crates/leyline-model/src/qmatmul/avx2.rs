@@ -1,9 +1,9 @@
 //! The AVX2+FMA+F16C kernels: dot-product tiles, 8 lanes per vector, for every kind.
 //!
-//! Each kind has one [`quants`] that turns a step of a row (a block of 32, a Q4_K / Q5_K
-//! pair of sub-blocks, a Q6_K chunk of 32) into its quants as f32 integers, 8 at a time;
-//! the tile kernel ([`direct`]) and the dequantizer for many rows ([`dequant`]) make the
-//! weights from them, `d * q + mn` rounded once (`format::row_scales`).
+//! Each kind has one [`weights`] that turns a step of a row (a block of 32, a Q4_K / Q5_K
+//! pair of sub-blocks, a Q6_K pair of chunks of 32) into its weights, 8 at a time,
+//! `d * q + mn` rounded once (`format::row_scales`), for the tile kernel ([`direct`]) and the
+//! dequantizer for many rows ([`dequant`]).
 //!
 //! Factoring the scales out of each unit's dot product (`d * (q . x) + mn * sum(x)`, one
 //! multiply-add fewer per 8 weights) was tried and dropped: at one activation row it ran
@@ -25,21 +25,13 @@ const Q4_K: u8 = GgmlKind::Q4K as u8;
 const Q5_K: u8 = GgmlKind::Q5K as u8;
 const Q6_K: u8 = GgmlKind::Q6K as u8;
 
-/// Vectors of 8 quants per step of kind `k` ([`quants`]): a Q4_K / Q5_K step is two
-/// sub-blocks, whose nibbles share bytes; any other step 32 values.
+/// Vectors of 8 weights per step of kind `k` ([`weights`]): a Q4_K / Q5_K step is two
+/// sub-blocks, whose nibbles share bytes, a Q6_K step two chunks of 32 that do; any other
+/// step 32 values.
 const fn step_vecs(k: u8) -> usize {
     match k {
-        Q4_K | Q5_K => 8,
+        Q4_K | Q5_K | Q6_K => 8,
         _ => 4,
-    }
-}
-
-/// Vectors per unit of scales (`format::row_scales`): 2 for Q6_K's units of 16, else 4.
-const fn unit_vecs(k: u8) -> usize {
-    if k == Q6_K {
-        2
-    } else {
-        4
     }
 }
 
@@ -163,64 +155,119 @@ unsafe fn u8x8(p: *const u8) -> __m256i {
     unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)) }
 }
 
-/// The quants of step `st` of the row starting at `row` (kind `K`, `N = step_vecs(K)`
-/// vectors), as f32 integers in value order: the unsigned stored quant (the 5th or 6th bits
-/// included), Q8_0's signed byte. Step `st` covers values `8 N st ..`.
+/// Where the values of a step's vectors lie, from the step's first value ([`weights`]):
+/// 8 consecutive values each, in order, but for Q6_K, whose step is two chunks of 32 that
+/// share their quant bytes, 64 values apart.
+const fn offsets<const N: usize>(k: u8) -> [usize; N] {
+    let mut o = [0; N];
+    let mut v = 0;
+    while v < N {
+        o[v] = if k == Q6_K && v >= 4 {
+            64 + 8 * (v - 4)
+        } else {
+            8 * v
+        };
+        v += 1;
+    }
+    o
+}
+
+/// The first value of step `st` of kind `k`: 32 or 64 per step, or for Q6_K four steps per
+/// super-block, (half n, chunk pair p) at 128 n + 32 p.
+const fn step_start(k: u8, st: usize) -> usize {
+    match k {
+        Q4_K | Q5_K => 64 * st,
+        Q6_K => 256 * (st / 4) + 128 * (st % 4 / 2) + 32 * (st % 2),
+        _ => 32 * st,
+    }
+}
+
+/// Steps per row of kind `k` and `nb` units of 32 values.
+const fn steps(k: u8, nb: usize) -> usize {
+    match k {
+        Q4_K | Q5_K | Q6_K => nb / 2,
+        _ => nb,
+    }
+}
+
+/// The weights of step `st` of the row starting at `row` (kind `K`, `N = step_vecs(K)`
+/// vectors of 8, at [`offsets`] from [`step_start`]), `d * q + mn` from the row's f32
+/// scales `d`, `mn` (`format::row_scales`' layout), each rounded once.
+///
+/// The quants come from bytes widened to 32-bit lanes. A 5th bit becomes 16 without a
+/// shift: `min(bit, 16)` where it sits at bit 4 or above, a compare where it sits below
+/// (shifts share two vector ports with the widening on Zen 3). Q6_K's high nibbles stay in
+/// place, 16 times their value, and take `d / 16` (exact): its two chunks have scales of
+/// their own anyway, and one shift serves both chunks' top bits.
 ///
 /// # Safety
-/// AVX2+FMA+F16C; `row` starts a whole row of geometry `g` and kind `K`;
-/// `st < cols / (8 N)`.
+/// AVX2+FMA+F16C; `row` starts a whole row of geometry `g` and kind `K` whose scales `d`
+/// and `mn` point to; `st < steps(K, nb)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quants<const K: u8, const N: usize>(
+unsafe fn weights<const K: u8, const N: usize>(
     row: *const u8,
     g: RowGeom,
     st: usize,
+    d: *const f32,
+    mn: *const f32,
 ) -> [__m256; N] {
-    let low = _mm256_set1_epi32(15);
+    let low = _mm256_set1_epi32(0x0f);
+    let high = _mm256_set1_epi32(0xf0);
     let sixteen = _mm256_set1_epi32(16);
-    let mut q = [_mm256_setzero_si256(); N];
-    // SAFETY: every byte read lies in step `st` of the row (the caller's contract); the
-    // offsets follow the formats (see format.rs).
+    let lanes =
+        |i: i32| _mm256_setr_epi32(i, i << 1, i << 2, i << 3, i << 4, i << 5, i << 6, i << 7);
+    // Value q (integer lanes) times scale `s` plus `m`.
+    let val = |q: __m256i, s: f32, m: f32| {
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s), _mm256_set1_ps(m))
+    };
+    let mut w = [_mm256_setzero_ps(); N];
+    // SAFETY: every byte read lies in step `st` of the row and every scale in the row's
+    // (the caller's contract); the offsets follow the formats (see format.rs).
     unsafe {
         match K {
             Q4_0 | Q4_1 | Q5_0 => {
+                // Values 0..8, 8..16 in the low nibbles of 16 bytes, 16..24, 24..32 in the
+                // high ones.
                 let qs = row.add(g.qs_off + 16 * st);
                 let (v0, v1) = (u8x8(qs), u8x8(qs.add(8)));
-                // Values 0..8, 8..16 in the low nibbles, 16..24, 24..32 in the high ones.
-                q[0] = _mm256_and_si256(v0, low);
-                q[1] = _mm256_and_si256(v1, low);
-                q[2] = _mm256_srli_epi32::<4>(v0);
-                q[3] = _mm256_srli_epi32::<4>(v1);
+                let mut q = [
+                    _mm256_and_si256(v0, low),
+                    _mm256_and_si256(v1, low),
+                    _mm256_srli_epi32::<4>(v0),
+                    _mm256_srli_epi32::<4>(v1),
+                ];
                 if K == Q5_0 {
-                    // Value i's 5th bit is bit i of qh, wanted at bit 4 of lane i % 8:
-                    // shifted right by i from qh << 4 (values 0..24), by i - 4 from qh for
-                    // values 24..32, whose bits qh << 4 lost.
+                    // Value i's 5th bit is bit i of qh: lane k of vector j tests bit 8j + k.
                     let qh = (row.add(g.qh_off + 4 * st) as *const i32).read_unaligned();
                     let h = _mm256_set1_epi32(qh);
-                    let h4 = _mm256_slli_epi32::<4>(h);
-                    let at = |i: i32| {
-                        _mm256_setr_epi32(i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6, i + 7)
-                    };
+                    let b0 = _mm256_and_si256(h, lanes(1));
+                    let b0 = _mm256_and_si256(_mm256_cmpeq_epi32(b0, lanes(1)), sixteen);
                     let bits = [
-                        _mm256_srlv_epi32(h4, at(0)),
-                        _mm256_srlv_epi32(h4, at(8)),
-                        _mm256_srlv_epi32(h4, at(16)),
-                        _mm256_srlv_epi32(h, at(20)),
+                        b0,
+                        _mm256_min_epu32(_mm256_and_si256(h, lanes(1 << 8)), sixteen),
+                        _mm256_min_epu32(_mm256_and_si256(h, lanes(1 << 16)), sixteen),
+                        _mm256_min_epu32(_mm256_and_si256(h, lanes(1 << 24)), sixteen),
                     ];
                     for (qk, b) in q.iter_mut().zip(bits) {
-                        *qk = _mm256_or_si256(*qk, _mm256_and_si256(b, sixteen));
+                        *qk = _mm256_or_si256(*qk, b);
                     }
+                }
+                let (dd, m) = (*d.add(st), *mn.add(st));
+                for (wk, qk) in w.iter_mut().zip(q) {
+                    *wk = val(qk, dd, m);
                 }
             }
             Q8_0 => {
                 let qs = row.add(g.qs_off + 32 * st);
-                for (k, qk) in q.iter_mut().enumerate() {
-                    *qk = _mm256_cvtepi8_epi32(_mm_loadl_epi64(qs.add(8 * k) as *const __m128i));
+                let dv = _mm256_set1_ps(*d.add(st));
+                for (k, wk) in w.iter_mut().enumerate() {
+                    let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(qs.add(8 * k) as *const __m128i));
+                    *wk = _mm256_mul_ps(_mm256_cvtepi32_ps(q), dv);
                 }
             }
             Q4_K | Q5_K => {
-                // Sub-blocks 2c and 2c + 1 of super-block s: the low and the high nibbles of
+                // Sub-blocks u and u + 1 of super-block s: the low and the high nibbles of
                 // 32 bytes; Q5_K's 5th bits are bits 2c and 2c + 1 of the 32 qh bytes.
                 let (s, c) = (st / 4, st % 4);
                 let bytes = if K == Q5_K {
@@ -230,40 +277,53 @@ unsafe fn quants<const K: u8, const N: usize>(
                 };
                 let blk = row.add(s * bytes);
                 let qs = blk.add(if K == Q5_K { 48 } else { 16 } + 32 * c);
-                let shift = _mm_cvtsi32_si128(2 * c as i32);
+                let u = 2 * st;
+                let (d0, m0, d1, m1) = (*d.add(u), *mn.add(u), *d.add(u + 1), *mn.add(u + 1));
+                let (bit0, bit1) = (
+                    _mm256_set1_epi32(1 << (2 * c)),
+                    _mm256_set1_epi32(2 << (2 * c)),
+                );
                 for k in 0..4 {
                     let v = u8x8(qs.add(8 * k));
-                    q[k] = _mm256_and_si256(v, low);
-                    q[4 + k] = _mm256_srli_epi32::<4>(v);
+                    let mut lo = _mm256_and_si256(v, low);
+                    let mut hi = _mm256_srli_epi32::<4>(v);
                     if K == Q5_K {
-                        let h = _mm256_srl_epi32(u8x8(blk.add(16 + 8 * k)), shift);
-                        let lo = _mm256_and_si256(_mm256_slli_epi32::<4>(h), sixteen);
-                        let hi = _mm256_and_si256(_mm256_slli_epi32::<3>(h), sixteen);
-                        q[k] = _mm256_or_si256(q[k], lo);
-                        q[4 + k] = _mm256_or_si256(q[4 + k], hi);
+                        let h = u8x8(blk.add(16 + 8 * k));
+                        let set0 = _mm256_cmpeq_epi32(_mm256_and_si256(h, bit0), bit0);
+                        let set1 = _mm256_cmpeq_epi32(_mm256_and_si256(h, bit1), bit1);
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(set0, sixteen));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(set1, sixteen));
                     }
+                    w[k] = val(lo, d0, m0);
+                    w[4 + k] = val(hi, d1, m1);
                 }
             }
             Q6_K => {
-                // Chunk k of half n of super-block s: the low (k < 2) or high nibbles of ql
-                // bytes 64 n + 32 (k & 1) .., topped by bits 2k, 2k + 1 of qh bytes 32 n ..
-                let (s, r) = (st / 8, st % 8);
-                let (n, k) = (r / 4, r % 4);
+                // Chunks p and p + 2 of half n of super-block s: the low and the high
+                // nibbles of ql bytes 64 n + 32 p .., topped by bits 2p, 2p + 1 and 2p + 4,
+                // 2p + 5 of qh bytes 32 n ..; one shift by 4 - 2p puts both pairs at bits
+                // 4-5 and 8-9. Sub-blocks of 16: 16 s + 8 n + 2 p (+ 1), and + 4 for p + 2.
+                let (s, n, p) = (st / 4, st % 4 / 2, st % 2);
                 let blk = row.add(s * GgmlKind::Q6K.block_bytes());
-                let (ql, qh) = (blk.add(64 * n + 32 * (k & 1)), blk.add(128 + 32 * n));
-                let nib = _mm_cvtsi32_si128(4 * (k as i32 >> 1));
-                let top = _mm_cvtsi32_si128(2 * k as i32);
-                let two = _mm256_set1_epi32(0x30);
-                for (gq, qk) in q.iter_mut().enumerate() {
-                    let a = _mm256_and_si256(_mm256_srl_epi32(u8x8(ql.add(8 * gq)), nib), low);
-                    let h = _mm256_slli_epi32::<4>(u8x8(qh.add(8 * gq)));
-                    *qk = _mm256_or_si256(a, _mm256_and_si256(_mm256_srl_epi32(h, top), two));
+                let (ql, qh) = (blk.add(64 * n + 32 * p), blk.add(128 + 32 * n));
+                let shift = _mm_cvtsi32_si128(4 - 2 * p as i32);
+                let (top_lo, top_hi) = (_mm256_set1_epi32(0x30), _mm256_set1_epi32(0x300));
+                let t = 16 * s + 8 * n + 2 * p;
+                for k in 0..4 {
+                    let a = u8x8(ql.add(8 * k));
+                    let h = _mm256_sll_epi32(u8x8(qh.add(8 * k)), shift);
+                    let lo = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(h, top_lo));
+                    let hi =
+                        _mm256_or_si256(_mm256_and_si256(a, high), _mm256_and_si256(h, top_hi));
+                    let (u0, u1) = (t + k / 2, t + 4 + k / 2);
+                    w[k] = val(lo, *d.add(u0), *mn.add(u0));
+                    w[4 + k] = val(hi, *d.add(u1) * 0.0625, *mn.add(u1));
                 }
             }
-            _ => unreachable!("kind {K} has no quants"),
+            _ => unreachable!("kind {K} has no weights"),
         }
     }
-    q.map(|v| _mm256_cvtepi32_ps(v))
+    w
 }
 
 /// The tile kernel of `kind`.
@@ -281,7 +341,7 @@ unsafe fn tile<const R: usize, const M: usize>(kind: GgmlKind, t: &Tile) {
             GgmlKind::Q8_0 => direct::<Q8_0, 4, R, M>(t),
             GgmlKind::Q4K => direct::<Q4_K, 8, R, M>(t),
             GgmlKind::Q5K => direct::<Q5_K, 8, R, M>(t),
-            GgmlKind::Q6K => direct::<Q6_K, 4, R, M>(t),
+            GgmlKind::Q6K => direct::<Q6_K, 8, R, M>(t),
         }
     }
 }
@@ -297,25 +357,23 @@ unsafe fn tile<const R: usize, const M: usize>(kind: GgmlKind, t: &Tile) {
 unsafe fn direct<const K: u8, const N: usize, const R: usize, const M: usize>(t: &Tile) {
     debug_assert_eq!(N, step_vecs(K));
     let cols = t.g.nb * BLOCK;
-    let uv = unit_vecs(K);
+    let off = offsets::<N>(K);
     let mut acc = [[[_mm256_setzero_ps(); 2]; M]; R];
-    for st in 0..cols / (8 * N) {
+    for st in 0..steps(K, t.g.nb) {
+        let x0 = step_start(K, st);
         for (j, acc_j) in acc.iter_mut().enumerate() {
-            // SAFETY: st < cols / 8N and j < R, so the step lies in row j of the tile,
-            // its units' scales at N / uv * st .. in row j's; the activations read are values
-            // 8N st .. 8N (st + 1) of rows i < M (caller's contract).
+            // SAFETY: st < steps and j < R, so the step lies in row j of the tile with its
+            // scales at j * sb; the activations read are values x0 + off[v] + 0..8 < cols
+            // of rows i < M (caller's contract).
             unsafe {
-                let q = quants::<K, N>(t.w.add(j * t.g.stride), t.g, st);
-                let at = j * t.g.sb + N / uv * st;
-                let (d, mn) = (t.d.add(at), t.mn.add(at));
-                let w: [__m256; N] = std::array::from_fn(|v| {
-                    let u = v / uv;
-                    _mm256_fmadd_ps(q[v], _mm256_set1_ps(*d.add(u)), _mm256_set1_ps(*mn.add(u)))
-                });
+                let at = j * t.g.sb;
+                let w =
+                    weights::<K, N>(t.w.add(j * t.g.stride), t.g, st, t.d.add(at), t.mn.add(at));
                 for (i, a) in acc_j.iter_mut().enumerate() {
-                    let xs = t.x.add(i * cols + 8 * N * st);
+                    let xs = t.x.add(i * cols + x0);
                     for (v, &wv) in w.iter().enumerate() {
-                        a[v & 1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs.add(8 * v)), a[v & 1]);
+                        let xv = _mm256_loadu_ps(xs.add(off[v]));
+                        a[v & 1] = _mm256_fmadd_ps(wv, xv, a[v & 1]);
                     }
                 }
             }
@@ -363,7 +421,7 @@ unsafe fn dequant(
                 GgmlKind::Q8_0 => fill::<Q8_0, 4>(r, g, d, mn, dst),
                 GgmlKind::Q4K => fill::<Q4_K, 8>(r, g, d, mn, dst),
                 GgmlKind::Q5K => fill::<Q5_K, 8>(r, g, d, mn, dst),
-                GgmlKind::Q6K => fill::<Q6_K, 4>(r, g, d, mn, dst),
+                GgmlKind::Q6K => fill::<Q6_K, 8>(r, g, d, mn, dst),
             }
         }
     }
@@ -382,16 +440,15 @@ unsafe fn fill<const K: u8, const N: usize>(
     mn: *const f32,
     dst: *mut f32,
 ) {
-    let uv = unit_vecs(K);
-    for st in 0..g.nb * BLOCK / (8 * N) {
-        // SAFETY: st < cols / 8N, so the step, its units' scales and the stores at
-        // 8N st + 8v < cols lie in the caller's ranges.
+    let off = offsets::<N>(K);
+    for st in 0..steps(K, g.nb) {
+        // SAFETY: st < steps, so the step, its scales and the stores at
+        // step_start + off[v] + 0..8 < cols lie in the caller's ranges.
         unsafe {
-            let q = quants::<K, N>(row, g, st);
-            for (v, qv) in q.into_iter().enumerate() {
-                let u = st * (N / uv) + v / uv;
-                let w = _mm256_fmadd_ps(qv, _mm256_set1_ps(*d.add(u)), _mm256_set1_ps(*mn.add(u)));
-                _mm256_storeu_ps(dst.add(8 * (N * st + v)), w);
+            let w = weights::<K, N>(row, g, st, d, mn);
+            let at = dst.add(step_start(K, st));
+            for (v, wv) in w.into_iter().enumerate() {
+                _mm256_storeu_ps(at.add(off[v]), wv);
             }
         }
     }
