@@ -6,8 +6,8 @@ use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::panel::Panels;
 use crate::pool::SpinPool;
-use crate::qmatmul::{KernelPath, QMatrix};
-use candle_core::quantized::{GgmlDType, QTensor};
+use crate::qmatmul::{GgmlKind, KernelPath, QMatrix};
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Storage, Tensor};
 use leyline_kv::mem::HugeBuf;
 
@@ -51,9 +51,10 @@ impl F32Weight {
 /// 695-705 / 700-714 / 676-727 tok/s that way against 373-400 / 462-480 / 679-741 through
 /// the f32 GEMM, which must stream four bytes per weight. Elsewhere the dot-product tiles
 /// cross over near 32 rows (1 thread: 24 / 32 / 40 / 64 tokens in 142 / 220 / 260-287 / 421
-/// ms against 179 / 213 / 239-244 / 285 ms through the GEMM).
-pub(crate) fn quantized_max_rows() -> usize {
-    if KernelPath::best() == KernelPath::Avx512 {
+/// ms against 179 / 213 / 239-244 / 285 ms through the GEMM). The bound is that of the path
+/// the kind's products take ([`KernelPath::best_for`]): 32 for a kind without AVX-512 kernels.
+pub(crate) fn quantized_max_rows(kind: GgmlKind) -> usize {
+    if KernelPath::best_for(kind) == KernelPath::Avx512 {
         96
     } else {
         32
@@ -114,9 +115,7 @@ impl Linear {
         b: Option<Tensor>,
     ) -> Result<Self> {
         let q = match q {
-            Some(q) if matches!(q.dtype(), GgmlDType::Q4_1 | GgmlDType::Q8_0) => {
-                Some(QMatrix::from_qtensor(q)?)
-            }
+            Some(q) if GgmlKind::from_dtype(q.dtype()).is_some() => Some(QMatrix::from_qtensor(q)?),
             _ => None,
         };
         let b = match b {
@@ -183,7 +182,7 @@ impl Linear {
     pub fn forward_rows(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         self.check_lengths(x, m, y)?;
         match &self.q {
-            Some(q) if m <= quantized_max_rows() => {
+            Some(q) if m <= quantized_max_rows(q.kind()) => {
                 QMatrix::matmul_concat(SpinPool::global(), x, m, &[q], y)
             }
             _ => match &self.w {
@@ -291,7 +290,7 @@ impl FusedLinear {
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         self.whole.check_lengths(x, m, y)?;
         match &self.q {
-            Some(q) if m <= quantized_max_rows() => {
+            Some(q) if q.iter().all(|p| m <= quantized_max_rows(p.kind())) => {
                 let mats: Vec<&QMatrix> = q.iter().collect();
                 QMatrix::matmul_concat(SpinPool::global(), x, m, &mats, y);
                 self.whole.add_bias(y);
@@ -389,6 +388,7 @@ fn gemm_into(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::quantized::GgmlDType;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
@@ -512,5 +512,64 @@ mod tests {
         )
         .unwrap();
         assert!(FusedLinear::new(vec![narrow, wide]).is_err());
+    }
+
+    #[test]
+    fn every_format_of_the_model_files_decodes_from_its_quantized_blocks() {
+        // The kinds of Qwen2.5's Q4_K_M files (Q4_K, Q6_K, Q5_0, Q8_0) and their families:
+        // each layer and each fused part keeps its blocks, and decode-sized products read
+        // them (equal to the f32 weights' products up to f32 reordering).
+        let (out, inp) = (40, 512);
+        let kinds = [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+        ];
+        let mut parts = Vec::new();
+        let mut refs = Vec::new();
+        for (i, &dt) in kinds.iter().enumerate() {
+            let t = Tensor::from_vec(values(out * inp, 40 + i as u64), (out, inp), &Device::Cpu)
+                .unwrap();
+            let q = QTensor::quantize(&t, dt).unwrap();
+            let w = q.dequantize(&Device::Cpu).unwrap();
+            let mut layer = Linear::from_parts(w.clone(), Some(&q), None).unwrap();
+            let qm = layer.quantized_mut().expect("a quantized form");
+            assert_eq!(Some(qm.kind()), GgmlKind::from_dtype(dt), "{dt:?}");
+            let wv = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for m in [1, 3, 32] {
+                let x = values(m * inp, 50 + m as u64);
+                let mut y = vec![f32::NAN; m * out];
+                layer.forward_rows(&x, m, &mut y).unwrap();
+                let want = reference(&wv, &vec![0.0; out], &x, m, out, inp);
+                for (j, (&got, &exp)) in y.iter().zip(&want).enumerate() {
+                    assert!(
+                        (f64::from(got) - exp).abs() <= 1e-5 * (1.0 + exp.abs()),
+                        "{dt:?} m = {m}, output {j}: {got} vs {exp}"
+                    );
+                }
+            }
+            parts.push(layer);
+            refs.push(wv);
+        }
+        let mut fused = FusedLinear::new(parts).unwrap();
+        assert_eq!(fused.quantized_mut().count(), kinds.len());
+        let width = out * kinds.len();
+        let x = values(inp, 60);
+        let mut y = vec![f32::NAN; width];
+        fused.forward(&x, 1, &mut y).unwrap();
+        for (p, w) in refs.iter().enumerate() {
+            let want = reference(w, &vec![0.0; out], &x, 1, out, inp);
+            for (j, &exp) in want.iter().enumerate() {
+                let got = y[p * out + j];
+                assert!(
+                    (f64::from(got) - exp).abs() <= 1e-5 * (1.0 + exp.abs()),
+                    "fused part {p}, output {j}: {got} vs {exp}"
+                );
+            }
+        }
     }
 }

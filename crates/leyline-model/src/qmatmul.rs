@@ -1,13 +1,17 @@
-//! CPU matrix products with GGML-quantized weights (Q4_1, Q8_0) and f32 activations, for
-//! decode steps and short prefills (up to 96 activation rows with AVX-512, 32 elsewhere).
+//! CPU matrix products with GGML-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
+//! Q6_K) and f32 activations, for decode steps and short prefills (up to 96 activation rows
+//! with AVX-512, 32 elsewhere).
 //!
-//! Design decision: activations stay f32 and each 32-weight block is dequantized in
-//! registers or into an L1 buffer (`w = d * q + m`), so results match the f32-dequantized
-//! weights up to float rounding. Few rows meet a tile of weight rows in dot products, the
+//! Design decision: activations stay f32 and the weights are dequantized in registers or
+//! into an L1 buffer (`w = d * q + m`, every kind reduced to that form with exact f32 scales,
+//! see `format::row_scales`), so results match the f32-dequantized weights up to float
+//! rounding. Few rows meet a tile of weight rows in dot products, the
 //! weights read once per 32 activation rows; from 13 rows, where little of a vector would be
 //! padding, AVX-512 broadcasts each weight against 16 transposed activation rows per vector,
 //! up to 64 rows per pass over the weights. Output rows are split over the threads; the SIMD
-//! path (AVX-512F, AVX2+FMA+F16C, scalar) is chosen at run time.
+//! path (AVX-512F, AVX2+FMA+F16C, scalar) is chosen at run time. AVX-512 kernels exist for
+//! Q4_1 and Q8_0 only; the other kinds run the AVX2 ones on an AVX-512 CPU
+//! ([`KernelPath::best_for`]).
 //!
 //! Files: `format.rs` holds the block formats and the repacked [`QMatrix`]; this file the
 //! products, their threading and the kernel dispatch; `scalar.rs`, `avx2.rs` and `avx512.rs`
@@ -31,6 +35,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(test)]
+mod reference;
+#[cfg(test)]
 mod tests;
 
 /// Below this many weight bytes (times min(m, 4)) a product runs on the calling thread.
@@ -50,7 +56,42 @@ pub enum KernelPath {
 impl KernelPath {
     /// Whether this CPU can run the path (detected once, then cached).
     pub fn is_available(self) -> bool {
-        self <= Self::best()
+        let f = Features::get();
+        match self {
+            KernelPath::Scalar => true,
+            KernelPath::Avx2 => f.avx2_fma_f16c(),
+            KernelPath::Avx512 => f.avx512f,
+        }
+    }
+
+    /// The path the products of a `kind` matrix take on `self`'s request: `self`, or the
+    /// AVX2 path (scalar without AVX2) where `self` is AVX-512 and it has no kernel for
+    /// `kind`.
+    pub fn for_kind(self, kind: GgmlKind) -> Self {
+        if self == KernelPath::Avx512 && !Self::has_avx512_kernels(kind) {
+            if Features::get().avx2_fma_f16c() {
+                KernelPath::Avx2
+            } else {
+                KernelPath::Scalar
+            }
+        } else {
+            self
+        }
+    }
+
+    /// The path the engine's products of a `kind` matrix take on this CPU.
+    pub fn best_for(kind: GgmlKind) -> Self {
+        Self::best().for_kind(kind)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx512_kernels(kind: GgmlKind) -> bool {
+        avx512::has_kernels(kind)
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn has_avx512_kernels(_: GgmlKind) -> bool {
+        false
     }
 
     /// The fastest path this CPU supports, from the [`Features`] detected once.
@@ -86,7 +127,7 @@ impl QMatrix {
         }
         let serial = self.weight_bytes() * m.min(4) < SERIAL_BYTES;
         let mut xt = Vec::new();
-        prepare(None, path, x, m, self.cols, &mut xt);
+        prepare(None, path.for_kind(self.kind), x, m, self.cols, &mut xt);
         let xt = xt.as_slice();
         // Rows per task: about four tasks per thread, a multiple of 4 rows.
         let tile = (self
@@ -147,8 +188,8 @@ impl QMatrix {
             return;
         }
         SCRATCH.with_borrow_mut(|Scratch { xt, yt }| {
-            // One transposition (if the kernel wants one) serves every matrix and thread.
-            if let Some(w) = mats.first() {
+            // One transposition (if a kernel wants one) serves every matrix and thread.
+            if let Some(w) = mats.iter().find(|w| path.for_kind(w.kind) == path) {
                 prepare(Some(pool), path, x, m, w.cols, xt);
             }
             if yt.len() < m * width {
@@ -221,17 +262,19 @@ impl QMatrix {
         assert!(r0 + n <= self.rows && out.len() == n * m && x.len() == m * self.cols);
         let g = Self::geom_of(self.kind, self.cols);
         let rows = &self.data[r0 * g.stride..(r0 + n) * g.stride + SLACK];
-        match path {
+        match path.for_kind(self.kind) {
             KernelPath::Scalar => scalar::rows(self.kind, g, rows, x, m, out),
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx2 => {
-                // SAFETY: `matmul_with` asserted the path is available, i.e. this CPU has
-                // AVX2, FMA and F16C; the slice lengths were asserted above.
+                // SAFETY: the path is AVX2 because `matmul_with` asserted it is available,
+                // `matmul_concat` found it the best, or `for_kind` chose it; each checked that
+                // the CPU has AVX2, FMA and F16C. The slice lengths were asserted above.
                 unsafe { avx2::rows(self.kind, g, rows, x, m, out) }
             }
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx512 => {
-                // SAFETY: as above; the CPU has AVX-512F.
+                // SAFETY: as above, the CPU has AVX-512F; `for_kind` kept the path, so the
+                // module has kernels for this kind.
                 unsafe { avx512::rows(self.kind, g, rows, x, xt, m, out) }
             }
             #[cfg(not(target_arch = "x86_64"))]

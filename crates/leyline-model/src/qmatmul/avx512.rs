@@ -1,11 +1,17 @@
 //! The AVX-512F kernels: dot-product tiles for few activation rows, and broadcast tiles
-//! against transposed activations (16 rows per vector) for many.
+//! against transposed activations (16 rows per vector) for many. Q4_1 and Q8_0 only:
+//! `rows_into` sends the other kinds to the AVX2 kernels ([`has_kernels`]).
 
 use super::format::{GgmlKind, RowGeom, BLOCK, SLACK};
 use super::tile::{prefetch_past_tile, Tile, DIRECT_MAX_M};
 use std::arch::x86_64::*;
 
 tile_driver!(tiled_rows, "avx512f", 4, 4, scales);
+
+/// Whether this module has kernels for `kind`.
+pub(super) fn has_kernels(kind: GgmlKind) -> bool {
+    matches!(kind, GgmlKind::Q4_1 | GgmlKind::Q8_0)
+}
 
 /// Whether [`rows`] broadcasts weights against transposed activations ([`bcast_rows`])
 /// instead of running dot-product tiles: above 32 rows, and from 13 rows when at most a
@@ -149,7 +155,7 @@ unsafe fn bcast_rows(
                     scales(
                         kind,
                         g,
-                        rows.as_ptr().add((r + j) * g.stride),
+                        &rows[(r + j) * g.stride..],
                         j,
                         &mut dbuf,
                         &mut mbuf,
@@ -269,24 +275,27 @@ unsafe fn bcast<const Q41: bool, const R: usize, const V: usize>(t: &Tile, mask:
     }
 }
 
-/// Converts the f16 scales of the row at `row` into `dbuf[j * sb..]`, `mbuf[j * sb..]`.
+/// Converts the f16 scales of the row starting `row` into `dbuf[j * sb..]`, `mbuf[j * sb..]`.
 ///
 /// # Safety
-/// AVX-512F; `row` is a row start with at least `4 * nb + 32` readable bytes (the row
-/// or the slack), `(j + 1) * sb <= dbuf.len(), mbuf.len()`.
+/// AVX-512F; `kind` is Q4_1 or Q8_0; `(j + 1) * sb <= dbuf.len(), mbuf.len()`.
 #[target_feature(enable = "avx512f")]
 unsafe fn scales(
     kind: GgmlKind,
     g: RowGeom,
-    row: *const u8,
+    row: &[u8],
     j: usize,
     dbuf: &mut [f32],
     mbuf: &mut [f32],
 ) {
+    assert!(has_kernels(kind));
     assert!((j + 1) * g.sb <= dbuf.len() && (j + 1) * g.sb <= mbuf.len());
+    // The loads read 32 bytes at 2k and (Q4_1) 2nb + 2k for k < nb, k a multiple of 16.
+    assert!(row.len() >= 4 * g.nb.next_multiple_of(16));
+    let row = row.as_ptr();
     for k in (0..g.nb).step_by(16) {
-        // SAFETY: k < nb, so bytes row + 2k .. + 32 (and row + 2nb + 2k .. + 32) lie in
-        // the caller's range; k + 16 <= sb, so the stores stay in row j's buffers.
+        // SAFETY: the loads lie in `row` (asserted above); k + 16 <= sb, so the stores stay
+        // in row j's buffers.
         unsafe {
             let h = _mm256_loadu_si256(row.add(2 * k) as *const __m256i);
             _mm512_storeu_ps(dbuf.as_mut_ptr().add(j * g.sb + k), _mm512_cvtph_ps(h));
@@ -377,24 +386,20 @@ unsafe fn direct<const Q41: bool, const R: usize, const M: usize>(t: &Tile) {
     }
 }
 
-/// [`direct`] for Q4_1 rows.
+/// [`direct`] for `kind`'s rows.
 ///
 /// # Safety
-/// As [`direct`].
+/// As [`direct`]; `kind` is Q4_1 or Q8_0.
 #[target_feature(enable = "avx512f")]
-unsafe fn q4_1<const R: usize, const M: usize>(t: &Tile) {
+unsafe fn tile<const R: usize, const M: usize>(kind: GgmlKind, t: &Tile) {
     // SAFETY: the caller's contract is `direct`'s.
-    unsafe { direct::<true, R, M>(t) }
-}
-
-/// [`direct`] for Q8_0 rows.
-///
-/// # Safety
-/// As [`direct`].
-#[target_feature(enable = "avx512f")]
-unsafe fn q8_0<const R: usize, const M: usize>(t: &Tile) {
-    // SAFETY: the caller's contract is `direct`'s.
-    unsafe { direct::<false, R, M>(t) }
+    unsafe {
+        match kind {
+            GgmlKind::Q4_1 => direct::<true, R, M>(t),
+            GgmlKind::Q8_0 => direct::<false, R, M>(t),
+            _ => unreachable!("no AVX-512 kernel for {kind:?}"),
+        }
+    }
 }
 
 /// Dequantizes `rt` rows starting at `row` into `wbuf: [rt, cols]`, with the f32 scales
@@ -425,6 +430,7 @@ unsafe fn dequant(
                 let w = match kind {
                     GgmlKind::Q4_1 => block_values::<true>(qp, d, mn),
                     GgmlKind::Q8_0 => block_values::<false>(qp, d, mn),
+                    _ => unreachable!("no AVX-512 kernel for {kind:?}"),
                 };
                 _mm512_storeu_ps(dst, w[0]);
                 _mm512_storeu_ps(dst.add(16), w[1]);

@@ -1,48 +1,115 @@
-//! The weight formats: GGML's Q4_1 and Q8_0 blocks, and [`QMatrix`], a matrix of them
-//! repacked into one stream per row (scales first, then quant bytes), on its own or on
-//! huge pages shared by a model's matrices.
+//! The weight formats: GGML's Q4_0, Q4_1, Q5_0 and Q8_0 blocks of 32 and its K-quant
+//! super-blocks of 256 (Q4_K, Q5_K, Q6_K), and [`QMatrix`], a matrix of them with one stream
+//! per row, on its own or on huge pages shared by a model's matrices. Blocks of 32 are
+//! repacked (scales first, then quant bytes); K-quant rows keep GGML's super-blocks as they are.
 
 use crate::error::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
+use half::f16;
 use leyline_kv::mem::HugeBuf;
 use std::ops::Deref;
 use std::sync::Arc;
 
-/// Values per GGML block (both supported kinds).
+/// Values per unit the kernels walk: a GGML block of 32, or a K-quant sub-block of 32 (two of
+/// Q6_K's sub-blocks of 16).
 pub(super) const BLOCK: usize = 32;
+/// Values per K-quant super-block.
+pub(super) const SUPER: usize = 256;
 /// Zero bytes after the last row, so 16-wide f16 scale loads may run past a row's scales.
 pub(super) const SLACK: usize = 64;
 
-/// The quantized weight formats [`QMatrix`] accepts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The quantized weight formats [`QMatrix`] accepts. `d`, `dmin` and `m` below are f16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgmlKind {
-    /// Blocks of 32: f16 scale `d`, f16 minimum `m`, 16 bytes of nibbles; `w = d * q + m`.
+    /// Blocks of 32: scale `d`, 16 bytes of nibbles (low: values 0..16, high: 16..32);
+    /// `w = d * (q - 8)`.
+    Q4_0,
+    /// Blocks of 32: scale `d`, minimum `m`, 16 bytes of nibbles as Q4_0; `w = d * q + m`.
     Q4_1,
-    /// Blocks of 32: f16 scale `d`, 32 signed bytes; `w = d * q`.
+    /// Blocks of 32: scale `d`, 4 bytes `qh` (bit `i` is value `i`'s 5th bit), 16 bytes of
+    /// nibbles as Q4_0; `w = d * (q - 16)`.
+    Q5_0,
+    /// Blocks of 32: scale `d`, 32 signed bytes; `w = d * q`.
     Q8_0,
+    /// Super-blocks of 256: `d`, `dmin`, 12 bytes packing eight 6-bit scales `sc` and mins
+    /// `mn`, 128 bytes of nibbles (per 64 values, 32 bytes: low nibbles the first sub-block
+    /// of 32, high the second); `w = d * sc * q - dmin * mn`.
+    Q4K,
+    /// Super-blocks of 256: as Q4_K, then 32 bytes `qh` before the nibbles (bit `j` of byte
+    /// `l` is the 5th bit of value `l` of sub-block `j`).
+    Q5K,
+    /// Super-blocks of 256: 128 bytes of low nibbles `ql`, 64 bytes of high 2-bit pairs `qh`,
+    /// 16 signed 8-bit scales (one per 16 values), then `d`; `w = d * sc * (q - 32)`.
+    Q6K,
 }
 
 impl GgmlKind {
-    /// Bytes of one GGML block.
+    /// Every kind, for tests and benchmarks.
+    pub const ALL: [GgmlKind; 7] = [
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q8_0,
+        Self::Q4K,
+        Self::Q5K,
+        Self::Q6K,
+    ];
+
+    /// Bytes of one GGML block (super-block for the K-quants).
     pub const fn block_bytes(self) -> usize {
         match self {
+            Self::Q4_0 => 18,
             Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
             Self::Q8_0 => 34,
+            Self::Q4K => 144,
+            Self::Q5K => 176,
+            Self::Q6K => 210,
         }
     }
 
-    /// Bytes of quant values (without scales) per block.
+    /// Values per GGML block: 32, or 256 for the K-quants.
+    pub const fn block_len(self) -> usize {
+        match self {
+            Self::Q4K | Self::Q5K | Self::Q6K => SUPER,
+            _ => BLOCK,
+        }
+    }
+
+    /// Whether this is a K-quant (super-blocks of 256).
+    pub(super) const fn is_k(self) -> bool {
+        self.block_len() == SUPER
+    }
+
+    /// The kind of a candle dtype, if [`QMatrix`] supports it.
+    pub fn from_dtype(dtype: GgmlDType) -> Option<Self> {
+        Some(match dtype {
+            GgmlDType::Q4_0 => Self::Q4_0,
+            GgmlDType::Q4_1 => Self::Q4_1,
+            GgmlDType::Q5_0 => Self::Q5_0,
+            GgmlDType::Q8_0 => Self::Q8_0,
+            GgmlDType::Q4K => Self::Q4K,
+            GgmlDType::Q5K => Self::Q5K,
+            GgmlDType::Q6K => Self::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Bytes of quant values (without scales) per block of 32 (Q4_0, Q4_1, Q5_0's nibbles,
+    /// Q8_0); 0 for the K-quants, whose rows are not repacked.
     pub(super) const fn qs_bytes(self) -> usize {
         match self {
-            Self::Q4_1 => 16,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 => 16,
             Self::Q8_0 => 32,
+            Self::Q4K | Self::Q5K | Self::Q6K => 0,
         }
     }
 }
 
-/// One quantized weight matrix `[rows = out_features, cols = in_features]`, repacked from
-/// GGML blocks so each row is one stream of the same size: `nb` f16 scales `d`, then (Q4_1)
-/// `nb` f16 minimums `m`, then the `nb` blocks' quant bytes as GGML stores them.
+/// One quantized weight matrix `[rows = out_features, cols = in_features]`, one stream of the
+/// same size per row. Q4_0, Q4_1, Q5_0 and Q8_0 rows are repacked: the `nb` f16 scales `d`,
+/// then (Q4_1) the `nb` f16 minimums `m` or (Q5_0) the `nb` 4-byte `qh`, then the blocks'
+/// quant bytes as GGML stores them. K-quant rows are GGML's super-blocks as they are.
 #[derive(Debug, Clone)]
 pub struct QMatrix {
     pub(super) kind: GgmlKind,
@@ -77,30 +144,97 @@ impl Deref for Bytes {
 /// Geometry of a row, shared by the kernels.
 #[derive(Clone, Copy)]
 pub(super) struct RowGeom {
-    /// Blocks per row.
+    /// Units of 32 values per row (`cols / 32`).
     pub(super) nb: usize,
     /// Bytes per row.
     pub(super) stride: usize,
-    /// Offset of the quant bytes in a row.
+    /// Offset of the quant bytes in a repacked row (0 for the K-quants).
     pub(super) qs_off: usize,
-    /// Floats per row in the scale buffers (`nb` rounded up to 16).
+    /// Offset of Q5_0's `qh` words in a row (0 for the other kinds).
+    pub(super) qh_off: usize,
+    /// Floats per row in the scale buffers of [`row_scales`] (its count rounded up to 16).
     pub(super) sb: usize,
+}
+
+/// The eight 6-bit scales and eight 6-bit mins of a Q4_K / Q5_K super-block, from its 12
+/// packed bytes `p`: sub-blocks 0..4 keep theirs in the low 6 bits of bytes 0..4 (scales) and
+/// 4..8 (mins); sub-blocks 4..8 keep their low 4 bits in bytes 8..12 (scale in the low
+/// nibble, min in the high one) and their top 2 bits in the top 2 bits of bytes 0..4
+/// (scales) and 4..8 (mins).
+pub(super) fn k_scales_mins(p: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
+    for j in 0..4 {
+        sc[j] = p[j] & 63;
+        mn[j] = p[j + 4] & 63;
+        sc[j + 4] = (p[j + 8] & 15) | ((p[j] >> 6) << 4);
+        mn[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    }
+    (sc, mn)
+}
+
+/// f16 at `p[i..i + 2]` as f32.
+fn half_at(p: &[u8], i: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([p[i], p[i + 1]])).to_f32()
+}
+
+/// The f32 scales of one row of geometry `g`: value `v` of the row is `d[k] * q + mn[k]`
+/// with `k = v / 16` for Q6_K, `v / 32` otherwise, and `q` the stored quant as an unsigned
+/// integer (Q4_0, Q4_1, Q4_K: 0..16; Q5_0, Q5_K: 0..32 with the 5th bit; Q6_K: 0..64) or
+/// Q8_0's signed byte. Every `d[k]` and `mn[k]` is exact in f32 (an f16 times an integer of
+/// at most 8 bits), and so is `d[k] * q` (at most 24 significant bits): a kernel computing
+/// `d * q + mn` rounds each weight once, to the f32 nearest the format's value.
+pub(super) fn row_scales(kind: GgmlKind, g: RowGeom, row: &[u8], d: &mut [f32], mn: &mut [f32]) {
+    match kind {
+        GgmlKind::Q4_0 | GgmlKind::Q4_1 | GgmlKind::Q5_0 | GgmlKind::Q8_0 => {
+            for b in 0..g.nb {
+                d[b] = half_at(row, 2 * b);
+                mn[b] = match kind {
+                    GgmlKind::Q4_0 => -8.0 * d[b],
+                    GgmlKind::Q4_1 => half_at(row, 2 * g.nb + 2 * b),
+                    GgmlKind::Q5_0 => -16.0 * d[b],
+                    _ => 0.0,
+                };
+            }
+        }
+        GgmlKind::Q4K | GgmlKind::Q5K => {
+            for (s, blk) in row.chunks_exact(kind.block_bytes()).enumerate() {
+                let (dd, dmin) = (half_at(blk, 0), half_at(blk, 2));
+                let (sc, mins) = k_scales_mins(&blk[4..16]);
+                for j in 0..8 {
+                    d[8 * s + j] = dd * f32::from(sc[j]);
+                    mn[8 * s + j] = -dmin * f32::from(mins[j]);
+                }
+            }
+        }
+        GgmlKind::Q6K => {
+            for (s, blk) in row.chunks_exact(kind.block_bytes()).enumerate() {
+                let dd = half_at(blk, 208);
+                for j in 0..16 {
+                    let v = dd * f32::from(blk[192 + j] as i8);
+                    d[16 * s + j] = v;
+                    mn[16 * s + j] = -32.0 * v;
+                }
+            }
+        }
+    }
 }
 
 impl QMatrix {
     /// Repacks raw GGML block bytes of a `[rows, cols]` matrix (row-major blocks).
     ///
     /// # Errors
-    /// [`ModelError::Input`] when `cols` is not a multiple of 32 or `raw` has the wrong length.
+    /// [`ModelError::Input`] when `cols` is not a positive multiple of the kind's block
+    /// length (32, or 256 for the K-quants) or `raw` has the wrong length.
     pub fn from_ggml(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        if cols == 0 || !cols.is_multiple_of(BLOCK) {
+        let len = kind.block_len();
+        if cols == 0 || !cols.is_multiple_of(len) {
             return Err(ModelError::Input(format!(
-                "quantized matrix: {cols} columns is not a positive multiple of {BLOCK}"
+                "quantized matrix {kind:?}: {cols} columns is not a positive multiple of {len}"
             )));
         }
         let nb = cols / BLOCK;
         let want = rows
-            .checked_mul(nb)
+            .checked_mul(cols / len)
             .and_then(|b| b.checked_mul(kind.block_bytes()))
             .ok_or_else(|| ModelError::Input("quantized matrix: size overflows".into()))?;
         if raw.len() != want {
@@ -111,23 +245,29 @@ impl QMatrix {
         }
         let mut data = vec![0u8; want + SLACK];
         let g = Self::geom_of(kind, cols);
-        let qb = kind.qs_bytes();
-        for (r, (src, dst)) in raw
-            .chunks_exact(g.stride)
-            .zip(data.chunks_exact_mut(g.stride))
-            .enumerate()
-        {
-            debug_assert!(r < rows);
-            for (b, blk) in src.chunks_exact(kind.block_bytes()).enumerate() {
-                dst[2 * b..2 * b + 2].copy_from_slice(&blk[0..2]);
-                let q = match kind {
-                    GgmlKind::Q4_1 => {
-                        dst[2 * nb + 2 * b..2 * nb + 2 * b + 2].copy_from_slice(&blk[2..4]);
-                        &blk[4..20]
-                    }
-                    GgmlKind::Q8_0 => &blk[2..34],
-                };
-                dst[g.qs_off + b * qb..g.qs_off + (b + 1) * qb].copy_from_slice(q);
+        if kind.is_k() {
+            data[..want].copy_from_slice(raw);
+        } else {
+            let qb = kind.qs_bytes();
+            for (src, dst) in raw
+                .chunks_exact(g.stride)
+                .zip(data.chunks_exact_mut(g.stride))
+            {
+                for (b, blk) in src.chunks_exact(kind.block_bytes()).enumerate() {
+                    dst[2 * b..2 * b + 2].copy_from_slice(&blk[0..2]);
+                    let q = match kind {
+                        GgmlKind::Q4_1 => {
+                            dst[2 * nb + 2 * b..2 * nb + 2 * b + 2].copy_from_slice(&blk[2..4]);
+                            &blk[4..20]
+                        }
+                        GgmlKind::Q5_0 => {
+                            dst[g.qh_off + 4 * b..g.qh_off + 4 * b + 4].copy_from_slice(&blk[2..6]);
+                            &blk[6..22]
+                        }
+                        _ => &blk[2..],
+                    };
+                    dst[g.qs_off + b * qb..g.qs_off + (b + 1) * qb].copy_from_slice(q);
+                }
             }
         }
         Ok(Self {
@@ -167,20 +307,19 @@ impl QMatrix {
         }
     }
 
-    /// Repacks a 2-D Q4_1 or Q8_0 [`QTensor`] of shape `[rows, cols]`.
+    /// Repacks a 2-D [`QTensor`] of shape `[rows, cols]` of a kind [`GgmlKind::from_dtype`]
+    /// knows.
     ///
     /// # Errors
     /// Another dtype or rank, or unreadable data.
     pub fn from_qtensor(t: &QTensor) -> Result<Self> {
-        let kind = match t.dtype() {
-            GgmlDType::Q4_1 => GgmlKind::Q4_1,
-            GgmlDType::Q8_0 => GgmlKind::Q8_0,
-            other => {
-                return Err(ModelError::Input(format!(
-                    "quantized matrix: dtype {other:?} is not supported (Q4_1, Q8_0)"
-                )))
-            }
-        };
+        let kind = GgmlKind::from_dtype(t.dtype()).ok_or_else(|| {
+            ModelError::Input(format!(
+                "quantized matrix: dtype {:?} is not supported (Q4_0, Q4_1, Q5_0, Q8_0, \
+                 Q4_K, Q5_K, Q6_K)",
+                t.dtype()
+            ))
+        })?;
         let (rows, cols) = t.shape().dims2()?;
         let data = t.data()?;
         Self::from_ggml(kind, &data, rows, cols)
@@ -188,16 +327,20 @@ impl QMatrix {
 
     pub(super) fn geom_of(kind: GgmlKind, cols: usize) -> RowGeom {
         let nb = cols / BLOCK;
-        let scales = if kind == GgmlKind::Q4_1 {
-            4 * nb
-        } else {
-            2 * nb
+        let stride = cols / kind.block_len() * kind.block_bytes();
+        let (qs_off, qh_off) = match kind {
+            GgmlKind::Q4_1 => (4 * nb, 0),
+            GgmlKind::Q5_0 => (6 * nb, 2 * nb),
+            GgmlKind::Q4_0 | GgmlKind::Q8_0 => (2 * nb, 0),
+            GgmlKind::Q4K | GgmlKind::Q5K | GgmlKind::Q6K => (0, 0),
         };
+        let scales = if kind == GgmlKind::Q6K { 2 * nb } else { nb };
         RowGeom {
             nb,
-            stride: nb * kind.block_bytes(),
-            qs_off: scales,
-            sb: nb.div_ceil(16) * 16,
+            stride,
+            qs_off,
+            qh_off,
+            sb: scales.div_ceil(16) * 16,
         }
     }
 
@@ -218,6 +361,6 @@ impl QMatrix {
 
     /// Bytes the weights take in GGML form (what a product must read).
     pub fn weight_bytes(&self) -> usize {
-        self.rows * (self.cols / BLOCK) * self.kind.block_bytes()
+        self.rows * (self.cols / self.kind.block_len()) * self.kind.block_bytes()
     }
 }

@@ -20,19 +20,30 @@ impl Rng {
     }
 }
 
-/// Random GGML bytes of a `[rows, cols]` matrix.
+/// Random GGML bytes of a `[rows, cols]` matrix: finite f16 scales of either sign, every
+/// other byte random (K-quant scale bytes included, so every 6-bit field takes all values).
 fn random_ggml(kind: GgmlKind, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    let mut raw = Vec::with_capacity(rows * cols / 32 * kind.block_bytes());
-    for _ in 0..rows * cols / 32 {
-        let d = f16::from_f32(rng.unit() * 0.05);
-        raw.extend_from_slice(&d.to_bits().to_le_bytes());
+    let blocks = rows * cols / kind.block_len();
+    let mut raw = Vec::with_capacity(blocks * kind.block_bytes());
+    let half =
+        |rng: &mut Rng, scale: f32| f16::from_f32(rng.unit() * scale).to_bits().to_le_bytes();
+    for _ in 0..blocks {
+        let start = raw.len();
+        raw.extend((0..kind.block_bytes()).map(|_| rng.next() as u8));
+        let blk = &mut raw[start..];
         match kind {
-            GgmlKind::Q4_1 => {
-                let m = f16::from_f32(rng.unit() * 0.4);
-                raw.extend_from_slice(&m.to_bits().to_le_bytes());
-                raw.extend((0..16).map(|_| rng.next() as u8));
+            GgmlKind::Q4_0 | GgmlKind::Q5_0 | GgmlKind::Q8_0 => {
+                blk[0..2].copy_from_slice(&half(rng, 0.05))
             }
-            GgmlKind::Q8_0 => raw.extend((0..32).map(|_| rng.next() as u8)),
+            GgmlKind::Q4_1 => {
+                blk[0..2].copy_from_slice(&half(rng, 0.05));
+                blk[2..4].copy_from_slice(&half(rng, 0.4));
+            }
+            GgmlKind::Q4K | GgmlKind::Q5K => {
+                blk[0..2].copy_from_slice(&half(rng, 0.002));
+                blk[2..4].copy_from_slice(&half(rng, 0.005));
+            }
+            GgmlKind::Q6K => blk[208..210].copy_from_slice(&half(rng, 0.0005)),
         }
     }
     raw
@@ -40,27 +51,12 @@ fn random_ggml(kind: GgmlKind, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u
 
 /// Dequantizes GGML bytes straight from the format description, in f64.
 fn dequant_ref(kind: GgmlKind, raw: &[u8]) -> Vec<f64> {
-    let mut w = Vec::new();
-    for blk in raw.chunks_exact(kind.block_bytes()) {
-        let d = f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f64();
-        match kind {
-            GgmlKind::Q4_1 => {
-                let m = f16::from_bits(u16::from_le_bytes([blk[2], blk[3]])).to_f64();
-                let mut vals = [0f64; 32];
-                for j in 0..16 {
-                    vals[j] = d * f64::from(blk[4 + j] & 0x0f) + m;
-                    vals[j + 16] = d * f64::from(blk[4 + j] >> 4) + m;
-                }
-                w.extend_from_slice(&vals);
-            }
-            GgmlKind::Q8_0 => w.extend(blk[2..34].iter().map(|&q| d * f64::from(q as i8))),
-        }
-    }
-    w
+    reference::dequantize(kind, raw)
 }
 
-/// Checks `y` against `x W^T` in f64: |y - ref| <= gamma(cols + 2) * sum |w x|, the
-/// classic bound for f32 sums of products in any order (u = 2^-24), plus a tiny floor.
+/// Checks `y` against `x W^T` in f64: |y - ref| <= gamma(cols + 2) * sum |w x|, the classic
+/// bound for f32 sums of products in any order (u = 2^-24), plus a tiny floor. The kernels'
+/// weights are the format's values rounded once to f32 (`format::row_scales`), the "+ 2".
 fn check(w: &[f64], rows: usize, cols: usize, x: &[f32], m: usize, y: &[f32], what: &str) {
     let u = f64::powi(2.0, -24);
     let n = (cols + 2) as f64;
@@ -91,16 +87,24 @@ fn paths() -> Vec<KernelPath> {
         .collect()
 }
 
+/// Shapes with odd row counts (not multiples of the 2- and 4-row tiles) and several widths.
+fn shapes(kind: GgmlKind) -> &'static [(usize, usize)] {
+    if kind.block_len() == 256 {
+        &[(37, 256), (130, 768), (5, 4864), (64, 512)]
+    } else {
+        &[(192, 576), (1000, 576), (37, 1536), (64, 32), (5, 2080)]
+    }
+}
+
 #[test]
 fn every_path_matches_the_f64_reference() {
     let mut rng = Rng(7);
-    let shapes = [(192, 576), (1000, 576), (37, 1536), (64, 32), (5, 2080)];
-    for kind in [GgmlKind::Q4_1, GgmlKind::Q8_0] {
-        for &(rows, cols) in &shapes {
+    for kind in GgmlKind::ALL {
+        for &(rows, cols) in shapes(kind) {
             let raw = random_ggml(kind, rows, cols, &mut rng);
             let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
             let w = dequant_ref(kind, &raw);
-            for m in [1, 3, 6, 9, 16, 24, 33, 70] {
+            for m in [1, 2, 3, 4, 5, 6, 9, 16, 24, 33, 70] {
                 let x: Vec<f32> = (0..m * cols).map(|_| rng.unit()).collect();
                 for path in paths() {
                     let mut y = vec![f32::NAN; m * rows];
@@ -120,6 +124,177 @@ fn every_path_matches_the_f64_reference() {
     }
 }
 
+/// Raw bytes of one block of each kind with hand-picked fields, and values of it worked out
+/// by hand from the format definitions: `(index, value)`.
+fn hand_built(kind: GgmlKind) -> (Vec<u8>, Vec<(usize, f64)>) {
+    let h = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
+    let mut b = vec![0u8; kind.block_bytes()];
+    let known = match kind {
+        GgmlKind::Q4_0 => {
+            // d = 0.5; byte j holds j (low) and 15 - j (high): w = d (q - 8).
+            b[0..2].copy_from_slice(&h(0.5));
+            for j in 0..16 {
+                b[2 + j] = j as u8 | ((15 - j as u8) << 4);
+            }
+            vec![(0, -4.0), (9, 0.5), (15, 3.5), (16, 3.5), (31, -4.0)]
+        }
+        GgmlKind::Q4_1 => {
+            // d = 0.5, m = -1; byte 2 = 0x3c: value 2 is 12, value 18 is 3.
+            b[0..2].copy_from_slice(&h(0.5));
+            b[2..4].copy_from_slice(&h(-1.0));
+            b[4 + 2] = 0x3c;
+            vec![(2, 5.0), (18, 0.5), (0, -1.0)]
+        }
+        GgmlKind::Q5_0 => {
+            // d = 0.25; qh bits 0 and 31; byte 0 = 0xf3: value 0 is 3 + 16, value 16 is 15,
+            // value 31 is 0 + 16, value 1 is 0: w = d (q - 16).
+            b[0..2].copy_from_slice(&h(0.25));
+            b[2..6].copy_from_slice(&0x8000_0001u32.to_le_bytes());
+            b[6] = 0xf3;
+            vec![(0, 0.75), (16, -0.25), (31, 0.0), (1, -4.0), (15, -4.0)]
+        }
+        GgmlKind::Q8_0 => {
+            b[0..2].copy_from_slice(&h(0.125));
+            b[2] = 0x80;
+            b[33] = 7;
+            vec![(0, -16.0), (31, 0.875), (1, 0.0)]
+        }
+        GgmlKind::Q4K | GgmlKind::Q5K => {
+            // d = 2, dmin = 1. Sub-block 0: scale 1, min 2 (bytes 4 + 0, 4 + 4). Sub-block 5:
+            // scale 33 = 0b10_0001 (low bits in byte 4 + 9's low nibble, top bits in byte
+            // 4 + 1's top 2), min 50 = 0b11_0010 (byte 4 + 9's high nibble, byte 4 + 5's top).
+            b[0..2].copy_from_slice(&h(2.0));
+            b[2..4].copy_from_slice(&h(1.0));
+            b[4] = 1;
+            b[4 + 1] = 0b1000_0000;
+            b[4 + 4] = 2;
+            b[4 + 5] = 0b1100_0000;
+            b[4 + 9] = (2 << 4) | 1;
+            // Nibbles: sub-blocks 4 and 5 share bytes 64..96 (low: 4, high: 5).
+            let qs = if kind == GgmlKind::Q5K { 48 } else { 16 };
+            b[qs] = 0x07; // value 0: q = 7
+            b[qs + 64 + 3] = 0xa0; // value 5 * 32 + 3: q = 10; value 4 * 32 + 3: q = 0
+            if kind == GgmlKind::Q4K {
+                // w = d sc q - dmin m.
+                vec![(0, 12.0), (1, -2.0), (163, 610.0), (131, 0.0), (160, -50.0)]
+            } else {
+                // 5th bits: qh byte l, bit j for value l of sub-block j.
+                b[16] = 1; // value 0: q = 7 + 16
+                b[16 + 3] = 1 << 5; // value 163: q = 10 + 16
+                vec![
+                    (0, 44.0),
+                    (1, -2.0),
+                    (163, 1666.0),
+                    (131, 0.0),
+                    (160, -50.0),
+                ]
+            }
+        }
+        GgmlKind::Q6K => {
+            // d = 0.5; scales 3 (values 0..16), 1 (16..32), -2 (208..224); w = d sc (q - 32).
+            b[208..210].copy_from_slice(&h(0.5));
+            b[192] = 3;
+            b[193] = 1;
+            b[192 + 13] = (-2i8) as u8;
+            // Value 0: low nibble of ql[0] = 15, bits 0-1 of qh[0] = 2: q = 47.
+            b[0] = 0x0f;
+            b[128] = 0b10;
+            // Value 213 (half 1, chunk 2, l = 21): high nibble of ql[64 + 21] = 3, bits 4-5
+            // of qh[32 + 21] = 1: q = 19.
+            b[64 + 21] = 0x30;
+            b[128 + 32 + 21] = 0b01_0000;
+            vec![(0, 22.5), (213, 13.0), (16, -16.0), (1, -48.0), (100, 0.0)]
+        }
+    };
+    (b, known)
+}
+
+#[test]
+fn hand_built_blocks_have_their_known_values() {
+    for kind in GgmlKind::ALL {
+        let (raw, known) = hand_built(kind);
+        let w = dequant_ref(kind, &raw);
+        for &(i, v) in &known {
+            assert_eq!(w[i], v, "{kind:?} reference, value {i}");
+        }
+        // Through the kernels: one row, activation rows that pick single columns.
+        let cols = kind.block_len();
+        let qm = QMatrix::from_ggml(kind, &raw, 1, cols).unwrap();
+        let m = known.len();
+        let mut x = vec![0f32; m * cols];
+        for (r, &(i, _)) in known.iter().enumerate() {
+            x[r * cols + i] = 1.0;
+        }
+        for path in paths() {
+            let mut y = vec![f32::NAN; m];
+            qm.matmul_with(path, &x, m, &mut y);
+            for (&got, &(i, v)) in y.iter().zip(&known) {
+                assert_eq!(f64::from(got), v, "{kind:?} {path:?}, value {i}");
+            }
+        }
+    }
+}
+
+#[test]
+fn reference_matches_candle_dequantization() {
+    // Candle's dequantizers (an independent implementation) compute each value in f32 with
+    // exact products and at most one rounded addition, so they give the f64 value rounded to
+    // the nearest f32: equality, not a tolerance.
+    let mut rng = Rng(23);
+    for kind in GgmlKind::ALL {
+        let dtype = match kind {
+            GgmlKind::Q4_0 => GgmlDType::Q4_0,
+            GgmlKind::Q4_1 => GgmlDType::Q4_1,
+            GgmlKind::Q5_0 => GgmlDType::Q5_0,
+            GgmlKind::Q8_0 => GgmlDType::Q8_0,
+            GgmlKind::Q4K => GgmlDType::Q4K,
+            GgmlKind::Q5K => GgmlDType::Q5K,
+            GgmlKind::Q6K => GgmlDType::Q6K,
+        };
+        assert_eq!(GgmlKind::from_dtype(dtype), Some(kind));
+        let (rows, cols) = (9, 1024);
+        let raw = random_ggml(kind, rows, cols, &mut rng);
+        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(
+            dtype,
+            &raw,
+            vec![rows, cols],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let theirs: Vec<f32> = t
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let ours = dequant_ref(kind, &raw);
+        assert_eq!(ours.len(), theirs.len());
+        for (i, (&a, &b)) in ours.iter().zip(&theirs).enumerate() {
+            assert_eq!(a as f32, b, "{kind:?} value {i}: reference {a}, candle {b}");
+        }
+        // And the hand-built block.
+        let (raw, _) = hand_built(kind);
+        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(
+            dtype,
+            &raw,
+            vec![1, kind.block_len()],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let theirs: Vec<f32> = t
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (i, (&a, &b)) in dequant_ref(kind, &raw).iter().zip(&theirs).enumerate() {
+            assert_eq!(a as f32, b, "{kind:?} hand-built value {i}");
+        }
+    }
+}
+
 #[test]
 fn matrices_on_shared_pages_keep_their_products() {
     let mut rng = Rng(13);
@@ -127,7 +302,10 @@ fn matrices_on_shared_pages_keep_their_products() {
     let specs = [
         (GgmlKind::Q4_1, 37, 1536),
         (GgmlKind::Q8_0, 5, 2080),
+        (GgmlKind::Q5_0, 37, 896),
+        (GgmlKind::Q4K, 5, 4864),
         (GgmlKind::Q4_1, 64, 32),
+        (GgmlKind::Q6K, 3, 256),
         (GgmlKind::Q8_0, 192, 576),
     ];
     let mut mats = Vec::new();
@@ -183,12 +361,20 @@ fn matrices_on_shared_pages_keep_their_products() {
 fn concatenated_products_match_the_reference_at_every_row_count() {
     // One activation layout (transposed once per call for the broadcast tiles) feeds
     // every matrix and thread; three threads split the columns unevenly.
+    // Kinds mix as in a model's fused products (Qwen2.5's Q/K/V: Q5_0, Q5_0, Q8_0), and the
+    // first matrix has no AVX-512 kernel, so the transposition must still happen for the
+    // ones that do.
     let mut rng = Rng(17);
-    let cols = 320;
+    let cols = 512;
     let specs = [
+        (GgmlKind::Q5_0, 44),
         (GgmlKind::Q4_1, 72),
         (GgmlKind::Q8_0, 40),
+        (GgmlKind::Q4K, 36),
         (GgmlKind::Q4_1, 8),
+        (GgmlKind::Q6K, 20),
+        (GgmlKind::Q5K, 12),
+        (GgmlKind::Q4_0, 28),
     ];
     let mut mats = Vec::new();
     let mut refs = Vec::new();
@@ -222,10 +408,18 @@ fn concatenated_products_match_the_reference_at_every_row_count() {
 #[test]
 fn byte_layout_matches_candle() {
     let mut rng = Rng(11);
-    let (rows, cols) = (48, 576);
+    let (rows, cols) = (48, 768);
     let data: Vec<f32> = (0..rows * cols).map(|_| rng.unit()).collect();
     let t = Tensor::from_vec(data, (rows, cols), &Device::Cpu).unwrap();
-    for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+    for dt in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ] {
         let q = QTensor::quantize(&t, dt).unwrap();
         let w: Vec<f64> = q
             .dequantize(&Device::Cpu)
@@ -262,7 +456,11 @@ fn rejects_bad_shapes() {
     assert!(QMatrix::from_ggml(GgmlKind::Q4_1, &[0; 20], 1, 16).is_err());
     assert!(QMatrix::from_ggml(GgmlKind::Q4_1, &[0; 21], 1, 32).is_err());
     assert!(QMatrix::from_ggml(GgmlKind::Q8_0, &[0; 34 * 2], 2, 32).is_ok());
+    // K-quants need whole super-blocks of 256 per row.
+    assert!(QMatrix::from_ggml(GgmlKind::Q4K, &[0; 144], 1, 256).is_ok());
+    assert!(QMatrix::from_ggml(GgmlKind::Q4K, &[0; 144], 2, 128).is_err());
+    assert!(QMatrix::from_ggml(GgmlKind::Q6K, &[0; 210 * 2], 1, 288).is_err());
     let t = Tensor::zeros((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
-    let q = QTensor::quantize(&t, GgmlDType::Q4_0).unwrap();
+    let q = QTensor::quantize(&t, GgmlDType::Q5_1).unwrap();
     assert!(QMatrix::from_qtensor(&q).is_err());
 }

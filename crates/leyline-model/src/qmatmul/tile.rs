@@ -28,8 +28,9 @@ pub(super) const DIRECT_MAX_M: usize = 4;
 
 /// Defines `$name`, the driver of one ISA's tile kernels: for each tile of `R` output rows
 /// (`R1` when m == 1, else `RM`; single rows for the remainder) it converts the tile's
-/// scales to f32, then runs `q4_1` / `q8_0::<R, M>` for chunks of `M <= 4` activation rows,
-/// or, above [`DIRECT_MAX_M`] rows, `dequant` once and `f32_tile::<R, M>` per chunk.
+/// scales to f32 (`$scales`), then runs the module's `tile::<R, M>` for chunks of `M <= 4`
+/// activation rows, or, above
+/// [`DIRECT_MAX_M`] rows, `dequant` once and `f32_tile::<R, M>` per chunk.
 macro_rules! tile_driver {
     ($name:ident, $feat:literal, $r1:literal, $rm:literal, $scales:ident) => {
         /// `rows` holds `n` rows then the slack; `out: [n, m]`, `x: [m, cols]`.
@@ -69,7 +70,7 @@ macro_rules! tile_driver {
                         $scales(
                             kind,
                             g,
-                            rows.as_ptr().add((r + j) * g.stride),
+                            &rows[(r + j) * g.stride..],
                             j,
                             &mut dbuf,
                             &mut mbuf,
@@ -127,25 +128,16 @@ macro_rules! tile_driver {
                     // i .. i + mc <= m, whose bytes / floats lie in `rows`, `x` and `out` by
                     // the asserts above; the scale buffers were filled for these rows.
                     unsafe {
-                        match (kind, rt == 1, mc) {
-                            (GgmlKind::Q4_1, true, 1) => q4_1::<1, 1>(&t),
-                            (GgmlKind::Q4_1, true, 2) => q4_1::<1, 2>(&t),
-                            (GgmlKind::Q4_1, true, 3) => q4_1::<1, 3>(&t),
-                            (GgmlKind::Q4_1, true, _) => q4_1::<1, 4>(&t),
-                            (GgmlKind::Q4_1, false, 1) if m == 1 => q4_1::<$r1, 1>(&t),
-                            (GgmlKind::Q4_1, false, 1) => q4_1::<$rm, 1>(&t),
-                            (GgmlKind::Q4_1, false, 2) => q4_1::<$rm, 2>(&t),
-                            (GgmlKind::Q4_1, false, 3) => q4_1::<$rm, 3>(&t),
-                            (GgmlKind::Q4_1, false, _) => q4_1::<$rm, 4>(&t),
-                            (GgmlKind::Q8_0, true, 1) => q8_0::<1, 1>(&t),
-                            (GgmlKind::Q8_0, true, 2) => q8_0::<1, 2>(&t),
-                            (GgmlKind::Q8_0, true, 3) => q8_0::<1, 3>(&t),
-                            (GgmlKind::Q8_0, true, _) => q8_0::<1, 4>(&t),
-                            (GgmlKind::Q8_0, false, 1) if m == 1 => q8_0::<$r1, 1>(&t),
-                            (GgmlKind::Q8_0, false, 1) => q8_0::<$rm, 1>(&t),
-                            (GgmlKind::Q8_0, false, 2) => q8_0::<$rm, 2>(&t),
-                            (GgmlKind::Q8_0, false, 3) => q8_0::<$rm, 3>(&t),
-                            (GgmlKind::Q8_0, false, _) => q8_0::<$rm, 4>(&t),
+                        match (rt == 1, mc) {
+                            (true, 1) => tile::<1, 1>(kind, &t),
+                            (true, 2) => tile::<1, 2>(kind, &t),
+                            (true, 3) => tile::<1, 3>(kind, &t),
+                            (true, _) => tile::<1, 4>(kind, &t),
+                            (false, 1) if m == 1 => tile::<$r1, 1>(kind, &t),
+                            (false, 1) => tile::<$rm, 1>(kind, &t),
+                            (false, 2) => tile::<$rm, 2>(kind, &t),
+                            (false, 3) => tile::<$rm, 3>(kind, &t),
+                            (false, _) => tile::<$rm, 4>(kind, &t),
                         }
                     }
                     i += mc;
