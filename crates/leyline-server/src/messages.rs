@@ -15,7 +15,6 @@ use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use leyline_model::chat::RenderOptions;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -98,33 +97,7 @@ async fn handle(
         .then(|| json!({"applied_edits": applied.iter().map(|a| a.to_json()).collect::<Vec<_>>()}));
     let tools = anthropic::template_tools(&req)?;
     let split_calls = tools.is_some();
-    let text_bytes = chat
-        .iter()
-        .map(|m| m.content.as_ref().map_or(0, String::len))
-        .sum();
-    st.check_prompt_size(chat.len(), text_bytes)?;
-    let opts = RenderOptions {
-        add_generation_prompt: true,
-        tools,
-        ..Default::default()
-    };
-    let in_session =
-        fields.session_id.is_some() || fields.leyline.as_ref().is_some_and(|l| l.mode.is_some());
-    let (prompt, bounds) = st
-        .off_workers(move |st| {
-            let template = st
-                .chat
-                .as_ref()
-                .ok_or_else(|| ServerError::bad_request("this model has no chat template"))?;
-            Ok(leyline_engine::render_prompt(
-                &st.tokenizer,
-                template,
-                &chat,
-                &opts,
-                in_session,
-            )?)
-        })
-        .await?;
+    let (prompt, bounds) = st.render_chat(chat, tools, &fields).await?;
     let started = start(&st, who, prompt, bounds, &gen, &fields).await?;
     let ctx = Ctx {
         id: format!("msg_{:024x}", rand::random::<u128>() >> 32),

@@ -180,6 +180,42 @@ impl AppState {
         .map_err(|e| ServerError::Engine(format!("rendering the prompt panicked: {e}")))?
     }
 
+    /// Renders and tokenizes `chat` for generation: its size checked first, the work done
+    /// off the async workers, with message bounds when the request runs in a session.
+    pub(crate) async fn render_chat(
+        self: &Arc<Self>,
+        chat: Vec<leyline_model::chat::ChatMessage>,
+        tools: Option<Vec<Value>>,
+        fields: &GenerationFields,
+    ) -> Result<(Vec<u32>, Option<Vec<usize>>)> {
+        let text_bytes = chat
+            .iter()
+            .map(|m| m.content.as_ref().map_or(0, String::len))
+            .sum();
+        self.check_prompt_size(chat.len(), text_bytes)?;
+        let opts = RenderOptions {
+            add_generation_prompt: true,
+            tools,
+            ..Default::default()
+        };
+        let in_session = fields.session_id.is_some()
+            || fields.leyline.as_ref().is_some_and(|l| l.mode.is_some());
+        self.off_workers(move |st| {
+            let template = st
+                .chat
+                .as_ref()
+                .ok_or_else(|| ServerError::bad_request("this model has no chat template"))?;
+            Ok(render_prompt(
+                &st.tokenizer,
+                template,
+                &chat,
+                &opts,
+                in_session,
+            )?)
+        })
+        .await
+    }
+
     pub(crate) fn check_model(&self, model: &str) -> Result<()> {
         if model == self.config.model_name {
             return Ok(());
@@ -226,34 +262,8 @@ async fn chat_completions(
         .enumerate()
         .map(|(i, m)| m.into_chat(i))
         .collect::<Result<Vec<_>>>()?;
-    let text_bytes = messages
-        .iter()
-        .map(|m| m.content.as_ref().map_or(0, String::len))
-        .sum();
-    st.check_prompt_size(messages.len(), text_bytes)?;
-    let opts = RenderOptions {
-        add_generation_prompt: true,
-        tools: req.tools,
-        ..Default::default()
-    };
-    let in_session =
-        fields.session_id.is_some() || fields.leyline.as_ref().is_some_and(|l| l.mode.is_some());
     // Message bounds anchor the engine's diff of the next turn.
-    let (prompt, bounds) = st
-        .off_workers(move |st| {
-            let template = st
-                .chat
-                .as_ref()
-                .ok_or_else(|| ServerError::bad_request("this model has no chat template"))?;
-            Ok(render_prompt(
-                &st.tokenizer,
-                template,
-                &messages,
-                &opts,
-                in_session,
-            )?)
-        })
-        .await?;
+    let (prompt, bounds) = st.render_chat(messages, req.tools, &fields).await?;
     run(st, who, Kind::Chat, prompt, bounds, gen, fields).await
 }
 
