@@ -5,7 +5,7 @@
 #
 # llama.cpp is fetched as the llama-cpp-python sdist from PyPI (it vendors llama.cpp) and built
 # under $LLAMACPP_DIR (default /tmp/llamacpp), outside the repository; nothing of it is
-# committed. Needs python3 with pip, cmake and a C++ compiler.
+# committed. Needs python3 with pip and a C++ compiler (cmake comes from PyPI if missing).
 
 llamacpp_version=0.3.36
 
@@ -18,16 +18,26 @@ llamacpp_bin() {
         mkdir -p "$work"
         echo "building $target in $work (a few minutes)" >&2
         if [[ ! -d "$src" ]]; then
-            python3 -m pip download --no-deps --no-binary :all: \
-                "llama-cpp-python==$llamacpp_version" -d "$work" >&2
+            # cmake and the build backend as wheels: `--no-binary :all:` would build cmake
+            # itself from source first (most of an hour on 2 cores).
+            command -v cmake >/dev/null || python3 -m pip install cmake >&2
+            python3 -m pip install scikit-build-core >&2
+            python3 -m pip download --no-deps --no-build-isolation \
+                --no-binary llama-cpp-python "llama-cpp-python==$llamacpp_version" -d "$work" >&2
             tar -xzf "$work/llama_cpp_python-$llamacpp_version.tar.gz" -C "$work"
         fi
         # The instruction sets are named rather than detected (GGML_NATIVE): on a CPU with AMX
         # this llama.cpp's AMX matmul dies (SIGILL, or SIGSEGV at `ldtilecfg` once the process
         # holds the AMX permission; seen 2026-12-01), so its AVX-512 kernels are what runs.
+        # The AVX-512 flags only where the CPU has AVX-512F (else the build dies with SIGILL).
+        local avx512=()
+        if grep -qw avx512f /proc/cpuinfo; then
+            avx512=(-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+                -DGGML_AVX512_BF16=ON)
+        fi
         cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
             -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-            -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+            "${avx512[@]}" \
             -DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
         cmake --build "$src/build" --target "$target" -j "$(nproc)" >&2
     fi

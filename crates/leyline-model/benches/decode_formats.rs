@@ -80,8 +80,8 @@ fn main() {
         .expect("shape");
         let q = QTensor::quantize(&t, dt).expect("quantizable shape");
         let w = q.dequantize(&Device::Cpu).expect("dequantize");
-        let quant = Linear::from_parts(w.clone(), Some(&q), None).expect("layer");
-        let f32_layer = Linear::from_parts(w, None, None).expect("layer");
+        let quant = Linear::from_qtensor(&q, None).expect("layer");
+        let f32_layer = Linear::from_f32(w, None).expect("layer");
         let bytes = q.storage_size_in_bytes();
         let x = values(inp, 7);
         let mut y = vec![0f32; out];

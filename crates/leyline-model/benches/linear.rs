@@ -12,7 +12,7 @@ fn layer(out: usize, inp: usize, seed: usize) -> Linear {
         .map(|i| (((i + seed) * 7919 % 1000) as f32 - 500.0) * 1e-4)
         .collect();
     let t = Tensor::from_vec(w, (out, inp), &Device::Cpu).expect("shape matches");
-    Linear::from_parts(t, None, None).expect("an f32 matrix")
+    Linear::from_f32(t, None).expect("an f32 matrix")
 }
 
 fn groups(c: &mut Criterion) {

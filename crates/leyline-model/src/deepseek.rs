@@ -85,7 +85,7 @@ struct Mlp {
 impl Mlp {
     fn load(w: &mut Weights, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
         let mut lin = |n: &str, shape: &[usize]| -> Result<Linear> {
-            Linear::from_parts(w.take(&format!("{prefix}.{n}.weight"), shape)?, None, None)
+            Linear::from_f32(w.take(&format!("{prefix}.{n}.weight"), shape)?, None)
         };
         Ok(Self {
             gate: lin("gate_proj", &[inter, hidden])?,
@@ -106,7 +106,7 @@ impl Mlp {
         }
         let gate_up = w.take(&fused, &[n, 2 * inter, hidden])?;
         let down = w.take(&format!("{p}.mlp.experts.down_proj"), &[n, hidden, inter])?;
-        let lin = |t: Tensor| Linear::from_parts(t.contiguous()?, None, None);
+        let lin = |t: Tensor| Linear::from_f32(t.contiguous()?, None);
         (0..n)
             .map(|e| {
                 let gu = gate_up.get(e)?;
@@ -220,7 +220,7 @@ impl DeepseekV2 {
         let (r, dr, qk) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_head_dim());
         let embed = w.take("model.embed_tokens.weight", &[cfg.vocab_size, hd])?;
         let lin = |w: &mut Weights, n: &str, shape: &[usize]| -> Result<Linear> {
-            Linear::from_parts(w.take(&format!("{n}.weight"), shape)?, None, None)
+            Linear::from_f32(w.take(&format!("{n}.weight"), shape)?, None)
         };
         let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
@@ -279,7 +279,7 @@ impl DeepseekV2 {
         }
         let norm = w.take("model.norm.weight", &[hd])?;
         let lm_head = if cfg.tie_word_embeddings && !w.has("lm_head.weight") {
-            Linear::tied(&embed, None)?
+            Linear::tied(&embed)?
         } else {
             lin(w, "lm_head", &[cfg.vocab_size, hd])?
         };

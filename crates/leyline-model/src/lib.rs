@@ -12,6 +12,7 @@ pub mod chat;
 pub mod deepseek;
 pub mod error;
 mod fastmath;
+mod gemm;
 pub mod gguf;
 pub mod linear;
 pub mod llama;

@@ -1,8 +1,10 @@
-//! Linear layers that keep two forms of one weight: f32 for matrix-matrix products
-//! (prefill, where compute dominates), and the quantized form for products with few rows
-//! (decode), where reading fewer bytes is what counts.
+//! Linear layers and embedding tables. A quantized weight is kept only as its file's blocks:
+//! products with few rows (decode) run the quantized kernels, products with many rows
+//! (prefill) dequantize chunks of it into gemm ([`QMatrix::matmul_wide`]). A weight stored as
+//! f32 (or in a format without kernels, dequantized at load) runs gemm.
 
 use crate::error::{ModelError, Result};
+use crate::gemm::gemm_into;
 use crate::gguf::GgufFile;
 use crate::panel::Panels;
 use crate::pool::SpinPool;
@@ -13,11 +15,17 @@ use leyline_kv::mem::HugeBuf;
 
 /// A linear layer `y = x W^T + b`.
 pub struct Linear {
-    w: F32Weight,
+    w: Weight,
     out: usize,
     inp: usize,
-    q: Option<QMatrix>,
     b: Option<Vec<f32>>,
+}
+
+/// A layer's weight: f32, or quantized matrices whose rows, side by side, are its outputs
+/// (one matrix, or the parts of a [`FusedLinear`]).
+enum Weight {
+    F32(F32Weight),
+    Quant(Vec<QMatrix>),
 }
 
 /// The f32 form of a weight `W: [out, in]`.
@@ -43,16 +51,28 @@ impl F32Weight {
             Self::ColMajor(wt)
         }
     }
+
+    /// `y: [m, out] = x: [m, inp] W^T`.
+    fn matmul(&self, out: usize, inp: usize, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+        let threads = rayon::current_num_threads();
+        match self {
+            F32Weight::ColMajor(wt) => gemm_into(out, inp, wt, (1, out), x, m, y, threads),
+            F32Weight::Panels(p) => p.matmul(SpinPool::global(), x, m, y),
+            F32Weight::Shared(t) => with_f32_rows(t, |w| {
+                gemm_into(out, inp, w, (inp, 1), x, m, y, threads);
+            })?,
+        }
+        Ok(())
+    }
 }
 
-/// Rows at or below this count use the quantized weights when they exist. With AVX-512 the
-/// quantized products broadcast weights against 16-32 activation rows at a time, and on
-/// SmolLM2-135M (2 threads, weights on huge pages) a prefill of 64 / 96 / 128 tokens ran at
-/// 695-705 / 700-714 / 676-727 tok/s that way against 373-400 / 462-480 / 679-741 through
-/// the f32 GEMM, which must stream four bytes per weight. Elsewhere the dot-product tiles
-/// cross over near 32 rows (1 thread: 24 / 32 / 40 / 64 tokens in 142 / 220 / 260-287 / 421
-/// ms against 179 / 213 / 239-244 / 285 ms through the GEMM). The bound is that of the path
-/// the kind's products take ([`KernelPath::best_for`]): 32 for a kind without AVX-512 kernels.
+/// Rows at or below this count run the quantized few-row kernels
+/// ([`QMatrix::matmul_concat`]), more rows the dequantize-then-gemm product
+/// ([`QMatrix::matmul_wide`]). With AVX-512 the few-row kernels broadcast weights against
+/// 16-32 activation rows at a time and beat gemm on f32 weights up to 96 rows (SmolLM2-135M,
+/// 2 threads: 64 / 96 / 128 tokens at 695-705 / 700-714 / 676-727 tok/s against 373-400 /
+/// 462-480 / 679-741); elsewhere their dot-product tiles crossed over near 32 rows. The
+/// bound is that of the path the kind's products take ([`KernelPath::best_for`]).
 pub(crate) fn quantized_max_rows(kind: GgmlKind) -> usize {
     if KernelPath::best_for(kind) == KernelPath::Avx512 {
         96
@@ -62,41 +82,63 @@ pub(crate) fn quantized_max_rows(kind: GgmlKind) -> usize {
 }
 
 impl Linear {
-    /// Loads `{prefix}.weight` (and `{prefix}.bias` when present).
+    /// Loads `{prefix}.weight` (and `{prefix}.bias` when present): a quantized weight keeps
+    /// its blocks ([`Self::from_qtensor`]).
     ///
     /// # Errors
     /// Missing or unreadable tensors.
     pub fn load(f: &mut GgufFile, prefix: &str) -> Result<Self> {
         let q = f.tensor(&format!("{prefix}.weight"))?;
-        let w = q.dequantize(&Device::Cpu)?;
         let bias = format!("{prefix}.bias");
         let b = if f.has_tensor(&bias) {
             Some(f.tensor(&bias)?.dequantize(&Device::Cpu)?)
         } else {
             None
         };
-        Self::from_parts(w, Some(&q), b)
+        Self::from_qtensor(&q, b)
     }
 
-    /// Builds a layer from an f32 weight `[out, in]`, its quantized form and a bias. The
-    /// layer keeps its own transposed copy of `w`.
+    /// A layer on a GGUF tensor `[out, in]`: its quantized blocks when [`QMatrix`] knows the
+    /// format, else its values as f32.
     ///
     /// # Errors
-    /// A weight that is not a 2-D f32 tensor, a bias of the wrong length, or a quantized form
-    /// that candle cannot wrap.
-    pub fn from_parts(w: Tensor, q: Option<&QTensor>, b: Option<Tensor>) -> Result<Self> {
+    /// A tensor that is not 2-D, a bias of the wrong length, unreadable data.
+    pub fn from_qtensor(q: &QTensor, b: Option<Tensor>) -> Result<Self> {
+        if GgmlKind::from_dtype(q.dtype()).is_some() {
+            Self::from_qmatrix(QMatrix::from_qtensor(q)?, b)
+        } else {
+            Self::from_f32(q.dequantize(&Device::Cpu)?, b)
+        }
+    }
+
+    /// A layer on a quantized matrix `[out, in]`.
+    ///
+    /// # Errors
+    /// A bias of the wrong length.
+    pub fn from_qmatrix(q: QMatrix, b: Option<Tensor>) -> Result<Self> {
+        let (out, inp) = (q.rows(), q.cols());
+        Self::build(Weight::Quant(vec![q]), out, inp, b)
+    }
+
+    /// A layer on an f32 weight `[out, in]`, of which it keeps its own transposed copy.
+    ///
+    /// # Errors
+    /// A weight that is not a 2-D f32 tensor, or a bias of the wrong length.
+    pub fn from_f32(w: Tensor, b: Option<Tensor>) -> Result<Self> {
         let (out, inp) = w.dims2()?;
         let t = w.t()?.contiguous()?;
         let mut wt = HugeBuf::zeroed(out * inp);
         with_f32_rows(&t, |src| wt.copy_from_slice(src))?;
-        Self::build(F32Weight::owned(wt, out, inp), out, inp, q, b)
+        Self::build(Weight::F32(F32Weight::owned(wt, out, inp)), out, inp, b)
     }
 
-    /// A head tied to the embedding table `embed: [vocab, hidden]`, sharing its storage.
+    /// A head tied to an f32 embedding table `embed: [vocab, hidden]`, sharing its storage.
+    /// (A quantized table is shared through [`Self::from_qmatrix`] and
+    /// [`Embedding::Quant`].)
     ///
     /// # Errors
-    /// As [`Self::from_parts`].
-    pub fn tied(embed: &Tensor, q: Option<&QTensor>) -> Result<Self> {
+    /// A table that is not f32 or not 2-D.
+    pub fn tied(embed: &Tensor) -> Result<Self> {
         let (out, inp) = embed.dims2()?;
         if embed.dtype() != DType::F32 {
             return Err(ModelError::Input(format!(
@@ -104,20 +146,11 @@ impl Linear {
                 embed.dtype()
             )));
         }
-        Self::build(F32Weight::Shared(embed.contiguous()?), out, inp, q, None)
+        let w = Weight::F32(F32Weight::Shared(embed.contiguous()?));
+        Self::build(w, out, inp, None)
     }
 
-    fn build(
-        w: F32Weight,
-        out: usize,
-        inp: usize,
-        q: Option<&QTensor>,
-        b: Option<Tensor>,
-    ) -> Result<Self> {
-        let q = match q {
-            Some(q) if GgmlKind::from_dtype(q.dtype()).is_some() => Some(QMatrix::from_qtensor(q)?),
-            _ => None,
-        };
+    fn build(w: Weight, out: usize, inp: usize, b: Option<Tensor>) -> Result<Self> {
         let b = match b {
             Some(b) => Some(b.flatten_all()?.to_vec1::<f32>()?),
             None => None,
@@ -130,12 +163,30 @@ impl Linear {
                 )));
             }
         }
-        Ok(Self { w, out, inp, q, b })
+        Ok(Self { w, out, inp, b })
     }
 
-    /// The quantized form, if the layer has one (for [`QMatrix::share_pages`]).
-    pub(crate) fn quantized_mut(&mut self) -> Option<&mut QMatrix> {
-        self.q.as_mut()
+    /// The quantized matrices of the layer, in output order (none for an f32 weight): for
+    /// [`QMatrix::share_pages`].
+    pub(crate) fn quantized_mut(&mut self) -> impl Iterator<Item = &mut QMatrix> {
+        let mats = match &mut self.w {
+            Weight::Quant(q) => Some(q),
+            Weight::F32(_) => None,
+        };
+        mats.into_iter().flatten()
+    }
+
+    /// The quantized matrix of a layer that has exactly one.
+    pub(crate) fn quantized(&self) -> Option<&QMatrix> {
+        match &self.w {
+            Weight::Quant(q) if q.len() == 1 => q.first(),
+            _ => None,
+        }
+    }
+
+    /// Output width.
+    pub fn out(&self) -> usize {
+        self.out
     }
 
     fn check_lengths(&self, x: &[f32], m: usize, y: &[f32]) -> Result<()> {
@@ -173,47 +224,67 @@ impl Linear {
         Ok(Tensor::from_vec(y, (rows, self.out), &Device::Cpu)?)
     }
 
-    /// `y: [m, out] = x: [m, in] W^T + b`: on the quantized weights for at most
-    /// [`quantized_max_rows`] rows (one region of the global [`SpinPool`]), through the f32
-    /// GEMM otherwise.
+    /// `y: [m, out] = x: [m, in] W^T + b`: quantized weights through the few-row kernels up
+    /// to [`quantized_max_rows`] rows, the wide product above; f32 weights through gemm.
+    /// Products run on the global [`SpinPool`] (gemm: rayon's pool).
     ///
     /// # Errors
     /// Wrong lengths of `x` or `y`.
     pub fn forward_rows(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         self.check_lengths(x, m, y)?;
-        match &self.q {
-            Some(q) if m <= quantized_max_rows(q.kind()) => {
-                QMatrix::matmul_concat(SpinPool::global(), x, m, &[q], y)
-            }
-            _ => match &self.w {
-                F32Weight::ColMajor(wt) => {
-                    gemm_into(self.out, self.inp, wt, (1, self.out), x, m, y)
+        match &self.w {
+            Weight::Quant(q) => {
+                let mats: Vec<&QMatrix> = q.iter().collect();
+                let pool = SpinPool::global();
+                if q.iter().all(|p| m <= quantized_max_rows(p.kind())) {
+                    QMatrix::matmul_concat(pool, x, m, &mats, y);
+                } else {
+                    QMatrix::matmul_wide(pool, x, m, &mats, y);
                 }
-                F32Weight::Panels(p) => p.matmul(SpinPool::global(), x, m, y),
-                F32Weight::Shared(t) => with_f32_rows(t, |w| {
-                    gemm_into(self.out, self.inp, w, (self.inp, 1), x, m, y);
-                })?,
-            },
+            }
+            Weight::F32(w) => w.matmul(self.out, self.inp, x, m, y)?,
         }
         self.add_bias(y);
         Ok(())
     }
+
+    /// The weight column-major (`[in, out]`) in f32.
+    fn to_col_major(&self) -> Result<Vec<f32>> {
+        let (out, inp) = (self.out, self.inp);
+        Ok(match &self.w {
+            Weight::F32(F32Weight::ColMajor(wt)) => wt.to_vec(),
+            Weight::F32(F32Weight::Panels(p)) => p.to_col_major(),
+            Weight::F32(F32Weight::Shared(_)) => {
+                return Err(ModelError::Input("a shared weight cannot be fused".into()))
+            }
+            Weight::Quant(q) => {
+                let mut rows = vec![0f32; out * inp];
+                let mut at = 0;
+                for p in q {
+                    let part = &mut rows[at * inp..(at + p.rows()) * inp];
+                    p.dequantize_rows(0, part);
+                    at += p.rows();
+                }
+                let mut wt = vec![0f32; out * inp];
+                for (i, row) in rows.chunks_exact(inp).enumerate() {
+                    for (k, &v) in row.iter().enumerate() {
+                        wt[k * out + i] = v;
+                    }
+                }
+                wt
+            }
+        })
+    }
 }
 
-/// Layers that read one input (Q/K/V, gate/up), run as one product. Their f32 weights are
-/// concatenated along the output, so many rows make one product: the threads split one
-/// wide product, each row's input read once, instead of three narrow ones. Few rows run the
-/// parts' quantized weights in one region of the global [`SpinPool`].
-pub struct FusedLinear {
-    /// The concatenated f32 weight and bias; no quantized form.
-    whole: Linear,
-    /// The parts' quantized forms, when every part has one.
-    q: Option<Vec<QMatrix>>,
-}
+/// Layers that read one input (Q/K/V, gate/up), run as one product: each row's input is
+/// read once and the threads split one wide product instead of three narrow ones.
+pub struct FusedLinear(Linear);
 
 impl FusedLinear {
-    /// Fuses layers of equal input width. The f32 weights move into one concatenated matrix
-    /// (no extra copy is kept); a part without a bias adds zeros when another has one.
+    /// Fuses layers of equal input width. Quantized parts stay as they are, side by side;
+    /// if some part is f32, every part becomes one concatenated f32 matrix. A part without
+    /// a bias adds zeros when another has one.
     ///
     /// # Errors
     /// No parts, input widths that differ, or a part whose weight is shared (a tied head).
@@ -237,66 +308,114 @@ impl FusedLinear {
                 })
                 .collect()
         });
-        let mut cols = Vec::with_capacity(parts.len());
-        let mut q = Some(Vec::with_capacity(parts.len()));
-        for p in parts {
-            match p.w {
-                F32Weight::ColMajor(wt) => cols.push((p.out, wt.to_vec())),
-                F32Weight::Panels(panels) => cols.push((p.out, panels.to_col_major())),
-                F32Weight::Shared(_) => {
-                    return Err(ModelError::Input("a shared weight cannot be fused".into()))
+        let w = if parts.iter().all(|p| matches!(p.w, Weight::Quant(_))) {
+            let mut mats = Vec::new();
+            for p in parts {
+                if let Weight::Quant(q) = p.w {
+                    mats.extend(q);
                 }
             }
-            q = q.zip(p.q).map(|(mut v, pq)| {
-                v.push(pq);
-                v
-            });
-        }
-        // Column-major W^T is [in, out] row-major: row k of the whole is row k of each part.
-        let mut wt = HugeBuf::zeroed(inp * out);
-        for (k, row) in wt.chunks_exact_mut(out).enumerate() {
-            let mut col = 0;
-            for (o, c) in &cols {
-                row[col..col + o].copy_from_slice(&c[k * o..(k + 1) * o]);
-                col += o;
+            Weight::Quant(mats)
+        } else {
+            let mut cols = Vec::with_capacity(parts.len());
+            for p in &parts {
+                cols.push((p.out, p.to_col_major()?));
             }
-        }
-        let whole = Linear {
-            w: F32Weight::owned(wt, out, inp),
-            out,
-            inp,
-            q: None,
-            b,
+            drop(parts);
+            // Column-major W^T is [in, out] row-major: row k of the whole is row k of each part.
+            let mut wt = HugeBuf::zeroed(inp * out);
+            for (k, row) in wt.chunks_exact_mut(out).enumerate() {
+                let mut col = 0;
+                for (o, c) in &cols {
+                    row[col..col + o].copy_from_slice(&c[k * o..(k + 1) * o]);
+                    col += o;
+                }
+            }
+            Weight::F32(F32Weight::owned(wt, out, inp))
         };
-        Ok(Self { whole, q })
+        Ok(Self(Linear { w, out, inp, b }))
     }
 
     /// The parts' quantized forms, in order (for [`QMatrix::share_pages`]).
     pub(crate) fn quantized_mut(&mut self) -> impl Iterator<Item = &mut QMatrix> {
-        self.q.iter_mut().flatten()
+        self.0.quantized_mut()
     }
 
     /// Total output width (the parts' widths summed).
     pub fn out(&self) -> usize {
-        self.whole.out
+        self.0.out
     }
 
     /// `y: [m, out] = x: [m, in] [W_0 | W_1 | ...]^T + [b_0 | b_1 | ...]`: each row of `y`
-    /// holds the parts' outputs side by side, in the order they were fused. At most
-    /// [`quantized_max_rows`] rows run the parts' quantized weights in one pool region.
+    /// holds the parts' outputs side by side, in the order they were fused.
     ///
     /// # Errors
     /// Wrong lengths of `x` or `y`.
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
-        self.whole.check_lengths(x, m, y)?;
-        match &self.q {
-            Some(q) if q.iter().all(|p| m <= quantized_max_rows(p.kind())) => {
-                let mats: Vec<&QMatrix> = q.iter().collect();
-                QMatrix::matmul_concat(SpinPool::global(), x, m, &mats, y);
-                self.whole.add_bias(y);
+        self.0.forward_rows(x, m, y)
+    }
+}
+
+/// An embedding table `[vocab, hidden]`, read a row per token.
+pub enum Embedding {
+    /// f32 values, row-major (a tied head may share them: [`Linear::tied`]).
+    F32(Tensor),
+    /// Quantized rows, dequantized as they are read.
+    Quant(QMatrix),
+}
+
+impl Embedding {
+    /// The table of a GGUF tensor: its blocks when [`QMatrix`] knows the format, else f32.
+    ///
+    /// # Errors
+    /// A tensor that is not 2-D, or unreadable data.
+    pub fn from_qtensor(t: &QTensor) -> Result<Self> {
+        if GgmlKind::from_dtype(t.dtype()).is_some() {
+            Ok(Self::Quant(QMatrix::from_qtensor(t)?))
+        } else {
+            let e = t.dequantize(&Device::Cpu)?;
+            e.dims2()?;
+            Ok(Self::F32(e))
+        }
+    }
+
+    /// `(vocab, hidden)`.
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            Self::F32(t) => {
+                let d = t.dims();
+                (d[0], d[1])
+            }
+            Self::Quant(q) => (q.rows(), q.cols()),
+        }
+    }
+
+    /// Appends the rows of `tokens` to `x`.
+    ///
+    /// # Errors
+    /// A token outside the table.
+    pub fn gather(&self, tokens: &[u32], x: &mut Vec<f32>) -> Result<()> {
+        let (vocab, hid) = self.dims();
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::Input(format!(
+                "token {t} is outside the embedding table of {vocab} rows"
+            )));
+        }
+        match self {
+            Self::F32(table) => with_f32_rows(table, |table| {
+                for &t in tokens {
+                    let t = t as usize;
+                    x.extend_from_slice(&table[t * hid..(t + 1) * hid]);
+                }
+            }),
+            Self::Quant(q) => {
+                let at = x.len();
+                x.resize(at + tokens.len() * hid, 0.0);
+                for (&t, row) in tokens.iter().zip(x[at..].chunks_exact_mut(hid)) {
+                    q.dequantize_rows(t as usize, row);
+                }
                 Ok(())
             }
-            _ => self.whole.forward_rows(x, m, y),
         }
     }
 }
@@ -319,70 +438,6 @@ pub(crate) fn with_f32_rows<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Resul
         ));
     };
     Ok(f(&cpu.as_slice::<f32>()?[start..end]))
-}
-
-/// `y: [m, out] = x: [m, inp] W^T` with `W(i, k) = w[i * rs + k * cs]` for `(rs, cs) =
-/// strides`, on gemm's f32 kernels (its run-time dispatch picks AVX-512 where the CPU has it).
-///
-/// # Panics
-/// If a length does not match, or `w` is too short for the strides.
-fn gemm_into(
-    out: usize,
-    inp: usize,
-    w: &[f32],
-    strides: (usize, usize),
-    x: &[f32],
-    m: usize,
-    y: &mut [f32],
-) {
-    let (rs, cs) = strides;
-    assert_eq!(x.len(), m * inp, "x must be [m, in]");
-    assert_eq!(y.len(), m * out, "y must be [m, out]");
-    if m == 0 || out == 0 {
-        return;
-    }
-    if inp == 0 {
-        y.fill(0.0);
-        return;
-    }
-    assert!(
-        (out - 1) * rs + (inp - 1) * cs < w.len(),
-        "weight too short for its strides"
-    );
-    let threads = rayon::current_num_threads();
-    let par = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // gemm's view is column-major: dst = y^T [out, m], lhs = W [out, inp], rhs = x^T [inp, m].
-    // SAFETY: every index gemm forms is (i, j) with i < out, j < m for dst (offset j * out + i <
-    // y.len()), (i, k) with k < inp for lhs (offset i * rs + k * cs < w.len(), asserted above),
-    // and (k, j) for rhs (offset j * inp + k < x.len()); dst does not alias lhs or rhs (it is a
-    // unique borrow), and read_dst = false so y's old contents are not read.
-    unsafe {
-        gemm::gemm(
-            out,
-            m,
-            inp,
-            y.as_mut_ptr(),
-            out as isize,
-            1,
-            false,
-            w.as_ptr(),
-            cs as isize,
-            rs as isize,
-            x.as_ptr(),
-            inp as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        );
-    }
 }
 
 #[cfg(test)]
@@ -424,7 +479,7 @@ mod tests {
         let b = values(out, 2);
         let wt = Tensor::from_vec(w.clone(), (out, inp), &Device::Cpu).unwrap();
         let bt = Tensor::from_vec(b.clone(), out, &Device::Cpu).unwrap();
-        let owned = Linear::from_parts(wt.clone(), None, Some(bt.clone())).unwrap();
+        let owned = Linear::from_f32(wt.clone(), Some(bt.clone())).unwrap();
         // gemm on the column-major weight, which `owned` holds only without AVX-512.
         let mut cm = HugeBuf::zeroed(out * inp);
         for (k, row) in cm.chunks_exact_mut(out).enumerate() {
@@ -432,8 +487,9 @@ mod tests {
                 *v = w[i * inp + k];
             }
         }
-        let col_major = Linear::build(F32Weight::ColMajor(cm), out, inp, None, Some(bt)).unwrap();
-        let tied = Linear::tied(&wt, None).unwrap();
+        let col_major =
+            Linear::build(Weight::F32(F32Weight::ColMajor(cm)), out, inp, Some(bt)).unwrap();
+        let tied = Linear::tied(&wt).unwrap();
         for m in [1, 3, 16, 17, 64, 65, 97, 130] {
             let x = values(m * inp, 3 + m as u64);
             let want = reference(&w, &b, &x, m, out, inp);
@@ -475,7 +531,7 @@ mod tests {
                 w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                 b.unwrap_or_else(|| vec![0.0; out]),
             ));
-            parts.push(Linear::from_parts(w, Some(&q), bt).unwrap());
+            parts.push(Linear::from_qtensor(&q, bt).unwrap());
         }
         let fused = FusedLinear::new(parts).unwrap();
         let width: usize = outs.iter().sum();
@@ -499,15 +555,13 @@ mod tests {
         }
         let mut short = vec![0f32; width - 1];
         assert!(fused.forward(&values(inp, 1), 1, &mut short).is_err());
-        let narrow = Linear::from_parts(
+        let narrow = Linear::from_f32(
             Tensor::from_vec(values(8 * 32, 2), (8, 32), &Device::Cpu).unwrap(),
-            None,
             None,
         )
         .unwrap();
-        let wide = Linear::from_parts(
+        let wide = Linear::from_f32(
             Tensor::from_vec(values(8 * 64, 3), (8, 64), &Device::Cpu).unwrap(),
-            None,
             None,
         )
         .unwrap();
@@ -536,8 +590,8 @@ mod tests {
                 .unwrap();
             let q = QTensor::quantize(&t, dt).unwrap();
             let w = q.dequantize(&Device::Cpu).unwrap();
-            let mut layer = Linear::from_parts(w.clone(), Some(&q), None).unwrap();
-            let qm = layer.quantized_mut().expect("a quantized form");
+            let mut layer = Linear::from_qtensor(&q, None).unwrap();
+            let qm = layer.quantized().expect("a quantized form");
             assert_eq!(Some(qm.kind()), GgmlKind::from_dtype(dt), "{dt:?}");
             let wv = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             for m in [1, 3, 32] {

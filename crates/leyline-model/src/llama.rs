@@ -10,7 +10,7 @@ mod forward;
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::linear::{FusedLinear, Linear};
+use crate::linear::{Embedding, FusedLinear, Linear};
 use crate::qmatmul::QMatrix;
 use crate::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{Device, Tensor};
@@ -139,7 +139,7 @@ struct Block {
 pub struct Llama {
     cfg: LlamaConfig,
     info: ModelInfo,
-    embed: Tensor,
+    embed: Embedding,
     blocks: Vec<Block>,
     norm_vals: Vec<f32>,
     lm_head: Linear,
@@ -153,9 +153,8 @@ impl Llama {
     /// Unsupported architecture, missing or unreadable tensors.
     pub fn load(f: &mut GgufFile, name: &str) -> Result<Self> {
         let cfg = LlamaConfig::from_gguf(f)?;
-        let embed_q = f.tensor("token_embd.weight")?;
-        let embed = embed_q.dequantize(&Device::Cpu)?;
-        let (vocab, hidden) = embed.dims2()?;
+        let table = Embedding::from_qtensor(&f.tensor("token_embd.weight")?)?;
+        let (vocab, hidden) = table.dims();
         if hidden != cfg.hidden {
             return Err(ModelError::File {
                 path: f.path().to_path_buf(),
@@ -188,10 +187,15 @@ impl Llama {
             });
         }
         let norm = f.tensor("output_norm.weight")?.dequantize(&Device::Cpu)?;
-        let mut lm_head = if f.has_tensor("output.weight") {
-            Linear::load(f, "output")?
+        // A tied head over a quantized table takes the table's matrix; the table takes it
+        // back, shared, once the pages are placed below.
+        let (mut lm_head, embed) = if f.has_tensor("output.weight") {
+            (Linear::load(f, "output")?, Some(table))
         } else {
-            Linear::tied(&embed, Some(&embed_q))?
+            match table {
+                Embedding::F32(t) => (Linear::tied(&t)?, Some(Embedding::F32(t))),
+                Embedding::Quant(q) => (Linear::from_qmatrix(q, None)?, None),
+            }
         };
         QMatrix::share_pages(
             blocks
@@ -211,6 +215,13 @@ impl Llama {
                 })
                 .chain(lm_head.quantized_mut()),
         );
+        let embed =
+            match embed {
+                Some(e) => e,
+                None => Embedding::Quant(lm_head.quantized().cloned().ok_or_else(|| {
+                    ModelError::Input("a tied head lost its quantized table".into())
+                })?),
+            };
         let cfg = LlamaConfig {
             vocab_size: vocab,
             ..cfg

@@ -14,7 +14,8 @@
 //! ([`KernelPath::best_for`]).
 //!
 //! Files: `format.rs` holds the block formats and the repacked [`QMatrix`]; this file the
-//! products, their threading and the kernel dispatch; `scalar.rs`, `avx2.rs` and `avx512.rs`
+//! few-row products, their threading and the kernel dispatch; `wide.rs` the many-row
+//! products (dequantized chunks through gemm); `scalar.rs`, `avx2.rs` and `avx512.rs`
 //! one kernel family per instruction set, `tile.rs` what the two x86 ones share.
 
 use crate::pool::{split, SpinPool};
@@ -27,6 +28,7 @@ pub use format::{GgmlKind, QMatrix};
 
 mod format;
 mod scalar;
+mod wide;
 #[cfg(target_arch = "x86_64")]
 #[macro_use]
 mod tile;

@@ -54,13 +54,7 @@ impl Llama {
         let eps = c.rms_eps as f32;
         let (cos, sin) = self.rope_tables(&positions);
         let mut x = Vec::with_capacity(n * hid);
-        crate::linear::with_f32_rows(&self.embed, |table| {
-            for &t in &tokens {
-                // check_batch has kept ids inside the vocabulary.
-                let t = t as usize;
-                x.extend_from_slice(&table[t * hid..(t + 1) * hid]);
-            }
-        })?;
+        self.embed.gather(&tokens, &mut x)?;
         let mut xn = vec![0f32; n * hid];
         // Q/K/V side by side in each row, then gate/up: what the fused products write.
         let (qw, w) = (h * hd, kvh * hd);

@@ -427,6 +427,29 @@ unsafe fn dequant(
     }
 }
 
+/// Rows of geometry `g` into `w: [n, cols]` row-major (`n = w.len() / cols`), each weight as
+/// the tile kernels make it: for products with many activation rows (`wide.rs`).
+///
+/// # Safety
+/// AVX2+FMA+F16C. Lengths are asserted: `rows` must hold the `n` rows and [`SLACK`] bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dequant_rows(kind: GgmlKind, g: RowGeom, rows: &[u8], w: &mut [f32]) {
+    let cols = g.nb * BLOCK;
+    let n = w.len() / cols;
+    assert!(w.len() == n * cols && rows.len() >= n * g.stride + SLACK);
+    let (mut d, mut mn) = (vec![0f32; g.sb], vec![0f32; g.sb]);
+    for (j, wr) in w.chunks_exact_mut(cols).enumerate() {
+        let row = &rows[j * g.stride..];
+        // SAFETY: the CPU has the features (caller's contract); `row` starts row j < n and
+        // runs to the slack, as `scales` and `dequant` read; `d`, `mn` hold one row's sb
+        // scales and `wr` one row of weights.
+        unsafe {
+            scales(kind, g, row, 0, &mut d, &mut mn);
+            dequant(kind, g, row.as_ptr(), 1, &d, &mn, wr);
+        }
+    }
+}
+
 /// The f32 weights of one row, `d * q + mn` rounded once, into `dst: [cols]`.
 ///
 /// # Safety

@@ -291,9 +291,12 @@ impl QMatrix {
         let mut buf = HugeBuf::<u8>::zeroed(total);
         let mut spans = Vec::with_capacity(mats.len());
         let mut start = 0;
-        for m in &mats {
+        for m in &mut mats {
             let len = m.data.len();
             buf[start..start + len].copy_from_slice(&m.data);
+            // Free each matrix's old bytes as they move, so that loading a model never holds
+            // its weights twice (the buffer's pages are only touched as they are written).
+            m.data = Bytes::Own(Vec::new());
             spans.push((start, len));
             start += at(len);
         }

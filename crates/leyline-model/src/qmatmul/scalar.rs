@@ -29,6 +29,17 @@ pub(super) fn rows(kind: GgmlKind, g: RowGeom, rows: &[u8], x: &[f32], m: usize,
     }
 }
 
+/// Rows of geometry `g` (`rows`: whole rows, no slack needed) into `w: [n, cols]` row-major,
+/// each value as [`dequant_row`] rounds it.
+pub(super) fn dequant_rows(kind: GgmlKind, g: RowGeom, rows: &[u8], w: &mut [f32]) {
+    let cols = g.nb * BLOCK;
+    let (mut d, mut mn) = (vec![0f32; g.sb], vec![0f32; g.sb]);
+    for (row, wr) in rows.chunks_exact(g.stride).zip(w.chunks_exact_mut(cols)) {
+        row_scales(kind, g, row, &mut d, &mut mn);
+        dequant_row(kind, g, row, &d, &mn, wr);
+    }
+}
+
 /// The values of one row of geometry `g` into `w: [cols]`, each `d[k] * q + mn[k]` with the
 /// scales [`row_scales`] left in `d` and `mn` (so each is the format's value rounded once).
 fn dequant_row(kind: GgmlKind, g: RowGeom, row: &[u8], d: &[f32], mn: &[f32], w: &mut [f32]) {

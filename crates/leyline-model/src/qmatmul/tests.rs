@@ -406,6 +406,76 @@ fn concatenated_products_match_the_reference_at_every_row_count() {
 }
 
 #[test]
+fn wide_products_match_the_reference() {
+    // Row counts that leave partial chunks; every kind, mixed in one product as in a fused
+    // layer; 1 and 3 threads taking chunks in turn.
+    let mut rng = Rng(23);
+    let cols = 512;
+    let specs = [
+        (GgmlKind::Q4K, 300),
+        (GgmlKind::Q6K, 40),
+        (GgmlKind::Q5_0, 129),
+        (GgmlKind::Q8_0, 17),
+        (GgmlKind::Q4_0, 64),
+        (GgmlKind::Q4_1, 33),
+        (GgmlKind::Q5K, 140),
+    ];
+    let mut mats = Vec::new();
+    let mut refs = Vec::new();
+    for &(kind, rows) in &specs {
+        let raw = random_ggml(kind, rows, cols, &mut rng);
+        mats.push(QMatrix::from_ggml(kind, &raw, rows, cols).unwrap());
+        refs.push(dequant_ref(kind, &raw));
+    }
+    let width: usize = mats.iter().map(QMatrix::rows).sum();
+    let refs_of: Vec<&QMatrix> = mats.iter().collect();
+    for pool in [SpinPool::new(1), SpinPool::new(3)] {
+        for m in [1, 7, 33, 130] {
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.unit()).collect();
+            let mut y = vec![f32::NAN; m * width];
+            QMatrix::matmul_wide(&pool, &x, m, &refs_of, &mut y);
+            let mut col = 0;
+            for (qm, w) in mats.iter().zip(&refs) {
+                let rows = qm.rows();
+                let part: Vec<f32> = (0..m)
+                    .flat_map(|i| y[i * width + col..i * width + col + rows].to_vec())
+                    .collect();
+                let what = format!("wide, {} threads, m={m}, {:?}", pool.threads(), qm.kind());
+                check(w, rows, cols, &x, m, &part, &what);
+                col += rows;
+            }
+        }
+    }
+}
+
+#[test]
+fn dequantized_rows_are_the_format_values_rounded_once() {
+    // Both dequantizers (AVX2 where the CPU has it, and the portable one) against the f64
+    // reference, from a row in the middle so the offsets are exercised.
+    let mut rng = Rng(29);
+    let (rows, cols) = (9, 512);
+    for kind in GgmlKind::ALL {
+        let raw = random_ggml(kind, rows, cols, &mut rng);
+        let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
+        let want = dequant_ref(kind, &raw);
+        let g = QMatrix::geom_of(kind, cols);
+        let mut fast = vec![f32::NAN; 5 * cols];
+        qm.dequantize_rows(3, &mut fast);
+        let mut portable = vec![f32::NAN; 5 * cols];
+        scalar::dequant_rows(kind, g, &qm.data[3 * g.stride..8 * g.stride], &mut portable);
+        for (what, got) in [("fast", &fast), ("portable", &portable)] {
+            for (i, (&v, &r)) in got.iter().zip(&want[3 * cols..8 * cols]).enumerate() {
+                let err = (f64::from(v) - r).abs();
+                assert!(
+                    err <= r.abs() * f64::powi(2.0, -24),
+                    "{kind:?} {what}: value {i} is {v}, the format says {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn byte_layout_matches_candle() {
     let mut rng = Rng(11);
     let (rows, cols) = (48, 768);
