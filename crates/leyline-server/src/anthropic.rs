@@ -247,10 +247,14 @@ pub fn template_tools(req: &MessagesRequest) -> Result<Option<Vec<Value>>> {
                     "a tool needs an input_schema object",
                 )
             })?;
-        let mut f = json!({"name": name, "parameters": schema});
+        // OpenAI's key order (name, description, parameters): templates print the object
+        // as it lies, and models were trained on that form.
+        let mut f = serde_json::Map::new();
+        f.insert("name".into(), json!(name));
         if let Some(d) = t.get("description").and_then(Value::as_str) {
-            f["description"] = json!(d);
+            f.insert("description".into(), json!(d));
         }
+        f.insert("parameters".into(), schema.clone());
         out.push(json!({"type": "function", "function": f}));
     }
     Ok((!out.is_empty()).then_some(out))

@@ -96,13 +96,13 @@ async fn handle(
     let context_management = (req.context_management.is_some())
         .then(|| json!({"applied_edits": applied.iter().map(|a| a.to_json()).collect::<Vec<_>>()}));
     let tools = anthropic::template_tools(&req)?;
-    let split_calls = tools.is_some();
+    let tool_names = tools.as_deref().map(crate::toolcall::tool_names);
     let (prompt, bounds) = st.render_chat(chat, tools, &fields).await?;
     let started = start(&st, who, prompt, bounds, &gen, &fields).await?;
     let ctx = Ctx {
         id: format!("msg_{:024x}", rand::random::<u128>() >> 32),
         model: st.config.model_name.clone(),
-        split_calls,
+        tool_names,
         context_management,
     };
     if gen.stream {
@@ -115,8 +115,8 @@ async fn handle(
 struct Ctx {
     id: String,
     model: String,
-    /// Whether tools were offered: then tool calls are split out of the text.
-    split_calls: bool,
+    /// The offered tools' names, if any: then tool calls are split out of the text.
+    tool_names: Option<Vec<String>>,
     /// What the request's context edits did, when it asked for any.
     context_management: Option<Value>,
 }
@@ -148,8 +148,8 @@ async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Respon
         usage,
         stop_sequence,
     } = collect_text(&st, &mut rx).await?;
-    let segments = if ctx.split_calls {
-        ToolCallSplitter::split(&text)
+    let segments = if ctx.tool_names.is_some() {
+        ToolCallSplitter::split(&text, ctx.tool_names.clone())
     } else if text.is_empty() {
         Vec::new()
     } else {
@@ -268,7 +268,10 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
             open_text: None,
             called: false,
         };
-        let mut splitter = ToolCallSplitter::default();
+        let mut splitter = match &ctx.tool_names {
+            Some(names) => ToolCallSplitter::with_tools(names.clone()),
+            None => ToolCallSplitter::default(),
+        };
         'run: loop {
             for e in events.drain(..) {
                 if tx.send(Ok(e)).await.is_err() {
@@ -285,7 +288,7 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
             };
             match piece {
                 Some(Piece::Text(t)) => {
-                    let segments = if ctx.split_calls {
+                    let segments = if ctx.tool_names.is_some() {
                         splitter.push(&t)
                     } else {
                         vec![Segment::Text(t)]

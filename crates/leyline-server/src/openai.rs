@@ -32,6 +32,10 @@ pub struct LeylineOptions {
     /// How an edit of the session's earlier context is applied.
     #[serde(default)]
     pub mode: Option<leyline_core::Mode>,
+    /// Server-side context edits (chat completions): `{"edits": [...]}` as on
+    /// `/v1/messages` (see `context.rs`).
+    #[serde(default)]
+    pub context_management: Option<Value>,
 }
 
 /// Sampling and length fields shared by both completion endpoints.
@@ -428,6 +432,9 @@ pub struct LeylineReport {
     pub tokens_rotated: usize,
     /// Prompt tokens prefilled.
     pub tokens_prefilled: usize,
+    /// With `leyline.context_management` in the request: `{"applied_edits": [...]}`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context_management: Option<Value>,
 }
 
 /// An assistant message in a response.
@@ -435,8 +442,11 @@ pub struct LeylineReport {
 pub struct ResponseMessage {
     /// `assistant`.
     pub role: &'static str,
-    /// The generated text.
-    pub content: String,
+    /// The generated text (null when the reply is only tool calls).
+    pub content: Option<String>,
+    /// Tool calls the model made (requests with `tools`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Value>>,
 }
 
 /// One choice of a chat completion.
@@ -446,7 +456,7 @@ pub struct ChatChoice {
     pub index: usize,
     /// The reply.
     pub message: ResponseMessage,
-    /// `stop` or `length`.
+    /// `stop`, `length` or `tool_calls`.
     pub finish_reason: &'static str,
     /// Always null.
     pub logprobs: Option<()>,
@@ -480,6 +490,9 @@ pub struct Delta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Tool calls, each whole in one delta (`index`, `id`, `type`, `function`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Value>>,
 }
 
 /// One choice of a stream chunk.

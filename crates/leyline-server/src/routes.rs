@@ -8,6 +8,7 @@ use crate::openai::*;
 use crate::session_routes;
 use crate::state::AppState;
 use crate::submit::{collect_text, report, start, Collected, SessionRun, Started};
+use crate::toolcall::{Segment, ToolCallSplitter};
 use axum::extract::{Request, State};
 use axum::middleware::{from_fn_with_state, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -184,7 +185,7 @@ impl AppState {
     /// off the async workers, with message bounds when the request runs in a session.
     pub(crate) async fn render_chat(
         self: &Arc<Self>,
-        chat: Vec<leyline_model::chat::ChatMessage>,
+        mut chat: Vec<leyline_model::chat::ChatMessage>,
         tools: Option<Vec<Value>>,
         fields: &GenerationFields,
     ) -> Result<(Vec<u32>, Option<Vec<usize>>)> {
@@ -193,6 +194,19 @@ impl AppState {
             .map(|m| m.content.as_ref().map_or(0, String::len))
             .sum();
         self.check_prompt_size(chat.len(), text_bytes)?;
+        // OpenAI's wire form carries a call's arguments as a JSON string; templates (Qwen2.5's
+        // `tool_call.arguments | tojson`) expect the object, as transformers renders it.
+        for call in chat
+            .iter_mut()
+            .flat_map(|m| m.tool_calls.iter_mut().flatten())
+        {
+            let Some(Value::String(args)) = call.pointer("/function/arguments") else {
+                continue;
+            };
+            if let Ok(obj @ Value::Object(_)) = serde_json::from_str::<Value>(args) {
+                call["function"]["arguments"] = obj;
+            }
+        }
         let opts = RenderOptions {
             add_generation_prompt: true,
             tools,
@@ -256,15 +270,44 @@ async fn chat_completions(
             "messages must not be empty",
         ));
     }
-    let messages = req
+    let mut messages = req
         .messages
         .into_iter()
         .enumerate()
         .map(|(i, m)| m.into_chat(i))
         .collect::<Result<Vec<_>>>()?;
+    let cm = fields
+        .leyline
+        .as_ref()
+        .and_then(|l| l.context_management.as_ref());
+    let context_management = match cm {
+        Some(cm) => {
+            let applied = crate::context::apply(&mut messages, cm, &st.tokenizer)?;
+            let applied: Vec<Value> = applied.iter().map(|a| a.to_json()).collect();
+            Some(json!({ "applied_edits": applied }))
+        }
+        None => None,
+    };
+    let extras = ChatExtras {
+        tool_names: req
+            .tools
+            .as_deref()
+            .filter(|t| !t.is_empty())
+            .map(crate::toolcall::tool_names),
+        context_management,
+    };
     // Message bounds anchor the engine's diff of the next turn.
     let (prompt, bounds) = st.render_chat(messages, req.tools, &fields).await?;
-    run(st, who, Kind::Chat, prompt, bounds, gen, fields).await
+    run(st, who, Kind::Chat(extras), prompt, bounds, gen, fields).await
+}
+
+/// What a chat request adds to its response beyond the text.
+#[derive(Clone, Default, PartialEq, Eq)]
+struct ChatExtras {
+    /// The offered tools' names, if any: the model's tool calls come back as `tool_calls`.
+    tool_names: Option<Vec<String>>,
+    /// `leyline.context_management` of the response.
+    context_management: Option<Value>,
 }
 
 async fn completions(
@@ -318,9 +361,9 @@ async fn completions(
     run(st, who, Kind::Completion, prompt, None, gen, fields).await
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 enum Kind {
-    Chat,
+    Chat(ChatExtras),
     Completion,
 }
 
@@ -342,7 +385,7 @@ async fn run(
     let ctx = Ctx {
         id: format!(
             "{}{:024x}",
-            if kind == Kind::Chat {
+            if matches!(kind, Kind::Chat(_)) {
                 "chatcmpl-"
             } else {
                 "cmpl-"
@@ -389,25 +432,38 @@ async fn collect(
         usage,
         ..
     } = collect_text(&st, &mut rx).await?;
-    let leyline = report(&usage, &session);
-    let body = match ctx.kind {
-        Kind::Chat => serde_json::to_value(ChatCompletion {
-            id: ctx.id,
-            object: "chat.completion",
-            created: ctx.created,
-            model: ctx.model,
-            choices: vec![ChatChoice {
-                index: 0,
-                message: ResponseMessage {
-                    role: "assistant",
-                    content: text,
-                },
-                finish_reason,
-                logprobs: None,
-            }],
-            usage: WireUsage::from(&usage),
-            leyline,
-        }),
+    let mut leyline = report(&usage, &session);
+    let body = match &ctx.kind {
+        Kind::Chat(x) => {
+            leyline.context_management = x.context_management.clone();
+            let (content, tool_calls) = if x.tool_names.is_some() {
+                split_reply(&text, x.tool_names.clone())
+            } else {
+                (Some(text), None)
+            };
+            let finish_reason = match (&tool_calls, finish_reason) {
+                (Some(_), "stop") => "tool_calls",
+                (_, r) => r,
+            };
+            serde_json::to_value(ChatCompletion {
+                id: ctx.id,
+                object: "chat.completion",
+                created: ctx.created,
+                model: ctx.model,
+                choices: vec![ChatChoice {
+                    index: 0,
+                    message: ResponseMessage {
+                        role: "assistant",
+                        content,
+                        tool_calls,
+                    },
+                    finish_reason,
+                    logprobs: None,
+                }],
+                usage: WireUsage::from(&usage),
+                leyline,
+            })
+        }
         Kind::Completion => serde_json::to_value(Completion {
             id: ctx.id,
             object: "text_completion",
@@ -426,14 +482,67 @@ async fn collect(
     Ok(Json(body.map_err(|e| ServerError::Engine(e.to_string()))?).into_response())
 }
 
+/// A tool call in OpenAI's form (`index` for stream deltas).
+fn tool_call(index: Option<usize>, name: &str, arguments: &Value) -> Value {
+    let mut call = json!({
+        "id": format!("call_{:024x}", rand::random::<u128>() >> 32),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments.to_string()},
+    });
+    if let Some(i) = index {
+        call["index"] = json!(i);
+    }
+    call
+}
+
+/// A whole reply as `content` and `tool_calls`: the text around the calls (null if there is
+/// none), the calls in order (none: `None`).
+fn split_reply(text: &str, names: Option<Vec<String>>) -> (Option<String>, Option<Vec<Value>>) {
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    for seg in ToolCallSplitter::split(text, names) {
+        match seg {
+            Segment::Text(t) => content.push_str(&t),
+            Segment::Call { name, arguments } => calls.push(tool_call(None, &name, &arguments)),
+        }
+    }
+    if calls.is_empty() {
+        return (Some(content), None);
+    }
+    let content = (!content.trim().is_empty()).then_some(content);
+    (content, Some(calls))
+}
+
 impl Ctx {
+    /// Stream chunks of segments: text as content deltas, each call whole in a
+    /// `tool_calls` delta numbered from `calls` on.
+    fn segment_chunks(&self, segments: Vec<Segment>, calls: &mut usize) -> Vec<Chunk> {
+        let mut out = Vec::with_capacity(segments.len());
+        for seg in segments {
+            match seg {
+                Segment::Text(t) => out.push(self.chunk(Some(t), false, None)),
+                Segment::Call { name, arguments } => {
+                    let mut c = self.chunk(None, false, None);
+                    c.choices[0].delta = Some(Delta {
+                        tool_calls: Some(vec![tool_call(Some(*calls), &name, &arguments)]),
+                        ..Delta::default()
+                    });
+                    *calls += 1;
+                    out.push(c);
+                }
+            }
+        }
+        out
+    }
+
     fn chunk(&self, text: Option<String>, role: bool, finish: Option<&'static str>) -> Chunk {
         let choice = match self.kind {
-            Kind::Chat => ChunkChoice {
+            Kind::Chat(_) => ChunkChoice {
                 index: 0,
                 delta: Some(Delta {
                     role: role.then_some("assistant"),
                     content: text,
+                    tool_calls: None,
                 }),
                 text: None,
                 finish_reason: finish,
@@ -449,7 +558,7 @@ impl Ctx {
         };
         Chunk {
             id: self.id.clone(),
-            object: if self.kind == Kind::Chat {
+            object: if matches!(self.kind, Kind::Chat(_)) {
                 "chat.completion.chunk"
             } else {
                 "text_completion"
@@ -488,7 +597,12 @@ fn stream(
             async move { tx.send(Ok(e)).await.is_ok() }
         };
         let mut ok = true;
-        if ctx.kind == Kind::Chat {
+        let mut splitter = match &ctx.kind {
+            Kind::Chat(x) => x.tool_names.clone().map(ToolCallSplitter::with_tools),
+            Kind::Completion => None,
+        };
+        let mut calls = 0;
+        if matches!(ctx.kind, Kind::Chat(_)) {
             ok = send(event(&ctx.chunk(Some(String::new()), true, None))).await;
         }
         while ok {
@@ -499,16 +613,34 @@ fn stream(
                 _ = tx.closed() => break,
             };
             match piece {
-                Some(Piece::Text(t)) => ok = send(event(&ctx.chunk(Some(t), false, None))).await,
+                Some(Piece::Text(t)) => {
+                    let chunks = match &mut splitter {
+                        Some(sp) => ctx.segment_chunks(sp.push(&t), &mut calls),
+                        None => vec![ctx.chunk(Some(t), false, None)],
+                    };
+                    for c in chunks {
+                        ok = ok && send(event(&c)).await;
+                    }
+                }
                 Some(Piece::Done {
                     finish_reason,
                     usage,
                     ..
                 }) => {
-                    let leyline = report(&usage, &session);
+                    if let Some(sp) = &mut splitter {
+                        for c in ctx.segment_chunks(sp.finish(), &mut calls) {
+                            ok = ok && send(event(&c)).await;
+                        }
+                    }
+                    let mut leyline = report(&usage, &session);
+                    let finish_reason = match finish_reason {
+                        "stop" if calls > 0 => "tool_calls",
+                        r => r,
+                    };
                     let mut last = ctx.chunk(None, false, Some(finish_reason));
-                    if ctx.kind == Kind::Chat {
+                    if let Kind::Chat(x) = &ctx.kind {
                         last.choices[0].delta = Some(Delta::default());
+                        leyline.context_management = x.context_management.clone();
                     }
                     last.leyline = Some(leyline.clone());
                     ok = send(event(&last)).await;

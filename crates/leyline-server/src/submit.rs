@@ -147,6 +147,7 @@ pub(crate) fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>
         tokens_reused: usage.cached_tokens,
         tokens_rotated: edit.map_or(0, |e| e.rotated),
         tokens_prefilled: usage.computed_tokens(),
+        context_management: None,
     }
 }
 

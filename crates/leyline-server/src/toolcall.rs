@@ -27,12 +27,50 @@ pub enum Segment {
 #[derive(Debug, Default)]
 pub struct ToolCallSplitter {
     held: String,
+    /// The offered tools' names: a reply that is nothing but one call's JSON object, without
+    /// the tags, naming one of them, is a call too (Qwen2.5-Coder-0.5B answers so). `None`:
+    /// tagged calls only.
+    bare: Option<Vec<String>>,
+    /// Whether a segment has been released (a bare call must be the whole reply).
+    released: bool,
+}
+
+/// The names of tool schemas in either API's form (`{"function": {"name"}}` or `{"name"}`).
+pub fn tool_names(tools: &[Value]) -> Vec<String> {
+    tools
+        .iter()
+        .filter_map(|t| t.get("function").unwrap_or(t).get("name")?.as_str())
+        .map(str::to_string)
+        .collect()
 }
 
 impl ToolCallSplitter {
+    /// A splitter that also takes a whole reply of one untagged call to one of `names`.
+    pub fn with_tools(names: Vec<String>) -> Self {
+        Self {
+            bare: Some(names),
+            ..Self::default()
+        }
+    }
+
+    /// Whether the reply so far may still be one untagged call (held until the end).
+    fn may_be_bare(&self) -> bool {
+        let t = self.held.trim_start();
+        self.bare.is_some() && !self.released && (t.is_empty() || t.starts_with('{'))
+    }
+
     /// Adds `text`; returns the segments it completes.
     pub fn push(&mut self, text: &str) -> Vec<Segment> {
         self.held.push_str(text);
+        if self.may_be_bare() {
+            return Vec::new();
+        }
+        let out = self.release();
+        self.released |= !out.is_empty();
+        out
+    }
+
+    fn release(&mut self) -> Vec<Segment> {
         let mut out = Vec::new();
         loop {
             match self.held.find(OPEN) {
@@ -68,6 +106,21 @@ impl ToolCallSplitter {
     /// Ends the text: a call left open is parsed if it can be (the model may stop right
     /// before `</tool_call>`), else released as text.
     pub fn finish(&mut self) -> Vec<Segment> {
+        if self.may_be_bare() {
+            let names = self.bare.as_deref().unwrap_or_default();
+            match parse_call(&self.held) {
+                Some(Segment::Call { name, arguments }) if names.contains(&name) => {
+                    self.held.clear();
+                    return vec![Segment::Call { name, arguments }];
+                }
+                _ => {
+                    self.released = true;
+                    let mut out = self.release();
+                    out.extend(self.finish());
+                    return out;
+                }
+            }
+        }
         let held = std::mem::take(&mut self.held);
         let mut out = Vec::new();
         if let Some(body) = held.strip_prefix(OPEN) {
@@ -80,9 +133,12 @@ impl ToolCallSplitter {
         out
     }
 
-    /// Splits a whole text at once.
-    pub fn split(text: &str) -> Vec<Segment> {
-        let mut s = Self::default();
+    /// Splits a whole text at once (`names`: as [`Self::with_tools`]).
+    pub fn split(text: &str, names: Option<Vec<String>>) -> Vec<Segment> {
+        let mut s = Self {
+            bare: names,
+            ..Self::default()
+        };
         let mut out = s.push(text);
         out.extend(s.finish());
         merge_text(out)
@@ -141,7 +197,7 @@ mod tests {
             call("get_weather", json!({"city": "Paris"})),
             Segment::Text("\nDone.".into()),
         ];
-        assert_eq!(ToolCallSplitter::split(text), want);
+        assert_eq!(ToolCallSplitter::split(text, None), want);
         // Streamed in pieces of every size: the same segments, and no text of the call leaks.
         for n in 1..12 {
             let mut s = ToolCallSplitter::default();
@@ -159,29 +215,72 @@ mod tests {
     fn malformed_or_unclosed_calls_stay_text_unless_they_parse() {
         let bad = "<tool_call>\n{not json}\n</tool_call>";
         assert_eq!(
-            ToolCallSplitter::split(bad),
+            ToolCallSplitter::split(bad, None),
             vec![Segment::Text(bad.into())]
         );
         // Stopped before the closing tag: a complete JSON object still counts.
         let open = "<tool_call>\n{\"name\": \"f\", \"arguments\": \"{\\\"x\\\": 1}\"}";
         assert_eq!(
-            ToolCallSplitter::split(open),
+            ToolCallSplitter::split(open, None),
             vec![call("f", json!({"x": 1}))]
         );
         let cut = "<tool_call>\n{\"name\": \"f\", \"argu";
         assert_eq!(
-            ToolCallSplitter::split(cut),
+            ToolCallSplitter::split(cut, None),
             vec![Segment::Text(cut.into())]
         );
         // Arguments must be an object; a text that merely looks like a tag start is text.
         let scalar = "<tool_call>{\"name\": \"f\", \"arguments\": 3}</tool_call>";
         assert_eq!(
-            ToolCallSplitter::split(scalar),
+            ToolCallSplitter::split(scalar, None),
             vec![Segment::Text(scalar.into())]
         );
         assert_eq!(
-            ToolCallSplitter::split("a <tool b"),
+            ToolCallSplitter::split("a <tool b", None),
             vec![Segment::Text("a <tool b".into())]
+        );
+    }
+
+    #[test]
+    fn a_whole_reply_of_one_untagged_call_is_a_call_only_for_an_offered_tool() {
+        let names = Some(vec!["get_weather".to_string()]);
+        let bare = " {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n";
+        let want = vec![call("get_weather", json!({"city": "Paris"}))];
+        assert_eq!(ToolCallSplitter::split(bare, names.clone()), want);
+        for n in 1..8 {
+            let mut s = ToolCallSplitter::with_tools(vec!["get_weather".into()]);
+            let chars: Vec<char> = bare.chars().collect();
+            let mut out = Vec::new();
+            for piece in chars.chunks(n) {
+                out.extend(s.push(&piece.iter().collect::<String>()));
+            }
+            out.extend(s.finish());
+            assert_eq!(out, want, "pieces of {n}");
+        }
+        // Not offered, not alone, not a call, or no tools at all: text as written.
+        for text in [
+            "{\"name\": \"rm_rf\", \"arguments\": {}}",
+            "Sure: {\"name\": \"get_weather\", \"arguments\": {}}",
+            "{\"name\": \"get_weather\", \"arguments\": {}} and more",
+            "{\"city\": \"Paris\"}",
+        ] {
+            assert_eq!(
+                ToolCallSplitter::split(text, names.clone()),
+                vec![Segment::Text(text.into())],
+                "{text}"
+            );
+        }
+        let plain = "{\"name\": \"get_weather\", \"arguments\": {}}";
+        assert_eq!(
+            ToolCallSplitter::split(plain, None),
+            vec![Segment::Text(plain.into())]
+        );
+        assert_eq!(
+            tool_names(&[
+                json!({"type": "function", "function": {"name": "a"}}),
+                json!({"name": "b", "input_schema": {}})
+            ]),
+            vec!["a".to_string(), "b".to_string()]
         );
     }
 }

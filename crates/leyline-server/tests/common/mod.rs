@@ -41,10 +41,19 @@ pub fn start_server(
     engine: EngineConfig,
     configure: impl FnOnce(&mut ServerConfig) + Send + 'static,
 ) -> SocketAddr {
+    let path = leyline_model::registry::default_model_path()
+        .expect("the default model is needed: fetching it failed");
+    start_server_on(path, engine, configure)
+}
+
+/// [`start_server`] over the GGUF file at `path`.
+pub fn start_server_on(
+    path: std::path::PathBuf,
+    engine: EngineConfig,
+    configure: impl FnOnce(&mut ServerConfig) + Send + 'static,
+) -> SocketAddr {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let path = leyline_model::registry::default_model_path()
-            .expect("the default model is needed: fetching it failed");
         let lm = leyline_model::load_gguf(&path).expect("load the default model");
         let engine = Engine::new(Arc::clone(&lm.model), engine).expect("engine");
         let thread = EngineThread::spawn(engine).expect("engine thread");
@@ -244,6 +253,11 @@ pub fn metric(text: &str, name: &str) -> u64 {
 /// KEY_B`, base URL ending in `/v1` unless `bare_base`), failing with its output unless it
 /// exits 0 within 600 s. Fails, never skips, when python3 or the package `package` is missing.
 pub fn run_client_script(script: &str, package: &str, bare_base: bool) {
+    run_client_script_on(server(), script, package, bare_base)
+}
+
+/// [`run_client_script`] against the server at `addr`.
+pub fn run_client_script_on(addr: SocketAddr, script: &str, package: &str, bare_base: bool) {
     use std::process::{Command, Stdio};
     use std::time::Instant;
     let probe = Command::new("python3")
@@ -260,7 +274,6 @@ pub fn run_client_script(script: &str, package: &str, bare_base: bool) {
         ),
         Ok(_) => {}
     }
-    let addr = server();
     let path = format!("{}/tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
     let dir = std::env::temp_dir().join(format!("leyline-{package}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
