@@ -44,7 +44,22 @@ impl<T: Zeroable> HugeBuf<T> {
     /// If the size overflows or the system has no memory to map (as `Vec` aborts).
     pub fn zeroed(len: usize) -> Self {
         #[cfg(target_os = "linux")]
-        let map = linux::Mapping::zeroed(len);
+        let map = linux::Mapping::zeroed(len, true);
+        #[cfg(not(target_os = "linux"))]
+        let map = vec![T::default(); len];
+        Self { map }
+    }
+
+    /// `len` zeroed elements in a mapping of their own on small pages (the kernel is asked
+    /// not to use huge ones): for transient data, whose memory must go back to the system
+    /// when it is dropped (heap blocks below 32 MB may stay with the allocator) and whose
+    /// size should not round up to 2 MiB.
+    ///
+    /// # Panics
+    /// As [`Self::zeroed`].
+    pub fn zeroed_small_pages(len: usize) -> Self {
+        #[cfg(target_os = "linux")]
+        let map = linux::Mapping::zeroed(len, false);
         #[cfg(not(target_os = "linux"))]
         let map = vec![T::default(); len];
         Self { map }
@@ -105,7 +120,7 @@ mod linux {
     unsafe impl<T: Sync> Sync for Mapping<T> {}
 
     impl<T: Zeroable> Mapping<T> {
-        pub(super) fn zeroed(len: usize) -> Self {
+        pub(super) fn zeroed(len: usize, huge: bool) -> Self {
             let layout = Layout::array::<T>(len).expect("buffer size overflows");
             if layout.size() == 0 {
                 return Self {
@@ -132,11 +147,16 @@ mod linux {
                 handle_alloc_error(layout);
             }
             let skip = (base as usize).next_multiple_of(HUGE_PAGE) - base as usize;
-            // SAFETY: `[base, base + bytes)` is the mapping just made; MADV_HUGEPAGE only sets
-            // how the kernel backs it and neither reads, writes nor unmaps any of it. A
+            // SAFETY: `[base, base + bytes)` is the mapping just made; MADV_(NO)HUGEPAGE only
+            // sets how the kernel backs it and neither reads, writes nor unmaps any of it. A
             // refusal (a kernel without transparent huge pages) leaves small pages.
             unsafe {
-                libc::madvise(base, bytes, libc::MADV_HUGEPAGE);
+                let advice = if huge {
+                    libc::MADV_HUGEPAGE
+                } else {
+                    libc::MADV_NOHUGEPAGE
+                };
+                libc::madvise(base, bytes, advice);
             }
             // SAFETY: `skip < HUGE_PAGE`, so `base + skip` plus `layout.size()` bytes stay in
             // the mapping; mmap returns page-aligned memory, aligned for any primitive `T`.
@@ -247,5 +267,20 @@ mod tests {
             kib > 0,
             "no huge pages in an advised, written 16 MiB buffer"
         );
+    }
+
+    /// A small-pages buffer holds no huge page even where the kernel uses them for every
+    /// mapping (`always`), and reads and writes like the other kind.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn small_page_buffers_hold_no_huge_pages() {
+        let mut v: HugeBuf<u8> = HugeBuf::zeroed_small_pages(8 * HUGE_PAGE);
+        assert!(v.iter().all(|&x| x == 0));
+        v.fill(3);
+        assert!(v.iter().all(|&x| x == 3));
+        if let Some(kib) = huge_kib_at(v.as_ptr() as usize) {
+            assert_eq!(kib, 0, "huge pages in a buffer advised against them");
+        }
+        assert!(HugeBuf::<f32>::zeroed_small_pages(0).is_empty());
     }
 }
