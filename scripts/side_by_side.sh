@@ -1,7 +1,8 @@
 # Sourced by the side-by-side scripts (bench_vs_llamacpp.sh, bench_http_vs_llamacpp.sh).
 #
 #   llamacpp_bin TARGET   # prints the path of llama.cpp's build/bin/TARGET, building it first
-#   leyline_and_model     # sets $repo, $leyline (a release build, built if missing) and $gguf
+#   leyline_and_model [NAME]  # sets $repo, $leyline (a release build, built if missing) and $gguf
+#                             # (the registry model NAME, default: the default model)
 #
 # llama.cpp is fetched as the llama-cpp-python sdist from PyPI (it vendors llama.cpp) and built
 # under $LLAMACPP_DIR (default /tmp/llamacpp), outside the repository; nothing of it is
@@ -45,12 +46,14 @@ llamacpp_bin() {
 }
 
 leyline_and_model() {
+    local name=${1:-}
     repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     leyline="$repo/target/release/leyline"
     if [[ ! -x "$leyline" ]]; then
         (cd "$repo" && cargo build --release -p leyline)
     fi
-    # `model fetch` prints the cached path of the default model.
-    gguf=$("$leyline" model fetch | tail -n 1 | awk '{print $NF}')
-    [[ -f "$gguf" ]] || { echo "cannot find the default model (got '$gguf')" >&2; exit 1; }
+    # `model fetch [NAME]` prints the cached path of the model (default: the default model).
+    # shellcheck disable=SC2086
+    gguf=$("$leyline" model fetch $name | tail -n 1 | awk '{print $NF}')
+    [[ -f "$gguf" ]] || { echo "cannot find the model ${name:-default} (got '$gguf')" >&2; exit 1; }
 }

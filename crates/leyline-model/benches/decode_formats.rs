@@ -1,16 +1,19 @@
-//! One decode row (m = 1) through `Linear` at Qwen2.5-0.5B's shapes and formats, on its
-//! quantized blocks against its f32 weights (what decode read before these kinds had
-//! kernels), as the engine runs them: `Linear::forward_rows` on the global pools.
+//! One decode row (m = 1) at Qwen2.5-0.5B's shapes and formats: `Linear::forward_rows` as the
+//! engine runs it (the integer kernels where the kind takes the AVX2 path) against the f32
+//! tile kernels on the same blocks (`QMatrix::matmul_with`, the decode path before the
+//! integer kernels), both on the global pools.
 //!
 //!     cargo bench -p leyline-model --bench decode_formats
 //!
-//! `DECODE_THREADS` sets the compute threads (default 2), `DECODE_SAMPLES` the samples per
+//! Each figure cycles through copies of its matrix (about 256 MB in all), so the weights come
+//! from memory as in a decode step. `DECODE_THREADS` sets the compute threads (default 2), `DECODE_SAMPLES` the samples per
 //! figure (default 9). Each sample times enough calls for about 20 ms; quantized and f32
 //! samples alternate so both see the same machine. Prints the median, min and max per call.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use leyline_model::linear::Linear;
+use leyline_model::qmatmul::{KernelPath, QMatrix};
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -66,6 +69,7 @@ fn main() {
         ("ffn_down", GgmlDType::Q8_0, 896, 4864),
         ("ffn_up", GgmlDType::Q5_0, 4864, 896),
         ("attn_q", GgmlDType::Q5_0, 896, 896),
+        ("lm_head", GgmlDType::Q8_0, 151936, 896),
     ];
     println!(
         "m = 1, {threads} threads, {samples} samples: median (min-max) per call; GB/s of the \
@@ -79,14 +83,23 @@ fn main() {
         )
         .expect("shape");
         let q = QTensor::quantize(&t, dt).expect("quantizable shape");
-        let w = q.dequantize(&Device::Cpu).expect("dequantize");
-        let quant = Linear::from_qtensor(&q, None).expect("layer");
-        let f32_layer = Linear::from_f32(w, None).expect("layer");
+        // Enough copies to stream about 256 MB per round, as a decode step streams a model's
+        // weights from memory rather than from the cache.
         let bytes = q.storage_size_in_bytes();
+        let copies = (256 << 20) / bytes + 1;
+        let quant: Vec<Linear> = (0..copies)
+            .map(|_| Linear::from_qtensor(&q, None).expect("layer"))
+            .collect();
+        let blocks: Vec<QMatrix> = (0..copies)
+            .map(|_| QMatrix::from_qtensor(&q).expect("a kind with kernels"))
+            .collect();
+        let path = KernelPath::best_for(blocks[0].kind());
+        let (mut iq, mut ib) = (0, 0);
         let x = values(inp, 7);
         let mut y = vec![0f32; out];
         let mut run_q = || {
-            quant
+            iq = (iq + 1) % copies;
+            quant[iq]
                 .forward_rows(black_box(&x), 1, &mut y)
                 .expect("lengths")
         };
@@ -95,9 +108,8 @@ fn main() {
         let reps = ((0.02 / once) as usize).max(1);
         let mut y2 = vec![0f32; out];
         let mut run_f = || {
-            f32_layer
-                .forward_rows(black_box(&x), 1, &mut y2)
-                .expect("lengths")
+            ib = (ib + 1) % copies;
+            blocks[ib].matmul_with(path, black_box(&x), 1, &mut y2)
         };
         let once_f = sample(5, &mut run_f);
         let reps_f = ((0.02 / once_f) as usize).max(1);
@@ -109,8 +121,8 @@ fn main() {
         let (mq, lq, hq) = stats(tq);
         let (mf, lf, hf) = stats(tf);
         println!(
-            "{what} [{out} x {inp}] {dt:?}: quantized {:.1} us ({:.1}-{:.1}), {:.1} GB/s; \
-             f32 {:.1} us ({:.1}-{:.1}), {:.1} GB/s; f32 / quantized {:.2}",
+            "{what} [{out} x {inp}] {dt:?}: engine {:.1} us ({:.1}-{:.1}), {:.1} GB/s; \
+             f32 tiles {:.1} us ({:.1}-{:.1}), {:.1} GB/s; f32 tiles / engine {:.2}",
             mq * 1e6,
             lq * 1e6,
             hq * 1e6,
@@ -118,7 +130,7 @@ fn main() {
             mf * 1e6,
             lf * 1e6,
             hf * 1e6,
-            (out * inp * 4) as f64 / mf / 1e9,
+            bytes as f64 / mf / 1e9,
             mf / mq
         );
     }

@@ -36,6 +36,8 @@ mod tile;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod int8;
 #[cfg(test)]
 mod reference;
 #[cfg(test)]
@@ -186,7 +188,8 @@ impl QMatrix {
                 targets.push((w, head));
                 rest = tail;
             }
-            Self::feature_major_many(pool, path, x, &[], 1, targets.into_iter());
+            let act = Q8Act::for_row(path, mats, x);
+            Self::feature_major_many(pool, path, x, &[], 1, act.get(), targets.into_iter());
             return;
         }
         SCRATCH.with_borrow_mut(|Scratch { xt, yt }| {
@@ -204,7 +207,7 @@ impl QMatrix {
                 targets.push((w, head));
                 rest = tail;
             }
-            Self::feature_major_many(pool, path, x, xt, m, targets.into_iter());
+            Self::feature_major_many(pool, path, x, xt, m, None, targets.into_iter());
             let (mut col, mut at) = (0, 0);
             for w in mats {
                 feature_major_to_rows(&yt[at..at + w.rows * m], m, y, width, col);
@@ -221,6 +224,7 @@ impl QMatrix {
         x: &[f32],
         xt: &[f32],
         m: usize,
+        act: Option<&Q8Act>,
         targets: impl Iterator<Item = (&'a QMatrix, &'a mut [f32])>,
     ) {
         let parts = pool.threads();
@@ -244,7 +248,10 @@ impl QMatrix {
                     continue;
                 }
                 let mut out = piece[tid].lock().unwrap_or_else(|e| e.into_inner());
-                w.rows_into(path, r.start, x, xt, m, &mut out);
+                match act {
+                    Some(act) if act.serves(path, w.kind) => w.rows_int8(r.start, act, &mut out),
+                    _ => w.rows_into(path, r.start, x, xt, m, &mut out),
+                }
             }
         });
     }
@@ -282,6 +289,102 @@ impl QMatrix {
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("only the scalar path is available off x86-64"),
         }
+    }
+}
+
+/// Whether a one-row product of a `kind` matrix runs the integer kernels on this CPU, its
+/// activations rounded to 8 bits per block of 32 (`int8.rs`).
+pub fn decodes_in_int8(kind: GgmlKind) -> bool {
+    cfg!(target_arch = "x86_64") && KernelPath::best_for(kind) == KernelPath::Avx2
+}
+
+/// The most the integer kernels' rounding of `x` may move a row's product with weights `w`:
+/// each value by at most half its block's step (`max |x| / 127` of its block of 32).
+#[cfg(test)]
+pub(crate) fn int8_rounding_bound(w: &[f64], x: &[f32]) -> f64 {
+    w.chunks(32)
+        .zip(x.chunks(32))
+        .map(|(wb, xb)| {
+            let step = f64::from(xb.iter().fold(0f32, |a, v| a.max(v.abs()))) / 127.0;
+            wb.iter().map(|v| v.abs()).sum::<f64>() * step / 2.0
+        })
+        .sum()
+}
+
+/// A decode row's activations quantized to 8 bits, for the integer kernels (`int8.rs`),
+/// which serve every kind whose products take the AVX2 path; the kinds with AVX-512 kernels
+/// keep theirs.
+struct Q8Act {
+    #[cfg(target_arch = "x86_64")]
+    row: Option<int8::Q8Row>,
+}
+
+impl Q8Act {
+    /// The quantized row, when some matrix of `mats` takes the integer kernels.
+    fn for_row(path: KernelPath, mats: &[&QMatrix], x: &[f32]) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let used = mats
+                .iter()
+                .any(|w| path.for_kind(w.kind) == KernelPath::Avx2);
+            Self {
+                row: used.then(|| int8::Q8Row::quantize(x)),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (path, mats, x);
+            Self {}
+        }
+    }
+
+    fn get(&self) -> Option<&Self> {
+        #[cfg(target_arch = "x86_64")]
+        return self.row.as_ref().map(|_| self);
+        #[cfg(not(target_arch = "x86_64"))]
+        None
+    }
+
+    /// Whether a product of a `kind` matrix on `path` runs the integer kernels.
+    fn serves(&self, path: KernelPath, kind: GgmlKind) -> bool {
+        path.for_kind(kind) == KernelPath::Avx2
+    }
+}
+
+impl QMatrix {
+    /// Rows `r0 .. r0 + out.len()` against one quantized activation row.
+    fn rows_int8(&self, r0: usize, act: &Q8Act, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(row) = &act.row {
+            let n = out.len();
+            assert!(r0 + n <= self.rows && row.q.len() == self.cols);
+            let g = Self::geom_of(self.kind, self.cols);
+            let rows = &self.data[r0 * g.stride..(r0 + n) * g.stride + SLACK];
+            // SAFETY: `serves` chose this because the kind's products take the AVX2 path,
+            // which `for_kind` gives only where the CPU has AVX2, FMA and F16C.
+            unsafe { int8::rows(self.kind, g, rows, row, out) };
+            return;
+        }
+        unreachable!(
+            "integer kernels without a quantized row ({r0}, {})",
+            out.len()
+        );
+    }
+
+    /// `y = x W^T` for one row `x` through the integer kernels (activations rounded to 8 bits
+    /// per block of 32), on the calling thread: for tests and benchmarks. `None` where the
+    /// CPU lacks AVX2, FMA or F16C.
+    ///
+    /// # Panics
+    /// If `x.len() != cols` or `y.len() != rows`.
+    pub fn matvec_int8(&self, x: &[f32], y: &mut [f32]) -> Option<()> {
+        assert!(x.len() == self.cols && y.len() == self.rows);
+        if !KernelPath::Avx2.is_available() {
+            return None;
+        }
+        let act = Q8Act::for_row(KernelPath::Avx2, &[self], x);
+        self.rows_int8(0, &act, y);
+        Some(())
     }
 }
 

@@ -75,7 +75,7 @@ unsafe fn half_at(p: *const u8) -> f32 {
 /// # Safety
 /// AVX2+FMA+F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scales(
+pub(super) unsafe fn scales(
     kind: GgmlKind,
     g: RowGeom,
     row: &[u8],
@@ -512,7 +512,7 @@ unsafe fn f32_tile<const R: usize, const M: usize>(
 
 /// Sum of the 8 lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));

@@ -80,6 +80,41 @@ fn check(w: &[f64], rows: usize, cols: usize, x: &[f32], m: usize, y: &[f32], wh
     }
 }
 
+/// [`check`] for a product the engine ran (`matmul_concat`): at one row, where the kind takes
+/// the integer kernels, plus the bound of their activation rounding.
+#[allow(clippy::too_many_arguments)]
+fn check_engine(
+    kind: GgmlKind,
+    w: &[f64],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    y: &[f32],
+    what: &str,
+) {
+    if m != 1 || !decodes_in_int8(kind) {
+        return check(w, rows, cols, x, m, y, what);
+    }
+    let u = f64::powi(2.0, -24);
+    let gamma = 2.0 * (cols + 2) as f64 * u;
+    for r in 0..rows {
+        let wr = &w[r * cols..(r + 1) * cols];
+        let want: f64 = wr.iter().zip(x).map(|(a, &b)| a * f64::from(b)).sum();
+        let mag: f64 = wr
+            .iter()
+            .zip(x)
+            .map(|(a, &b)| (a * f64::from(b)).abs())
+            .sum();
+        let bound = int8_rounding_bound(wr, x) * (1.0 + gamma) + gamma * mag + 1e-30;
+        let got = f64::from(y[r]);
+        assert!(
+            (got - want).abs() <= bound,
+            "{what}: y[{r}] = {got}, reference {want}, beyond {bound}"
+        );
+    }
+}
+
 fn paths() -> Vec<KernelPath> {
     [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512]
         .into_iter()
@@ -344,7 +379,8 @@ fn matrices_on_shared_pages_keep_their_products() {
             }
             let mut y = vec![f32::NAN; m * rows];
             QMatrix::matmul_concat(SpinPool::global(), &x, m, &[qm], &mut y);
-            check(
+            check_engine(
+                qm.kind(),
                 w,
                 rows,
                 cols,
@@ -398,7 +434,7 @@ fn concatenated_products_match_the_reference_at_every_row_count() {
                     .flat_map(|i| y[i * width + col..i * width + col + rows].to_vec())
                     .collect();
                 let what = format!("concat, {} threads, m={m}, rows {rows}", pool.threads());
-                check(w, rows, cols, &x, m, &part, &what);
+                check_engine(qm.kind(), w, rows, cols, &x, m, &part, &what);
                 col += rows;
             }
         }
@@ -473,6 +509,65 @@ fn dequantized_rows_are_the_format_values_rounded_once() {
             }
         }
     }
+}
+
+#[test]
+fn integer_decode_products_match_the_reference_on_their_rounded_activations() {
+    // Every kind, rows in fours and alone (5 and 9 rows), activations spanning magnitudes
+    // across blocks. Against the f64 product of the format's weights with the activations as
+    // rounded (exact but for f32 sums), and against the unrounded activations within the
+    // rounding's bound: half a block's step per value.
+    if !KernelPath::Avx2.is_available() {
+        eprintln!("this CPU has no AVX2: the integer decode kernels are not used here");
+        return;
+    }
+    let mut rng = Rng(31);
+    let cols = 512;
+    for kind in GgmlKind::ALL {
+        for rows in [5, 9] {
+            let raw = random_ggml(kind, rows, cols, &mut rng);
+            let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
+            let w = dequant_ref(kind, &raw);
+            let x: Vec<f32> = (0..cols)
+                .map(|i| rng.unit() * if i % 64 < 32 { 1.0 } else { 0.01 })
+                .collect();
+            let mut y = vec![f32::NAN; rows];
+            qm.matvec_int8(&x, &mut y).expect("AVX2");
+            let act = int8::Q8Row::quantize(&x);
+            let u = f64::powi(2.0, -24);
+            let n = (cols / 32 + 4) as f64;
+            let gamma = 2.0 * n * u;
+            for r in 0..rows {
+                let (mut exact, mut mag, mut plain, mut bound) = (0f64, 0f64, 0f64, 0f64);
+                for c in 0..cols {
+                    let wv = w[r * cols + c];
+                    let step = f64::from(act.d[c / 32]);
+                    let xq = step * f64::from(act.q[c]);
+                    exact += wv * xq;
+                    mag += (wv * xq).abs();
+                    plain += wv * f64::from(x[c]);
+                    bound += wv.abs() * step / 2.0;
+                }
+                let got = f64::from(y[r]);
+                assert!(
+                    (got - exact).abs() <= gamma * mag + 1e-30,
+                    "{kind:?} rows {rows}, row {r}: {got} vs {exact} on the rounded activations"
+                );
+                assert!(
+                    (got - plain).abs() <= bound + gamma * mag + 1e-30,
+                    "{kind:?} rows {rows}, row {r}: {got} vs {plain}, beyond the rounding bound {bound}"
+                );
+            }
+        }
+    }
+    // A block of zeros stays exact; q never leaves [-127, 127].
+    let mut x = vec![0f32; 64];
+    x[40] = -3.0;
+    x[41] = 3.0;
+    let act = int8::Q8Row::quantize(&x);
+    assert_eq!(act.d[0], 0.0);
+    assert!(act.q[..32].iter().all(|&v| v == 0));
+    assert_eq!((act.q[40], act.q[41]), (-127, 127));
 }
 
 #[test]
