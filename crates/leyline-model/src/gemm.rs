@@ -6,6 +6,9 @@
 ///
 /// # Panics
 /// If a length does not match, or `w` is too short for the strides.
+// The shape, the weight with its strides, the activations and the thread count: one call's
+// parameters, each used once; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_into(
     out: usize,
     inp: usize,

@@ -606,7 +606,7 @@ mod tests {
                 .unwrap();
             let q = QTensor::quantize(&t, dt).unwrap();
             let w = q.dequantize(&Device::Cpu).unwrap();
-            let mut layer = Linear::from_qtensor(&q, None).unwrap();
+            let layer = Linear::from_qtensor(&q, None).unwrap();
             let qm = layer.quantized().expect("a quantized form");
             assert_eq!(Some(qm.kind()), GgmlKind::from_dtype(dt), "{dt:?}");
             let wv = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
