@@ -22,6 +22,7 @@ use crate::pool::{split, SpinPool};
 use format::SLACK;
 use leyline_kv::cpu::Features;
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 pub use format::{GgmlKind, QMatrix};
@@ -292,10 +293,23 @@ impl QMatrix {
     }
 }
 
-/// Whether a one-row product of a `kind` matrix runs the integer kernels on this CPU, its
-/// activations rounded to 8 bits per block of 32 (`int8.rs`).
+/// Whether one-row products may run the integer kernels ([`set_int8_decode`]).
+static INT8_DECODE: AtomicBool = AtomicBool::new(false);
+
+/// Lets one-row products (decode steps of one sequence) run the integer kernels where the
+/// kind takes the AVX2 path: faster, but their activations are rounded to 8 bits per block
+/// of 32, so a sequence decoded alone no longer computes what it computes batched with
+/// others (more rows take the f32 kernels). Off by default; process-wide.
+pub fn set_int8_decode(on: bool) {
+    INT8_DECODE.store(on, Ordering::Relaxed);
+}
+
+/// Whether a one-row product of a `kind` matrix runs the integer kernels now, on this CPU,
+/// its activations rounded to 8 bits per block of 32 (`int8.rs`).
 pub fn decodes_in_int8(kind: GgmlKind) -> bool {
-    cfg!(target_arch = "x86_64") && KernelPath::best_for(kind) == KernelPath::Avx2
+    INT8_DECODE.load(Ordering::Relaxed)
+        && cfg!(target_arch = "x86_64")
+        && KernelPath::best_for(kind) == KernelPath::Avx2
 }
 
 /// The most the integer kernels' rounding of `x` may move a row's product with weights `w`:
@@ -324,9 +338,10 @@ impl Q8Act {
     fn for_row(path: KernelPath, mats: &[&QMatrix], x: &[f32]) -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            let used = mats
-                .iter()
-                .any(|w| path.for_kind(w.kind) == KernelPath::Avx2);
+            let used = INT8_DECODE.load(Ordering::Relaxed)
+                && mats
+                    .iter()
+                    .any(|w| path.for_kind(w.kind) == KernelPath::Avx2);
             Self {
                 row: used.then(|| int8::Q8Row::quantize(x)),
             }
@@ -382,7 +397,12 @@ impl QMatrix {
         if !KernelPath::Avx2.is_available() {
             return None;
         }
-        let act = Q8Act::for_row(KernelPath::Avx2, &[self], x);
+        #[cfg(target_arch = "x86_64")]
+        let act = Q8Act {
+            row: Some(int8::Q8Row::quantize(x)),
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let act = Q8Act {};
         self.rows_int8(0, &act, y);
         Some(())
     }

@@ -356,6 +356,21 @@ fn logits_match_transformers_at_every_position() {
 fn decode_steps_match_transformers() {
     let m = model();
     let vocab = m.info().vocab_size;
+    // Both decode paths: f32 (the default) and, where the CPU has AVX2, the integer kernels
+    // (`--int8-decode`). No other test of this file runs a one-row product, so the
+    // process-wide switch touches only this test.
+    let mut modes = vec![false];
+    if leyline_model::qmatmul::KernelPath::Avx2.is_available() {
+        modes.push(true);
+    }
+    for int8_on in modes {
+        leyline_model::qmatmul::set_int8_decode(int8_on);
+        decode_steps_in_one_mode(m, vocab);
+    }
+    leyline_model::qmatmul::set_int8_decode(false);
+}
+
+fn decode_steps_in_one_mode(m: &Llama, vocab: usize) {
     for (name, prefill) in [("raw_code", 40), ("chat_tool_round_trip", 211)] {
         let case = read_json(&format!("logits/{name}.json"));
         let tokens = ids_of(&case["ids"]);
