@@ -12,18 +12,11 @@
 //! extraction and conversion, not the multiply-adds, bound these kernels on AVX2.
 
 use super::format::{GgmlKind, RowGeom, BLOCK, SLACK};
+use super::format::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
 use super::tile::{prefetch_past_tile, Tile, DIRECT_MAX_M};
 use std::arch::x86_64::*;
 
 tile_driver!(rows, "avx2,fma,f16c", 2, 1, scales);
-
-const Q4_0: u8 = GgmlKind::Q4_0 as u8;
-const Q4_1: u8 = GgmlKind::Q4_1 as u8;
-const Q5_0: u8 = GgmlKind::Q5_0 as u8;
-const Q8_0: u8 = GgmlKind::Q8_0 as u8;
-const Q4_K: u8 = GgmlKind::Q4K as u8;
-const Q5_K: u8 = GgmlKind::Q5K as u8;
-const Q6_K: u8 = GgmlKind::Q6K as u8;
 
 /// Vectors of 8 weights per step of kind `k` ([`weights`]): a Q4_K / Q5_K step is two
 /// sub-blocks, whose nibbles share bytes, a Q6_K step two chunks of 32 that do; any other

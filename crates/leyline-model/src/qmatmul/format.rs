@@ -43,6 +43,15 @@ pub enum GgmlKind {
     Q6K,
 }
 
+// Each kind as a `u8`, the const-generic parameter of the SIMD kernels.
+pub(super) const Q4_0: u8 = GgmlKind::Q4_0 as u8;
+pub(super) const Q4_1: u8 = GgmlKind::Q4_1 as u8;
+pub(super) const Q5_0: u8 = GgmlKind::Q5_0 as u8;
+pub(super) const Q8_0: u8 = GgmlKind::Q8_0 as u8;
+pub(super) const Q4_K: u8 = GgmlKind::Q4K as u8;
+pub(super) const Q5_K: u8 = GgmlKind::Q5K as u8;
+pub(super) const Q6_K: u8 = GgmlKind::Q6K as u8;
+
 impl GgmlKind {
     /// Every kind, for tests and benchmarks.
     pub const ALL: [GgmlKind; 7] = [

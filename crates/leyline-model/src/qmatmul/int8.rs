@@ -14,15 +14,8 @@
 //! 16 values).
 
 use super::format::{GgmlKind, RowGeom, BLOCK, SLACK};
+use super::format::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
 use std::arch::x86_64::*;
-
-const Q4_0: u8 = GgmlKind::Q4_0 as u8;
-const Q4_1: u8 = GgmlKind::Q4_1 as u8;
-const Q5_0: u8 = GgmlKind::Q5_0 as u8;
-const Q8_0: u8 = GgmlKind::Q8_0 as u8;
-const Q4_K: u8 = GgmlKind::Q4K as u8;
-const Q5_K: u8 = GgmlKind::Q5K as u8;
-const Q6_K: u8 = GgmlKind::Q6K as u8;
 
 /// One activation row quantized per block of 32 values: `x[i] ~ d[i / 32] * q[i]`.
 pub(crate) struct Q8Row {

@@ -49,6 +49,31 @@ fn random_ggml(kind: GgmlKind, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u
     raw
 }
 
+/// Random matrices of `(kind, rows)` and `cols` columns, with their f64 references.
+fn random_parts(
+    specs: &[(GgmlKind, usize)],
+    cols: usize,
+    rng: &mut Rng,
+) -> (Vec<QMatrix>, Vec<Vec<f64>>) {
+    specs
+        .iter()
+        .map(|&(kind, rows)| {
+            let raw = random_ggml(kind, rows, cols, rng);
+            (
+                QMatrix::from_ggml(kind, &raw, rows, cols).unwrap(),
+                dequant_ref(kind, &raw),
+            )
+        })
+        .unzip()
+}
+
+/// Columns `col .. col + n` of `y: [m, width]`, row by row.
+fn columns(y: &[f32], m: usize, width: usize, col: usize, n: usize) -> Vec<f32> {
+    (0..m)
+        .flat_map(|i| y[i * width + col..i * width + col + n].to_vec())
+        .collect()
+}
+
 /// Dequantizes GGML bytes straight from the format description, in f64.
 fn dequant_ref(kind: GgmlKind, raw: &[u8]) -> Vec<f64> {
     reference::dequantize(kind, raw)
@@ -412,13 +437,7 @@ fn concatenated_products_match_the_reference_at_every_row_count() {
         (GgmlKind::Q5K, 12),
         (GgmlKind::Q4_0, 28),
     ];
-    let mut mats = Vec::new();
-    let mut refs = Vec::new();
-    for &(kind, rows) in &specs {
-        let raw = random_ggml(kind, rows, cols, &mut rng);
-        mats.push(QMatrix::from_ggml(kind, &raw, rows, cols).unwrap());
-        refs.push(dequant_ref(kind, &raw));
-    }
+    let (mats, refs) = random_parts(&specs, cols, &mut rng);
     let width: usize = mats.iter().map(QMatrix::rows).sum();
     let pools = [SpinPool::new(1), SpinPool::new(3)];
     for pool in &pools {
@@ -430,9 +449,7 @@ fn concatenated_products_match_the_reference_at_every_row_count() {
             let mut col = 0;
             for (qm, w) in mats.iter().zip(&refs) {
                 let rows = qm.rows();
-                let part: Vec<f32> = (0..m)
-                    .flat_map(|i| y[i * width + col..i * width + col + rows].to_vec())
-                    .collect();
+                let part = columns(&y, m, width, col, rows);
                 let what = format!("concat, {} threads, m={m}, rows {rows}", pool.threads());
                 check_engine(qm.kind(), w, rows, cols, &x, m, &part, &what);
                 col += rows;
@@ -456,13 +473,7 @@ fn wide_products_match_the_reference() {
         (GgmlKind::Q4_1, 33),
         (GgmlKind::Q5K, 140),
     ];
-    let mut mats = Vec::new();
-    let mut refs = Vec::new();
-    for &(kind, rows) in &specs {
-        let raw = random_ggml(kind, rows, cols, &mut rng);
-        mats.push(QMatrix::from_ggml(kind, &raw, rows, cols).unwrap());
-        refs.push(dequant_ref(kind, &raw));
-    }
+    let (mats, refs) = random_parts(&specs, cols, &mut rng);
     let width: usize = mats.iter().map(QMatrix::rows).sum();
     let refs_of: Vec<&QMatrix> = mats.iter().collect();
     for pool in [SpinPool::new(1), SpinPool::new(3)] {
@@ -473,9 +484,7 @@ fn wide_products_match_the_reference() {
             let mut col = 0;
             for (qm, w) in mats.iter().zip(&refs) {
                 let rows = qm.rows();
-                let part: Vec<f32> = (0..m)
-                    .flat_map(|i| y[i * width + col..i * width + col + rows].to_vec())
-                    .collect();
+                let part = columns(&y, m, width, col, rows);
                 let what = format!("wide, {} threads, m={m}, {:?}", pool.threads(), qm.kind());
                 check(w, rows, cols, &x, m, &part, &what);
                 col += rows;
