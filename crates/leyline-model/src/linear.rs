@@ -457,21 +457,6 @@ mod tests {
             .collect()
     }
 
-    /// The allowed deviation of output `o` (of a row of `x`) from [`reference`]: f32
-    /// rounding, plus, for a one-row product on the integer kernels, their rounding of `x`.
-    fn allowed(kind: GgmlKind, w: &[f32], o: usize, x: &[f32], m: usize, exp: f64) -> f64 {
-        let float = 1e-5 * (1.0 + exp.abs());
-        if m != 1 || !crate::qmatmul::decodes_in_int8(kind) {
-            return float;
-        }
-        let inp = x.len();
-        let row: Vec<f64> = w[o * inp..(o + 1) * inp]
-            .iter()
-            .map(|&v| f64::from(v))
-            .collect();
-        float + crate::qmatmul::int8_rounding_bound(&row, x)
-    }
-
     /// `x W^T + b` in f64, one dot product at a time.
     fn reference(w: &[f32], b: &[f32], x: &[f32], m: usize, out: usize, inp: usize) -> Vec<f64> {
         let mut y = Vec::with_capacity(m * out);
@@ -560,9 +545,8 @@ mod tests {
                 let want = reference(w, b, &x, m, out, inp);
                 for (i, &exp) in want.iter().enumerate() {
                     let got = y[i / out * width + col + i % out];
-                    let tol = allowed(GgmlKind::Q8_0, w, i % out, &x[..inp], m, exp);
                     assert!(
-                        (f64::from(got) - exp).abs() <= tol,
+                        (f64::from(got) - exp).abs() <= 1e-5 * (1.0 + exp.abs()),
                         "m = {m}, part at column {col}, output {i}: {got} vs {exp}"
                     );
                 }
@@ -616,9 +600,8 @@ mod tests {
                 layer.forward_rows(&x, m, &mut y).unwrap();
                 let want = reference(&wv, &vec![0.0; out], &x, m, out, inp);
                 for (j, (&got, &exp)) in y.iter().zip(&want).enumerate() {
-                    let tol = allowed(qm.kind(), &wv, j % out, &x[..inp], m, exp);
                     assert!(
-                        (f64::from(got) - exp).abs() <= tol,
+                        (f64::from(got) - exp).abs() <= 1e-5 * (1.0 + exp.abs()),
                         "{dt:?} m = {m}, output {j}: {got} vs {exp}"
                     );
                 }
@@ -634,11 +617,10 @@ mod tests {
         fused.forward(&x, 1, &mut y).unwrap();
         for (p, w) in refs.iter().enumerate() {
             let want = reference(w, &vec![0.0; out], &x, 1, out, inp);
-            let kind = GgmlKind::from_dtype(kinds[p]).expect("a kind");
             for (j, &exp) in want.iter().enumerate() {
                 let got = y[p * out + j];
                 assert!(
-                    (f64::from(got) - exp).abs() <= allowed(kind, w, j, &x, 1, exp),
+                    (f64::from(got) - exp).abs() <= 1e-5 * (1.0 + exp.abs()),
                     "fused part {p}, output {j}: {got} vs {exp}"
                 );
             }

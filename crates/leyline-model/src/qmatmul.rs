@@ -312,19 +312,6 @@ pub fn decodes_in_int8(kind: GgmlKind) -> bool {
         && KernelPath::best_for(kind) == KernelPath::Avx2
 }
 
-/// The most the integer kernels' rounding of `x` may move a row's product with weights `w`:
-/// each value by at most half its block's step (`max |x| / 127` of its block of 32).
-#[cfg(test)]
-pub(crate) fn int8_rounding_bound(w: &[f64], x: &[f32]) -> f64 {
-    w.chunks(32)
-        .zip(x.chunks(32))
-        .map(|(wb, xb)| {
-            let step = f64::from(xb.iter().fold(0f32, |a, v| a.max(v.abs()))) / 127.0;
-            wb.iter().map(|v| v.abs()).sum::<f64>() * step / 2.0
-        })
-        .sum()
-}
-
 /// A decode row's activations quantized to 8 bits, for the integer kernels (`int8.rs`),
 /// which serve every kind whose products take the AVX2 path; the kinds with AVX-512 kernels
 /// keep theirs.

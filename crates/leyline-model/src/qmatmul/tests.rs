@@ -105,41 +105,6 @@ fn check(w: &[f64], rows: usize, cols: usize, x: &[f32], m: usize, y: &[f32], wh
     }
 }
 
-/// [`check`] for a product the engine ran (`matmul_concat`): at one row, where the kind takes
-/// the integer kernels, plus the bound of their activation rounding.
-#[allow(clippy::too_many_arguments)]
-fn check_engine(
-    kind: GgmlKind,
-    w: &[f64],
-    rows: usize,
-    cols: usize,
-    x: &[f32],
-    m: usize,
-    y: &[f32],
-    what: &str,
-) {
-    if m != 1 || !decodes_in_int8(kind) {
-        return check(w, rows, cols, x, m, y, what);
-    }
-    let u = f64::powi(2.0, -24);
-    let gamma = 2.0 * (cols + 2) as f64 * u;
-    for r in 0..rows {
-        let wr = &w[r * cols..(r + 1) * cols];
-        let want: f64 = wr.iter().zip(x).map(|(a, &b)| a * f64::from(b)).sum();
-        let mag: f64 = wr
-            .iter()
-            .zip(x)
-            .map(|(a, &b)| (a * f64::from(b)).abs())
-            .sum();
-        let bound = int8_rounding_bound(wr, x) * (1.0 + gamma) + gamma * mag + 1e-30;
-        let got = f64::from(y[r]);
-        assert!(
-            (got - want).abs() <= bound,
-            "{what}: y[{r}] = {got}, reference {want}, beyond {bound}"
-        );
-    }
-}
-
 fn paths() -> Vec<KernelPath> {
     [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512]
         .into_iter()
@@ -404,8 +369,7 @@ fn matrices_on_shared_pages_keep_their_products() {
             }
             let mut y = vec![f32::NAN; m * rows];
             QMatrix::matmul_concat(SpinPool::global(), &x, m, &[qm], &mut y);
-            check_engine(
-                qm.kind(),
+            check(
                 w,
                 rows,
                 cols,
@@ -451,7 +415,7 @@ fn concatenated_products_match_the_reference_at_every_row_count() {
                 let rows = qm.rows();
                 let part = columns(&y, m, width, col, rows);
                 let what = format!("concat, {} threads, m={m}, rows {rows}", pool.threads());
-                check_engine(qm.kind(), w, rows, cols, &x, m, &part, &what);
+                check(w, rows, cols, &x, m, &part, &what);
                 col += rows;
             }
         }
