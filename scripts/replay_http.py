@@ -11,8 +11,12 @@ than N assistant messages becomes a stub), rendered by the server's own chat tem
 generated reply is discarded and the recorded one stays in the history, as in the in-process
 replay. An edit turn is one whose prompt changed a message the previous request had seen.
 
-Arms: `plain` sends the edited history alone (the server's prefix cache is all it has);
-`session` adds Leyline's `session_id` and `leyline.mode` (ignored by other servers).
+Arms: `plain` sends the edited history alone, as a stock client does: on Leyline (implicit
+splices on, its default) the server finds the cached conversation the edit changed and splices
+it; with `--header-mode prefix` (the `X-Leyline-Mode` header a stock SDK can set as a default
+header) or on another server the prefix cache is all it has. `session` adds Leyline's
+`session_id` and `leyline.mode` (ignored by other servers). `--no-policy` sends the history
+as recorded.
 
 Only the standard library; prints a Markdown table and writes every request to --out.
 """
@@ -59,7 +63,7 @@ def turns(trajectory, older_than, max_turns):
             continue
         if k >= max_turns:
             return
-        prompt = truncate_tool_outputs(msgs[:i], older_than)
+        prompt = msgs[:i] if older_than is None else truncate_tool_outputs(msgs[:i], older_than)
         edit = any(j >= len(prompt) or prompt[j] != s for j, s in enumerate(seen))
         seen = prompt + [m]
         yield k, prompt, edit
@@ -78,7 +82,7 @@ class Client:
         # response, and on localhost a connect costs microseconds.
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
-    def chat(self, messages, extra):
+    def chat(self, messages, extra, headers=None):
         """Streams one greedy completion; returns (ttft_s, e2e_s, last usage, leyline, timings)."""
         body = {
             "model": self.model,
@@ -96,7 +100,7 @@ class Client:
             "POST",
             self.base + "/v1/chat/completions",
             body=data,
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **(headers or {})},
         )
         resp = conn.getresponse()
         if resp.status != 200:
@@ -145,7 +149,8 @@ def run_session(client, name, trajectory, args, records, lock):
             extra["leyline"] = {"mode": args.mode}
             if sid:
                 extra["session_id"] = sid
-        ttft, e2e, usage, leyline, timings = client.chat(prompt, extra)
+        headers = {"X-Leyline-Mode": args.header_mode} if args.header_mode else None
+        ttft, e2e, usage, leyline, timings = client.chat(prompt, extra, headers)
         if leyline and leyline.get("session_id"):
             sid = leyline["session_id"]
         usage = usage or {}
@@ -221,15 +226,23 @@ def main():
     ap.add_argument("--traces", required=True, help="JSONL trajectories (data/traces/)")
     ap.add_argument("--arm", choices=["plain", "session"], default="plain")
     ap.add_argument("--mode", default="amortize", help="leyline.mode for --arm session")
+    ap.add_argument(
+        "--header-mode",
+        choices=["amortize", "forget", "prefix"],
+        help="X-Leyline-Mode header on every request (prefix: no implicit splices)",
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--max-turns", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--older-than", type=int, default=2, help="truncate_tool_outputs:N")
+    ap.add_argument("--no-policy", action="store_true", help="send the history as recorded")
     ap.add_argument("--concurrency", type=int, default=1, help="sessions in flight at once")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     ap.add_argument("--out", required=True, help="JSON file for the records and the summary")
     args = ap.parse_args()
+    if args.no_policy:
+        args.older_than = None
 
     with open(args.traces) as f:
         trajs = [json.loads(line) for line in f if line.strip()][: args.sessions]

@@ -20,12 +20,13 @@
 
 mod admit;
 mod edit;
+mod implicit;
 
 use crate::error::{EngineError, ErrorKind, Failure, Result};
 use crate::metrics::Metrics;
 use crate::request::{Event, FinishReason, Request, RequestId, Usage};
 use crate::sampling::Sampler;
-use crate::session::{EditReport, Session, SessionEdits, SessionId};
+use crate::session::{EditReport, Session, SessionEdits, SessionId, SessionRequest};
 use leyline_kv::radix::{LockReceipt, Namespace, PrefixCache};
 use leyline_kv::slots::Lineage;
 use leyline_kv::{KvDtype, KvStorage};
@@ -56,6 +57,9 @@ pub struct EngineConfig {
     pub prefill_patience: u32,
     /// Most requests waiting for admission; more are refused ([`ErrorKind::Overloaded`]).
     pub max_waiting: usize,
+    /// Most cached conversations of sessionless requests kept for implicit splices
+    /// (`engine/implicit.rs`); the least recently used idle one goes first.
+    pub max_implicit_sessions: usize,
 }
 
 /// [`EngineConfig::kv_dtype`] unless set otherwise. f16 by measurement on the default model
@@ -70,6 +74,8 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 pub const DEFAULT_DECODE_PREFILL_CHUNK: usize = 128;
 /// [`EngineConfig::max_waiting`] unless set otherwise.
 pub const DEFAULT_MAX_WAITING: usize = 256;
+/// [`EngineConfig::max_implicit_sessions`] unless set otherwise.
+pub const DEFAULT_MAX_IMPLICIT_SESSIONS: usize = 256;
 
 /// How a step hands its prefill budget to the sequences still prefilling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +128,7 @@ impl EngineConfig {
             prefill_order: PrefillOrder::Shortest,
             prefill_patience: DEFAULT_PREFILL_PATIENCE,
             max_waiting: DEFAULT_MAX_WAITING,
+            max_implicit_sessions: DEFAULT_MAX_IMPLICIT_SESSIONS,
         }
     }
 
@@ -344,6 +351,20 @@ impl Engine {
     /// an edit that fails is answered before the request is queued).
     fn prepare(&mut self, req: &mut Request, id: RequestId) -> Result<TurnEdit> {
         self.check_and_claim(req, id)?;
+        let mut implicit = None;
+        if let (None, Some(turn), true) = (
+            &req.session,
+            req.implicit.take(),
+            self.cfg.max_implicit_sessions > 0,
+        ) {
+            let (sid, fresh) = self.implicit_session(&req.prompt, &turn, req.tenant, id)?;
+            implicit = Some((sid, fresh));
+            req.session = Some(SessionRequest {
+                id: sid,
+                mode: turn.mode,
+                edits: SessionEdits::Messages(turn.bounds),
+            });
+        }
         let Some(sr) = req.session.as_mut() else {
             return Ok(TurnEdit::default());
         };
@@ -364,6 +385,10 @@ impl Engine {
             }),
             Err(e) => {
                 self.unclaim_session(Some(sid));
+                if let Some((sid, true)) = implicit {
+                    // A fork or new conversation that never ran is nobody's.
+                    self.delete_session(sid)?;
+                }
                 self.metrics.add(&self.metrics.requests_failed, 1);
                 Err(e)
             }
@@ -760,6 +785,8 @@ impl Engine {
         m.set(&m.queue_depth, self.waiting.len() as u64);
         m.set(&m.running, self.running.len() as u64);
         m.set(&m.pool_used_slots, self.cache.pool().used_count() as u64);
+        let conversations = self.sessions.values().filter(|s| s.implicit).count();
+        m.set(&m.conversations, conversations as u64);
     }
 
     /// Runs steps until nothing is queued or running.

@@ -21,7 +21,8 @@ pub mod session;
 
 pub use engine::{
     Engine, EngineConfig, PrefillOrder, StepReport, DEFAULT_DECODE_PREFILL_CHUNK, DEFAULT_KV_DTYPE,
-    DEFAULT_MAX_WAITING, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_PATIENCE,
+    DEFAULT_MAX_IMPLICIT_SESSIONS, DEFAULT_MAX_WAITING, DEFAULT_PREFILL_CHUNK,
+    DEFAULT_PREFILL_PATIENCE,
 };
 pub use error::{EngineError, ErrorKind, Failure, Result};
 pub use generate::{
@@ -30,7 +31,9 @@ pub use generate::{
 pub use handle::{EngineHandle, EngineThread};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use render::{render_pieces, render_prompt, to_chat_message, ChatRenderer, MemoRenderer};
-pub use request::{Event, EventSink, FinishReason, Liveness, Request, RequestId, Tenant, Usage};
+pub use request::{
+    Event, EventSink, FinishReason, ImplicitTurn, Liveness, Request, RequestId, Tenant, Usage,
+};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use session::{
     message_edits, EditReport, SessionEdits, SessionId, SessionInfo, SessionRequest,

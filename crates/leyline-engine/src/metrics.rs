@@ -63,6 +63,9 @@ metrics! {
     /// Idle sessions whose KV was dropped to make room (each keeps its id; its next
     /// request prefills again).
     sessions_shed,
+    /// Sessionless requests that continued a cached conversation by a splice (implicit
+    /// splices).
+    implicit_splices,
     /// Forward calls.
     forward_calls,
     /// Sequences decoded in forward calls that decoded more than one (batching at work).
@@ -73,6 +76,8 @@ metrics! {
     queue_depth,
     /// Gauge: requests running.
     running,
+    /// Gauge: cached conversations of sessionless requests (implicit splices).
+    conversations,
     /// Gauge: slots in use (held by requests or the prefix tree).
     pool_used_slots,
     /// Gauge: pool capacity in slots.

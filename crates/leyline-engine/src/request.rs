@@ -3,6 +3,7 @@
 use crate::error::Failure;
 use crate::sampling::SamplingParams;
 use crate::session::{EditReport, SessionRequest};
+use leyline_core::Mode;
 use std::ops::ControlFlow;
 use std::time::Duration;
 
@@ -98,6 +99,19 @@ pub type Liveness = Box<dyn Fn() -> bool + Send>;
 /// tenant's FORGET never touches another's cache. 0 is the default tenant.
 pub type Tenant = u64;
 
+/// How a sessionless chat request may use the cached conversations of its tenant (an
+/// implicit splice, `engine/implicit.rs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImplicitTurn {
+    /// The rendered prompt's message bounds (as [`crate::SessionEdits::Messages`]).
+    pub bounds: Vec<usize>,
+    /// AMORTIZE: a fork of the conversation the prompt edits is spliced, when that prefills
+    /// less than the prefix tree would; the conversation itself stays. FORGET: the
+    /// conversation itself takes the turn in FORGET mode, so what the prompt drops of it is
+    /// never served again.
+    pub mode: Mode,
+}
+
 /// A generation request.
 pub struct Request {
     /// Prompt token ids (not empty).
@@ -116,6 +130,9 @@ pub struct Request {
     pub alive: Option<Liveness>,
     /// Whose prefix cache the request uses (a session request uses its session's).
     pub tenant: Tenant,
+    /// For a request without a session: continue the tenant's cached conversation that
+    /// the prompt edits ([`ImplicitTurn`]); `None` serves it from the prefix tree only.
+    pub implicit: Option<ImplicitTurn>,
 }
 
 impl Request {
@@ -131,6 +148,7 @@ impl Request {
             sink,
             alive: None,
             tenant: 0,
+            implicit: None,
         }
     }
 
@@ -155,6 +173,7 @@ impl std::fmt::Debug for Request {
             .field("max_tokens", &self.max_tokens)
             .field("session", &self.session)
             .field("tenant", &self.tenant)
+            .field("implicit", &self.implicit.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -113,6 +113,9 @@ pub(crate) struct Session {
     /// When a request last took the session (the least recently used idle session's KV is
     /// the first to go when the pool runs out).
     pub(crate) last_used: Instant,
+    /// A cached conversation of sessionless requests (`engine/implicit.rs`), not a named
+    /// session: it goes whole when its KV must go, and no client can name it.
+    pub(crate) implicit: bool,
 }
 
 impl Session {
@@ -128,6 +131,7 @@ impl Session {
             busy: None,
             turns: 0,
             last_used: Instant::now(),
+            implicit: false,
         }
     }
 }

@@ -260,3 +260,27 @@ fn a_splice_after_a_rollback_equals_one_on_an_untouched_twin_and_rotates_exactly
         );
     }
 }
+
+#[test]
+fn a_splice_that_moves_nothing_leaves_shared_slots_to_their_other_holders() {
+    // [1,2) -> 1 token: delta 0, so nothing downstream is rotated or copied. Tokens 2..6
+    // stay shared with the tree, which serves them for the old sequence: they keep their
+    // lineage; only what the sequence holds alone takes its lineage.
+    let mut w = world(KvDtype::F32, 64, 0);
+    let done = apply_splice(
+        &mut w.cache,
+        &mut w.kv,
+        &rope(false),
+        target(&w.seq),
+        &batch(vec![(1, 2, 1)]),
+        prefill(None),
+    )
+    .unwrap();
+    assert_eq!((done.copied, done.rotated, done.clean_len), (0, 0, 2));
+    w.cache.check_invariants().unwrap();
+    let pool = w.cache.pool();
+    for (i, &s) in done.slots.iter().enumerate() {
+        let want = if i < 6 { Lineage::SHARED } else { LINEAGE };
+        assert_eq!(pool.lineage(s).unwrap(), want, "token {i}");
+    }
+}

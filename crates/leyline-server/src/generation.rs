@@ -108,6 +108,8 @@ pub struct GenerateSpec {
     pub session: Option<leyline_engine::SessionRequest>,
     /// Whose prefix cache it uses.
     pub tenant: leyline_engine::Tenant,
+    /// Without a session: the cached conversation it may continue.
+    pub implicit: Option<leyline_engine::ImplicitTurn>,
 }
 
 /// Builds the engine request and the channel its pieces arrive on.
@@ -196,6 +198,7 @@ pub fn request(
         sink,
         alive: Some(alive),
         tenant: spec.tenant,
+        implicit: spec.implicit,
     };
     (req, rx)
 }

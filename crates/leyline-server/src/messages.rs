@@ -12,6 +12,7 @@ use crate::state::AppState;
 use crate::submit::{collect_text, report, start, Collected, Started};
 use crate::toolcall::{Segment, ToolCallSplitter};
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -37,9 +38,10 @@ struct LeylineFields {
 pub(crate) async fn messages(
     State(st): St,
     Extension(who): Extension<Principal>,
+    headers: HeaderMap,
     body: std::result::Result<ApiJson, ServerError>,
 ) -> Response {
-    match handle(st, who, body).await {
+    match handle(st, who, headers, body).await {
         Ok(r) => r,
         Err(e) => anthropic::error_response(e),
     }
@@ -48,8 +50,10 @@ pub(crate) async fn messages(
 async fn handle(
     st: Arc<AppState>,
     who: Principal,
+    headers: HeaderMap,
     body: std::result::Result<ApiJson, ServerError>,
 ) -> Result<Response> {
+    let header_mode = crate::submit::header_mode(&headers)?;
     let ApiJson(v) = body?;
     let req: MessagesRequest = parse(&v)?;
     let extra: LeylineFields = parse(&v)?;
@@ -69,6 +73,7 @@ async fn handle(
         session_id: extra.session_id,
         leyline: extra.leyline,
         cache_salt: extra.cache_salt,
+        header_mode,
         ..Default::default()
     };
     let mut gen = fields.validate().map_err(|e| match e {

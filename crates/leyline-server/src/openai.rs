@@ -26,12 +26,49 @@ pub enum StopSpec {
     Many(Vec<String>),
 }
 
+/// `leyline.mode` (or, for a request without a session, the `X-Leyline-Mode` header): what
+/// an edit of cached context does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheMode {
+    /// Splice the edit in place (the default). In the body without a session id it opens a
+    /// new session (its id comes back); by header it is the implicit splice.
+    Amortize,
+    /// Trim and prefill again; what the edit drops is never served again. In the body
+    /// without a session id it opens a new session; by header the conversation the request
+    /// continues takes the turn in FORGET mode.
+    Forget,
+    /// The prefix cache only: no splice (a session keeps its longest common prefix with the
+    /// prompt).
+    Prefix,
+}
+
+impl CacheMode {
+    /// Reads the `X-Leyline-Mode` header's value.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "amortize" => Some(CacheMode::Amortize),
+            "forget" => Some(CacheMode::Forget),
+            "prefix" => Some(CacheMode::Prefix),
+            _ => None,
+        }
+    }
+
+    /// The engine's mode for the edits of a turn in this mode.
+    pub fn engine_mode(self) -> leyline_core::Mode {
+        match self {
+            CacheMode::Forget => leyline_core::Mode::Forget,
+            CacheMode::Amortize | CacheMode::Prefix => leyline_core::Mode::Amortize,
+        }
+    }
+}
+
 /// Leyline's own request options (`extra_body={"leyline": {...}}` in OpenAI clients).
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 pub struct LeylineOptions {
     /// How an edit of the session's earlier context is applied.
     #[serde(default)]
-    pub mode: Option<leyline_core::Mode>,
+    pub mode: Option<CacheMode>,
     /// Server-side context edits (chat completions): `{"edits": [...]}` as on
     /// `/v1/messages` (see `context.rs`).
     #[serde(default)]
@@ -74,6 +111,9 @@ pub struct GenerationFields {
     /// Leyline options.
     #[serde(default)]
     pub leyline: Option<LeylineOptions>,
+    /// The `X-Leyline-Mode` header, set by the handler (not a body field).
+    #[serde(skip)]
+    pub header_mode: Option<CacheMode>,
     /// Separates the prefix caches of users behind one API key (as vLLM's `cache_salt`):
     /// requests match only cached prefixes computed under the same key and salt.
     #[serde(default)]
@@ -423,7 +463,10 @@ pub struct LeylineReport {
     /// The session the request ran in, if any.
     pub session_id: Option<String>,
     /// The mode edits were applied in, if a session.
-    pub mode: Option<leyline_core::Mode>,
+    pub mode: Option<CacheMode>,
+    /// Whether cached context was spliced for this request (AMORTIZE directives applied),
+    /// in a named session or, without one, in the cached conversation it continued.
+    pub spliced: bool,
     /// Directives applied before this request.
     pub directives_applied: usize,
     /// Prompt tokens whose KV was reused.

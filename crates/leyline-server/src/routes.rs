@@ -10,6 +10,7 @@ use crate::state::AppState;
 use crate::submit::{collect_text, report, start, Collected, SessionRun, Started};
 use crate::toolcall::{Segment, ToolCallSplitter};
 use axum::extract::{Request, State};
+use axum::http::HeaderMap;
 use axum::middleware::{from_fn_with_state, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -212,8 +213,7 @@ impl AppState {
             tools,
             ..Default::default()
         };
-        let in_session = fields.session_id.is_some()
-            || fields.leyline.as_ref().is_some_and(|l| l.mode.is_some());
+        let in_session = crate::submit::CachePlan::of(self, fields).needs_bounds();
         self.off_workers(move |st| {
             let template = st
                 .chat
@@ -247,10 +247,12 @@ impl AppState {
 async fn chat_completions(
     State(st): St,
     Extension(who): Extension<Principal>,
+    headers: HeaderMap,
     ApiJson(v): ApiJson,
 ) -> Result<Response> {
     let req: ChatCompletionRequest = parse(&v)?;
-    let fields: GenerationFields = parse(&v)?;
+    let mut fields: GenerationFields = parse(&v)?;
+    fields.header_mode = crate::submit::header_mode(&headers)?;
     st.check_model(&req.model)?;
     let gen = fields.validate()?;
     if req.logprobs == Some(true) {

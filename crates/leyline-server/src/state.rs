@@ -44,6 +44,10 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Most prompts rendered and tokenized at once (off the async workers).
     pub max_rendering: usize,
+    /// Whether chat requests without a session id continue, by a splice, the cached
+    /// conversation they edit (implicit splices; a request opts out with `leyline.mode` or
+    /// `X-Leyline-Mode` set to `prefix` or `forget`).
+    pub implicit_splices: bool,
 }
 
 impl ServerConfig {
@@ -63,6 +67,7 @@ impl ServerConfig {
             body_timeout: Duration::from_secs(30),
             max_connections: 512,
             max_rendering: 2,
+            implicit_splices: true,
         }
     }
 }

@@ -6,10 +6,10 @@ use crate::auth::Principal;
 use crate::error::{Result, ServerError};
 use crate::generation::{self, GenerateSpec, Piece};
 use crate::handler::{create_engine_session, engine_call};
-use crate::openai::{Generation, GenerationFields, LeylineReport};
+use crate::openai::{CacheMode, Generation, GenerationFields, LeylineReport};
 use crate::state::AppState;
 use leyline_core::Mode;
-use leyline_engine::{SessionEdits, SessionId, SessionRequest};
+use leyline_engine::{ImplicitTurn, SessionEdits, SessionId, SessionRequest};
 use std::sync::Arc;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
@@ -18,11 +18,70 @@ pub(crate) struct SessionRun {
     /// Its public id.
     pub(crate) id: String,
     pub(crate) engine: SessionId,
-    pub(crate) mode: Mode,
+    pub(crate) mode: CacheMode,
+}
+
+/// How a request uses cached context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CachePlan {
+    /// In a named session (given, or opened for `leyline.mode` amortize or forget).
+    Session,
+    /// Without one, continuing the tenant's cached conversation it edits (implicit
+    /// splices), in this mode.
+    Implicit(Mode),
+    /// From the prefix tree alone.
+    Prefix,
+}
+
+impl CachePlan {
+    /// The plan for a request's fields: a session id or a body mode decides first, then the
+    /// server's implicit-splice switch, then the `X-Leyline-Mode` header.
+    pub(crate) fn of(st: &AppState, fields: &GenerationFields) -> Self {
+        let body = fields.leyline.as_ref().and_then(|l| l.mode);
+        if fields.session_id.is_some()
+            || matches!(body, Some(CacheMode::Amortize | CacheMode::Forget))
+        {
+            return CachePlan::Session;
+        }
+        if body == Some(CacheMode::Prefix) || !st.config.implicit_splices {
+            return CachePlan::Prefix;
+        }
+        match fields.header_mode {
+            Some(CacheMode::Prefix) => CachePlan::Prefix,
+            Some(CacheMode::Forget) => CachePlan::Implicit(Mode::Forget),
+            Some(CacheMode::Amortize) | None => CachePlan::Implicit(Mode::Amortize),
+        }
+    }
+
+    /// Whether the prompt's message bounds are needed (everything but the prefix tree).
+    pub(crate) fn needs_bounds(self) -> bool {
+        self != CachePlan::Prefix
+    }
+}
+
+/// The `X-Leyline-Mode` header, if the request has one.
+///
+/// # Errors
+/// A value other than `amortize`, `forget` or `prefix`.
+pub(crate) fn header_mode(headers: &axum::http::HeaderMap) -> Result<Option<CacheMode>> {
+    let Some(v) = headers.get("x-leyline-mode") else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(CacheMode::parse)
+        .map(Some)
+        .ok_or_else(|| {
+            ServerError::invalid(
+                "X-Leyline-Mode",
+                "the X-Leyline-Mode header must be amortize, forget or prefix",
+            )
+        })
 }
 
 /// The request's session, if it runs in one: a named one, or a new one when
-/// `leyline.mode` comes without a session id (its id comes back in `leyline`).
+/// `leyline.mode` (amortize or forget) comes without a session id (its id comes back in
+/// `leyline`).
 async fn open_session(
     st: &Arc<AppState>,
     who: Principal,
@@ -31,14 +90,16 @@ async fn open_session(
     let mode = fields.leyline.as_ref().and_then(|l| l.mode);
     let id = match (&fields.session_id, mode) {
         (Some(id), _) => id.clone(),
-        (None, Some(_)) => create_engine_session(st, who, fields.cache_salt.as_deref()).await?,
-        (None, None) => return Ok(None),
+        (None, Some(CacheMode::Amortize | CacheMode::Forget)) => {
+            create_engine_session(st, who, fields.cache_salt.as_deref()).await?
+        }
+        (None, _) => return Ok(None),
     };
     let engine = st.sessions.resolve(&id, who)?;
     Ok(Some(SessionRun {
         id,
         engine,
-        mode: mode.unwrap_or(Mode::Amortize),
+        mode: mode.unwrap_or(CacheMode::Amortize),
     }))
 }
 
@@ -107,14 +168,26 @@ pub(crate) async fn start(
         ))
     })?;
     let session = open_session(st, who, fields).await?;
-    // The engine diffs the prompt against the session along the message bounds.
-    let session_req = session.as_ref().map(|s| SessionRequest {
-        id: s.engine,
-        mode: s.mode,
-        edits: bounds
-            .map(SessionEdits::Messages)
-            .unwrap_or(SessionEdits::Tokens),
-    });
+    // The engine diffs the prompt against the session (or the cached conversation it
+    // continues) along the message bounds.
+    let (session_req, implicit) = match (&session, CachePlan::of(st, fields)) {
+        (Some(s), _) => {
+            let edits = match (s.mode, bounds) {
+                (CacheMode::Prefix, _) | (_, None) => SessionEdits::Tokens,
+                (_, Some(b)) => SessionEdits::Messages(b),
+            };
+            let req = SessionRequest {
+                id: s.engine,
+                mode: s.mode.engine_mode(),
+                edits,
+            };
+            (Some(req), None)
+        }
+        (None, CachePlan::Implicit(mode)) => {
+            (None, bounds.map(|bounds| ImplicitTurn { bounds, mode }))
+        }
+        (None, _) => (None, None),
+    };
     let prompt_tokens = prompt.len();
     let spec = GenerateSpec {
         prompt,
@@ -124,6 +197,7 @@ pub(crate) async fn start(
         stop: gen.stop.clone(),
         session: session_req,
         tenant: who.tenant(fields.cache_salt.as_deref()),
+        implicit,
     };
     let (req, rx) = generation::request(spec, Arc::clone(&st.tokenizer));
     // Refusals known at once (invalid, unknown or busy session) get their status before
@@ -143,6 +217,7 @@ pub(crate) fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>
     LeylineReport {
         session_id: session.as_ref().map(|s| s.id.clone()),
         mode: session.as_ref().map(|s| s.mode),
+        spliced: edit.is_some_and(|e| e.mode == Mode::Amortize && e.directives > 0),
         directives_applied: edit.map_or(0, |e| e.directives),
         tokens_reused: usage.cached_tokens,
         tokens_rotated: edit.map_or(0, |e| e.rotated),

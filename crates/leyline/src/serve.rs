@@ -69,10 +69,27 @@ pub struct ServeArgs {
     /// Most requests waiting for the engine; more get 503 with Retry-After.
     #[arg(long, default_value_t = leyline_engine::DEFAULT_MAX_WAITING)]
     max_queued: usize,
+    /// Whether chat requests without a session id that edit a conversation cached for
+    /// their API key continue it by a splice instead of a re-prefill (`on` or `off`). A
+    /// request opts out with `leyline.mode` or the `X-Leyline-Mode` header set to `prefix`
+    /// or `forget`.
+    #[arg(long, default_value = "on", value_parser = on_off)]
+    implicit_splices: bool,
+    /// Most cached conversations kept for implicit splices (least recently used goes).
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_MAX_IMPLICIT_SESSIONS)]
+    max_conversations: usize,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
     threads: ServeThreadsArgs,
+}
+
+fn on_off(s: &str) -> std::result::Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("expected on or off, got {other:?}")),
+    }
 }
 
 /// Loads the model and serves until SIGINT or SIGTERM.
@@ -90,6 +107,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
         prefill_order: a.prefill_order,
         prefill_patience: a.prefill_patience,
         max_waiting: a.max_queued.max(1),
+        max_implicit_sessions: if a.implicit_splices {
+            a.max_conversations
+        } else {
+            0
+        },
         ..leyline_engine::EngineConfig::new(slots)
     };
     let name = a
@@ -116,6 +138,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.header_timeout = std::time::Duration::from_secs(a.header_timeout.max(1));
     cfg.body_timeout = std::time::Duration::from_secs(a.body_timeout.max(1));
     cfg.max_connections = a.max_connections.max(1);
+    cfg.implicit_splices = a.implicit_splices && a.max_conversations > 0;
     cfg.sessions = leyline_server::sessions::SessionLimits {
         max: a.max_sessions.max(1),
         idle_timeout: std::time::Duration::from_secs(a.session_idle_timeout),

@@ -52,13 +52,13 @@ impl Engine {
         id
     }
 
-    fn session(&self, id: SessionId) -> Result<&Session> {
+    pub(super) fn session(&self, id: SessionId) -> Result<&Session> {
         self.sessions
             .get(&id)
             .ok_or(EngineError::UnknownSession(id.0))
     }
 
-    fn session_mut(&mut self, id: SessionId) -> Result<&mut Session> {
+    pub(super) fn session_mut(&mut self, id: SessionId) -> Result<&mut Session> {
         self.sessions
             .get_mut(&id)
             .ok_or(EngineError::UnknownSession(id.0))
@@ -226,7 +226,8 @@ impl Engine {
 
     /// Drops the KV of the least recently used idle session that holds any, other than
     /// `except`; the session stays, and its next request prefills from the prefix tree.
-    /// Returns whether one went.
+    /// Cached conversations (implicit splices) go first, and go whole. Returns whether one
+    /// went.
     ///
     /// # Errors
     /// Pool failures.
@@ -235,11 +236,18 @@ impl Engine {
             .sessions
             .iter()
             .filter(|(&id, s)| s.busy.is_none() && !s.slots.is_empty() && Some(id) != except)
-            .min_by_key(|(_, s)| s.last_used)
+            // Cached conversations of sessionless requests go before named sessions.
+            .min_by_key(|(_, s)| (!s.implicit, s.last_used))
             .map(|(&id, _)| id);
         let Some(id) = lru else {
             return Ok(false);
         };
+        if self.session(id)?.implicit {
+            // Nobody names a cached conversation: without its KV it is nothing.
+            self.delete_session(id)?;
+            self.metrics.add(&self.metrics.sessions_shed, 1);
+            return Ok(true);
+        }
         let s = self.session_mut(id)?;
         let clean = s.clean_len.min(s.tokens.len());
         if clean > 0 {
@@ -570,9 +578,10 @@ impl Engine {
 }
 
 impl Engine {
-    /// Deletes every idle session unused since before `now - idle_timeout`, then the least
-    /// recently used idle ones until `room` more fit under `max`; returns them. Busy
-    /// sessions are never deleted.
+    /// Deletes every idle named session unused since before `now - idle_timeout`, then the
+    /// least recently used idle ones until `room` more fit under `max`; returns them. Busy
+    /// sessions are never deleted. Cached conversations of sessionless requests (implicit
+    /// splices) expire alike but count against their own limit, and are not returned.
     pub fn reap_sessions(
         &mut self,
         now: Instant,
@@ -581,15 +590,24 @@ impl Engine {
         room: usize,
     ) -> Vec<SessionId> {
         let mut gone = Vec::new();
+        let mut named = self.sessions.values().filter(|s| !s.implicit).count();
         for (id, last_used, busy) in self.sessions_by_use() {
+            let implicit = self.sessions.get(&id).is_some_and(|s| s.implicit);
             if busy {
                 continue;
             }
             let expired = now.saturating_duration_since(last_used) > idle_timeout;
-            if !expired && self.sessions.len() + room <= max {
-                break;
+            if implicit {
+                if expired {
+                    let _ = self.delete_session(id);
+                }
+                continue;
+            }
+            if !expired && named + room <= max {
+                continue;
             }
             if self.delete_session(id).is_ok() {
+                named -= 1;
                 gone.push(id);
             }
         }

@@ -338,7 +338,9 @@ impl Txn {
         // Every slot here is held by the sequence or was just allocated: these cannot fail.
         for (i, (&slot, &pos)) in plan.new_slots.iter().zip(&plan.new_positions).enumerate() {
             let _ = pool.set_position(slot, pos);
-            if i >= self.clean_len {
+            // A slot others hold too was neither moved nor copied (delta 0): its KV is still
+            // theirs, unchanged, and keeps their lineage.
+            if i >= self.clean_len && pool.refcount(slot).is_ok_and(|r| r == 1) {
                 let _ = pool.set_lineage(slot, self.lineage);
             }
         }

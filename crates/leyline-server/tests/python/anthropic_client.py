@@ -158,6 +158,8 @@ def context_editing():
             {"type": "tool_result", "tool_use_id": f"toolu_{i}",
              "content": f"{city}: " + "sunny and mild, a light wind from the west. " * 6}]})
     msgs[-1]["content"].append({"type": "text", "text": "Summarize."})
+    # The history as the agent keeps it, unedited: its conversation is now cached.
+    plain = A.messages.create(model=MODEL, max_tokens=4, messages=msgs, extra_body=GREEDY)
     # The SDK sends this through its beta namespace: /v1/messages?beta=true with a header.
     r = A.beta.messages.create(
         model=MODEL, max_tokens=4, messages=msgs, betas=["context-management-2025-06-27"],
@@ -169,10 +171,14 @@ def context_editing():
     check(len(edits) == 1 and edits[0].type == "clear_tool_uses_20250919", f"{edits}")
     check(edits[0].cleared_tool_uses == 3, f"all but the last tool use cleared: {edits}")
     check(edits[0].cleared_input_tokens > 100, f"{edits}")
-    plain = A.messages.create(model=MODEL, max_tokens=4, messages=msgs, extra_body=GREEDY)
     seen = r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0)
     full = plain.usage.input_tokens + (plain.usage.cache_read_input_tokens or 0)
     check(seen + 100 < full, f"the model saw the edited history: {seen} vs {full} tokens")
+    # The clearing was spliced into the cached conversation: only the three placeholders
+    # ("[cleared: old tool result]", under 12 tokens each) were prefilled, not everything
+    # after the first cleared result.
+    print(f"context editing: {r.usage.input_tokens} prefilled, {r.usage.cache_read_input_tokens} read")
+    check(r.usage.input_tokens <= 3 * 12 + 4, f"{r.usage}")
     e = expect(anthropic.BadRequestError, lambda: A.beta.messages.create(
         model=MODEL, max_tokens=4, messages=msgs, betas=["context-management-2025-06-27"],
         context_management={"edits": [{"type": "clear_everything_2099"}]}), "unknown edit")

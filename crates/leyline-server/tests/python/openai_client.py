@@ -132,6 +132,55 @@ def sessions():
         check(ley["tokens_reused"] == cached, (usage, ley))
 
 
+def stock_client():
+    """No session id, no extra_body: the server splices the conversation the edit changed."""
+    history = [
+        {"role": "system", "content": "You are a careful assistant with a shell tool."},
+        {"role": "user", "content": "Show me the project files."},
+        {"role": "assistant", "content": "I will call the ls tool."},
+        {"role": "tool", "tool_call_id": "call_1", "content": TOOL_OUTPUT},
+        {"role": "user", "content": "Which of these files is the largest one, and how large is it?"},
+    ]
+    r1 = A.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    check(not leyline(r1)["spliced"] and leyline(r1)["session_id"] is None, leyline(r1))
+
+    def edited(stub, question):
+        e = [dict(m) for m in history]
+        e[3]["content"] = stub
+        return e + [
+            {"role": "assistant", "content": r1.choices[0].message.content},
+            {"role": "user", "content": question},
+        ]
+
+    # Another API key is another tenant: nothing of A's conversation is found.
+    rb = B.chat.completions.create(model=MODEL, messages=edited("[cleared]", "Summarize."), max_tokens=4, temperature=0)
+    check(not leyline(rb)["spliced"], leyline(rb))
+    # Opted out by the header a stock SDK sets as a default: the prefix cache alone.
+    prefix_only = openai.OpenAI(base_url=BASE, api_key=KEY_A, max_retries=0, timeout=300,
+                                default_headers={"X-Leyline-Mode": "prefix"})
+    rp = prefix_only.chat.completions.create(model=MODEL, messages=edited("[gone]", "Summarize."), max_tokens=4, temperature=0)
+    check(not leyline(rp)["spliced"], leyline(rp))
+    before_tool = rp.usage.prompt_tokens_details.cached_tokens
+    r2 = A.chat.completions.create(model=MODEL, messages=edited("[cleared]", "Summarize."), max_tokens=4, temperature=0)
+    ley = leyline(r2)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    print(f"stock client: cached {cached} of {r2.usage.prompt_tokens} (prefix only: {before_tool}), leyline {ley}")
+    check(ley["spliced"] and ley["session_id"] is None and ley["directives_applied"] >= 1, ley)
+    # The last user message of turn 1 and everything after it stayed cached, rotated.
+    check(cached >= before_tool + 15 and ley["tokens_rotated"] >= 15, (cached, before_tool, ley))
+    check(cached + ley["tokens_prefilled"] == r2.usage.prompt_tokens, (r2.usage, ley))
+    # The next turn continues the spliced branch: no new edit, everything cached.
+    turn3 = edited("[cleared]", "Summarize.") + [
+        {"role": "assistant", "content": r2.choices[0].message.content},
+        {"role": "user", "content": "Thanks."},
+    ]
+    r3 = A.chat.completions.create(model=MODEL, messages=turn3, max_tokens=4, temperature=0)
+    check(r3.usage.prompt_tokens_details.cached_tokens >= r2.usage.prompt_tokens - 1, (r3.usage, leyline(r3)))
+    expect(openai.BadRequestError, lambda: openai.OpenAI(
+        base_url=BASE, api_key=KEY_A, max_retries=0, default_headers={"X-Leyline-Mode": "sometimes"},
+    ).chat.completions.create(model=MODEL, messages=history, max_tokens=2), "a bad X-Leyline-Mode")
+
+
 def concurrent_streams(n=16):
     errors = []
 
@@ -169,7 +218,7 @@ def errors():
     check([m.id for m in A.models.list().data] == [MODEL], "models list")
 
 
-for name, fn in [("plain chat", plain_chat), ("sessions", sessions), ("16 streams", concurrent_streams), ("errors", errors)]:
+for name, fn in [("plain chat", plain_chat), ("sessions", sessions), ("stock client", stock_client), ("16 streams", concurrent_streams), ("errors", errors)]:
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - the test harness reads the message

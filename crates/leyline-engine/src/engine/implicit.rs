@@ -1,0 +1,183 @@
+//! Implicit splices: a sessionless chat request that edits a conversation the engine holds
+//! for its tenant continues that conversation by an AMORTIZE splice instead of prefilling
+//! again from its first changed message. Agent harnesses that resend their whole edited
+//! history, and know nothing of sessions, get the splice unchanged.
+//!
+//! Every request that carries message bounds ([`crate::Request::implicit`]) runs as a turn
+//! of a hidden session, which outlives it as a cached conversation: at most
+//! [`crate::EngineConfig::max_implicit_sessions`], the least recently used idle one dropped
+//! first, and dropped whole (not just shed) when the pool needs its KV. A new request is
+//! diffed along message bounds against each idle conversation of its tenant; the one that
+//! leaves the least to prefill (replacements included) is taken if it beats the prefix
+//! tree. With edits the conversation is forked first: the fork holds its own reference on
+//! every slot, so the splice copies each downstream slot before rotating it and the
+//! original stays as it was, for other continuations of it. A spliced branch's KV carries
+//! the fork's lineage and never enters the shared tree, so only a continuation of that
+//! branch within the tenant ever reads it.
+
+use super::Engine;
+use crate::error::Result;
+use crate::request::{ImplicitTurn, RequestId, Tenant};
+use crate::session::{message_edits, SessionId};
+use leyline_core::{DirectiveBatch, Mode, SessionState, ValidationContext};
+use leyline_kv::radix::{common_prefix, Namespace};
+use leyline_kv::slots::Lineage;
+use std::time::Instant;
+
+/// A cached conversation a prompt can continue, and what continuing it costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Candidate {
+    id: SessionId,
+    /// Directives of the diff (0: the prompt extends the conversation or leaves it).
+    edits: usize,
+    /// Prompt tokens to compute: replacements plus what follows the reused prefix.
+    cost: usize,
+}
+
+impl Engine {
+    /// The hidden session that request `by` (no session of its own) runs in, claimed for
+    /// it: a conversation it continues (in AMORTIZE mode a fork of it when it edits it), or
+    /// a new one. Also says whether the session is new (a fork or empty), so a failed edit
+    /// can drop it.
+    pub(super) fn implicit_session(
+        &mut self,
+        prompt: &[u32],
+        turn: &ImplicitTurn,
+        tenant: Tenant,
+        by: RequestId,
+    ) -> Result<(SessionId, bool)> {
+        let bounds = &turn.bounds;
+        self.drop_stale_conversations()?;
+        self.trim_conversations(1)?;
+        // As admission does: the last prompt token always runs.
+        let probe = &prompt[..prompt.len().saturating_sub(1)];
+        let ns = Namespace::shared(self.model_id).for_tenant(tenant);
+        let tree_cost = probe.len() - self.cache.cached_len(ns, probe);
+        let best = self.best_conversation(prompt, probe, bounds, tenant);
+        let (id, fresh) = match best {
+            // FORGET edits the conversation itself: what it drops goes for every reader.
+            Some(c) if turn.mode == Mode::Forget => (c.id, false),
+            // Extending a conversation costs what the tree would, and keeps one record.
+            Some(c) if c.edits == 0 && c.cost <= tree_cost => (c.id, false),
+            Some(c) if c.edits > 0 && c.cost < tree_cost => {
+                self.metrics.add(&self.metrics.implicit_splices, 1);
+                (self.fork_session(c.id)?, true)
+            }
+            _ => {
+                let id = self.create_tenant_session(tenant);
+                self.session_mut(id)?.implicit = true;
+                (id, true)
+            }
+        };
+        let s = self.session_mut(id)?;
+        s.busy = Some(by);
+        s.last_used = Instant::now();
+        Ok((id, fresh))
+    }
+
+    /// The idle conversation of `tenant` that `prompt` continues most cheaply, if any.
+    fn best_conversation(
+        &self,
+        prompt: &[u32],
+        probe: &[u32],
+        bounds: &[usize],
+        tenant: Tenant,
+    ) -> Option<Candidate> {
+        let vocab_size = self.model.info().vocab_size;
+        let first_message = bounds.get(1).copied().unwrap_or(0);
+        let mut best: Option<Candidate> = None;
+        for (&id, s) in &self.sessions {
+            if !s.implicit || s.tenant != tenant || s.busy.is_some() || s.tokens.is_empty() {
+                continue;
+            }
+            let Some(old_bounds) = &s.bounds else {
+                continue;
+            };
+            // A conversation that does not even share the first message is not this one.
+            if common_prefix(&s.tokens, prompt) < first_message.min(s.tokens.len()) {
+                continue;
+            }
+            let directives = message_edits(&s.tokens, old_bounds, prompt, bounds, Mode::Amortize);
+            let replaced: usize = directives.iter().map(|d| d.replacement.len()).sum();
+            let edits = directives.len();
+            let ctx = ValidationContext {
+                seq_len: s.tokens.len(),
+                vocab_size,
+                session: SessionState::Idle,
+            };
+            let edited = match DirectiveBatch::validate(directives, &ctx) {
+                Ok(batch) if edits > 0 => match batch.apply_to_tokens(&s.tokens) {
+                    Ok(t) => t,
+                    Err(_) => continue,
+                },
+                Ok(_) => s.tokens.clone(),
+                Err(_) => continue,
+            };
+            let reused = common_prefix(&edited, probe);
+            if reused < replaced {
+                continue;
+            }
+            let cost = probe.len() - reused + replaced;
+            let c = Candidate { id, edits, cost };
+            if best.is_none_or(|b| (c.cost, c.edits) < (b.cost, b.edits)) {
+                best = Some(c);
+            }
+        }
+        best
+    }
+
+    /// A new conversation holding what `id` holds: one more reference on each slot, a
+    /// lineage of its own for what it computes. Idle, as `id` is.
+    fn fork_session(&mut self, id: SessionId) -> Result<SessionId> {
+        let original = self.session(id)?.clone();
+        for &slot in &original.slots {
+            self.cache.pool_mut().retain(slot)?;
+        }
+        let fork = self.create_tenant_session(original.tenant);
+        let s = self.session_mut(fork)?;
+        let lineage = s.lineage;
+        *s = original;
+        s.lineage = lineage;
+        s.implicit = true;
+        s.busy = None;
+        s.shed = Vec::new();
+        debug_assert_ne!(s.lineage, Lineage::SHARED);
+        Ok(fork)
+    }
+
+    /// Drops the idle conversations that hold KV a FORGET revoked since: nothing from
+    /// there on may be read again, and what they hold past it is dead weight.
+    fn drop_stale_conversations(&mut self) -> Result<()> {
+        let pool = self.cache.pool();
+        let stale: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| {
+                s.implicit && s.busy.is_none() && pool.first_revoked(&s.slots) < s.slots.len()
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in stale {
+            self.delete_session(id)?;
+        }
+        Ok(())
+    }
+
+    /// Drops least recently used idle conversations until `room` more fit under the limit.
+    fn trim_conversations(&mut self, room: usize) -> Result<()> {
+        let max = self.cfg.max_implicit_sessions;
+        let mut idle: Vec<(Instant, SessionId)> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.implicit && s.busy.is_none())
+            .map(|(&id, s)| (s.last_used, id))
+            .collect();
+        let total = self.sessions.values().filter(|s| s.implicit).count();
+        let excess = (total + room).saturating_sub(max);
+        idle.sort();
+        for &(_, id) in idle.iter().take(excess) {
+            self.delete_session(id)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,254 @@
+//! Implicit splices on the default model: a sessionless request that edits a cached
+//! conversation gets what an explicit AMORTIZE session gets for the same turns (tokens and
+//! counts), the conversation it edited stays intact for other continuations, tenants never
+//! see each other's conversations, and FORGET by a sessionless request erases.
+
+mod common;
+
+use common::{lm, Shared};
+use leyline_core::Mode;
+use leyline_engine::{
+    render_prompt, Engine, EngineConfig, ImplicitTurn, Request, SessionEdits, SessionRequest, Usage,
+};
+use leyline_kv::radix::Namespace;
+use leyline_model::chat::{ChatMessage, RenderOptions};
+use std::sync::Arc;
+
+fn engine() -> Engine {
+    let cfg = EngineConfig {
+        prefill_chunk: 256,
+        ..EngineConfig::new(4096)
+    };
+    Engine::new(Arc::clone(&lm().model), cfg).unwrap()
+}
+
+fn msg(role: &str, content: &str) -> ChatMessage {
+    ChatMessage::new(role, content)
+}
+
+const TOOL_OUTPUT: &str = "[{\"flight\": \"AF1404\", \"departs\": \"07:15\", \"price\": 182}, \
+    {\"flight\": \"AZ317\", \"departs\": \"09:40\", \"price\": 149}, \
+    {\"flight\": \"FR9801\", \"departs\": \"13:05\", \"price\": 61}]";
+
+/// An agent's history with the tool output as given, then `tail`.
+fn history(tool: &str, tail: &[(&str, &str)]) -> Vec<ChatMessage> {
+    let mut m = vec![
+        msg(
+            "system",
+            "You are a travel agent. Use tools to look things up.",
+        ),
+        msg("user", "Find me a flight from Paris to Rome on Friday."),
+        msg("assistant", "Let me search the flights."),
+        msg("tool", tool),
+        msg(
+            "assistant",
+            "The cheapest option is FR9801 at 13:05 for 61 euros.",
+        ),
+        msg("user", "Great, which one leaves earliest?"),
+    ];
+    m.extend(tail.iter().map(|(r, c)| msg(r, c)));
+    m
+}
+
+/// The rendered prompt and its message bounds.
+fn render(chat: &[ChatMessage]) -> (Vec<u32>, Vec<usize>) {
+    let lm = lm();
+    let opts = RenderOptions {
+        add_generation_prompt: true,
+        ..Default::default()
+    };
+    let template = lm
+        .chat
+        .as_ref()
+        .expect("the default model has a chat template");
+    let (tokens, bounds) = render_prompt(&lm.tokenizer, template, chat, &opts, true).unwrap();
+    (tokens, bounds.expect("bounds were asked for"))
+}
+
+/// A greedy request for 8 tokens whose sink records tokens and usage.
+fn request(prompt: Vec<u32>) -> (Request, Shared) {
+    common::request(prompt, 8)
+}
+
+/// Runs a sessionless request with message bounds (an implicit turn) to its end.
+fn implicit(e: &mut Engine, chat: &[ChatMessage], mode: Mode, tenant: u64) -> (Vec<u32>, Usage) {
+    let (prompt, bounds) = render(chat);
+    let (mut req, out) = request(prompt);
+    req.tenant = tenant;
+    req.implicit = Some(ImplicitTurn { bounds, mode });
+    finish(e, req, out)
+}
+
+/// Runs a turn of an explicit session along message bounds.
+fn explicit(
+    e: &mut Engine,
+    id: leyline_engine::SessionId,
+    chat: &[ChatMessage],
+) -> (Vec<u32>, Usage) {
+    let (prompt, bounds) = render(chat);
+    let (req, out) = request(prompt);
+    let req = req.in_session(SessionRequest {
+        id,
+        mode: Mode::Amortize,
+        edits: SessionEdits::Messages(bounds),
+    });
+    finish(e, req, out)
+}
+
+fn finish(e: &mut Engine, req: Request, out: Shared) -> (Vec<u32>, Usage) {
+    e.submit(req);
+    e.run_to_completion().unwrap();
+    e.check_no_leaks().unwrap();
+    let o = out.lock().unwrap();
+    assert!(o.failed.is_none(), "{:?}", o.failed);
+    let (_, usage) = o.finished.clone().expect("the request finished");
+    (o.tokens.clone(), usage)
+}
+
+/// Where the tool message starts in the first turn's prompt: no prefix tree serves more.
+fn tool_start() -> usize {
+    render(&history(TOOL_OUTPUT, &[])).1[3]
+}
+
+#[test]
+fn a_sessionless_edit_is_spliced_as_an_explicit_session_would_splice_it() {
+    let turn1 = history(TOOL_OUTPUT, &[]);
+    let turn2 = history(
+        "[cleared]",
+        &[("assistant", "AF1404."), ("user", "Book it.")],
+    );
+    let turn3 = history(
+        "[cleared]",
+        &[
+            ("assistant", "AF1404."),
+            ("user", "Book it."),
+            ("assistant", "Done."),
+            ("user", "Thanks!"),
+        ],
+    );
+
+    let mut reference = engine();
+    let sid = reference.create_session();
+    let want: Vec<_> = [&turn1, &turn2, &turn3]
+        .iter()
+        .map(|t| explicit(&mut reference, sid, t))
+        .collect();
+    assert!(want[1].1.edit.is_some_and(|r| r.directives > 0));
+
+    let mut e = engine();
+    let got: Vec<_> = [&turn1, &turn2, &turn3]
+        .iter()
+        .map(|t| implicit(&mut e, t, Mode::Amortize, 0))
+        .collect();
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.0, w.0, "turn {}: tokens", k + 1);
+        assert_eq!(g.1.cached_tokens, w.1.cached_tokens, "turn {}", k + 1);
+        assert_eq!(g.1.prefilled_tokens, w.1.prefilled_tokens, "turn {}", k + 1);
+        assert_eq!(
+            g.1.edit.map(|r| r.directives),
+            w.1.edit.map(|r| r.directives)
+        );
+    }
+    // The edit turn reused what follows the cleared output, which no prefix match can.
+    assert!(got[1].1.cached_tokens > tool_start() + 10, "{:?}", got[1].1);
+    // Every turn whose history changed (the recorded replies differ from the generated
+    // ones, too) was a splice of the cached conversation.
+    let edited = want
+        .iter()
+        .filter(|w| w.1.edit.is_some_and(|r| r.directives > 0))
+        .count();
+    assert_eq!(e.metrics().snapshot().implicit_splices, edited as u64);
+}
+
+#[test]
+fn the_edited_conversation_stays_intact_for_its_other_continuations() {
+    let turn1 = history(TOOL_OUTPUT, &[]);
+    let (prompt1, _) = render(&turn1);
+    let edit = history(
+        "[cleared]",
+        &[("assistant", "AF1404."), ("user", "Book it.")],
+    );
+    let mut e = engine();
+    implicit(&mut e, &turn1, Mode::Amortize, 0);
+    // The first turn's slots, as the prefix tree serves them, and every key they hold.
+    let keys = |e: &Engine| {
+        let (_, _, slots) = e
+            .cache()
+            .sequences()
+            .into_iter()
+            .find(|(_, tokens, _)| tokens.starts_with(&prompt1))
+            .expect("the first turn is in the prefix tree");
+        let g = lm().model.info().geometry;
+        let mut k = vec![0.0f32; slots.len() * g.k_width() * g.layers];
+        for (l, rows) in k.chunks_mut(slots.len() * g.k_width()).enumerate() {
+            e.storage().gather_k(l, &slots, rows).unwrap();
+        }
+        (slots, k)
+    };
+    let before = keys(&e);
+    let (_, usage) = implicit(&mut e, &edit, Mode::Amortize, 0);
+    let report = usage.edit.expect("a turn of a conversation");
+    assert!(report.rotated > 0 && report.copied > 0, "{report:?}");
+    // The splice rotated copies: the original's keys did not move.
+    assert!(
+        before == keys(&e),
+        "the cached conversation changed under the splice"
+    );
+}
+
+#[test]
+fn another_tenant_never_continues_a_conversation() {
+    let mut e = engine();
+    implicit(&mut e, &history(TOOL_OUTPUT, &[]), Mode::Amortize, 0);
+    let edited = history("[cleared]", &[("user", "Book it.")]);
+    let (_, usage) = implicit(&mut e, &edited, Mode::Amortize, 7);
+    assert_eq!(usage.cached_tokens, 0, "{usage:?}");
+    assert_eq!(usage.edit.map(|r| r.directives), Some(0));
+    assert_eq!(e.metrics().snapshot().implicit_splices, 0);
+}
+
+#[test]
+fn a_sessionless_forget_erases_what_it_drops() {
+    let turn1 = history(TOOL_OUTPUT, &[]);
+    let (prompt1, _) = render(&turn1);
+    let mut e = engine();
+    implicit(&mut e, &turn1, Mode::Amortize, 0);
+    let ns = Namespace::shared(0).for_tenant(0);
+    assert_eq!(e.cache().cached_len(ns, &prompt1), prompt1.len());
+
+    let edited = history("[cleared]", &[("user", "Book it.")]);
+    // Where the two histories part: inside the tool message, after its header.
+    let kept = leyline_kv::radix::common_prefix(&prompt1, &render(&edited).0);
+    assert!(kept > tool_start());
+    let (_, usage) = implicit(&mut e, &edited, Mode::Forget, 0);
+    assert!(usage
+        .edit
+        .is_some_and(|r| r.mode == Mode::Forget && r.directives > 0));
+    assert_eq!(e.metrics().snapshot().implicit_splices, 0);
+    // Nothing computed from the old tool output is served again, by any path.
+    assert_eq!(e.cache().cached_len(ns, &prompt1), kept);
+    // The original history again: its tool output is computed anew (the conversation
+    // holds only what the FORGET turn computed after the stub).
+    let tool_end = render(&turn1).1[4] - 2; // before `<|im_end|>\n`
+    let (_, again) = implicit(&mut e, &turn1, Mode::Amortize, 0);
+    assert!(again.prefilled_tokens >= tool_end - kept, "{again:?}");
+}
+
+#[test]
+fn conversations_are_bounded() {
+    let cfg = EngineConfig {
+        max_implicit_sessions: 2,
+        ..EngineConfig::new(4096)
+    };
+    let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+    for (k, user) in ["one", "two", "three", "four"].iter().enumerate() {
+        let chat = [msg("system", "Be brief."), msg("user", user)];
+        implicit(&mut e, &chat, Mode::Amortize, 0);
+        assert_eq!(e.metrics().snapshot().conversations, (k as u64 + 1).min(2));
+    }
+    // The dropped conversations' KV is still in the prefix tree for plain prefixes.
+    let (p, _) = render(&[msg("system", "Be brief."), msg("user", "one")]);
+    let (req, out) = request(p.clone());
+    let (_, usage) = finish(&mut e, req, out);
+    assert_eq!(usage.cached_tokens, p.len() - 1);
+}
