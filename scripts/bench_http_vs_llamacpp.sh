@@ -62,7 +62,7 @@ arm() {
     echo "|---|---|---|---|---|---|---|---|---|---|---|"
 } >> "$out/table.md"
 slots=$((conc * 8192 + 4096))
-arm leyline-prefix plain "$leyline" serve --addr "127.0.0.1:$port" --kv-slots "$slots"
+arm leyline-prefix plain "$leyline" serve --addr "127.0.0.1:$port" --kv-slots "$slots" --implicit-splices off
 arm leyline-amortize session "$leyline" serve --addr "127.0.0.1:$port" --kv-slots "$slots"
 llama=("$server" -m "$gguf" -t "$threads" -c $((conc * 8192)) -np "$conc" --cache-ram 0
     --port "$port" --no-webui)

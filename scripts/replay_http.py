@@ -16,7 +16,10 @@ splices on, its default) the server finds the cached conversation the edit chang
 it; with `--header-mode prefix` (the `X-Leyline-Mode` header a stock SDK can set as a default
 header) or on another server the prefix cache is all it has. `session` adds Leyline's
 `session_id` and `leyline.mode` (ignored by other servers). `--no-policy` sends the history
-as recorded.
+as recorded. `messages` sends the recorded history over Anthropic's `/v1/messages` (tool calls
+as `tool_use` / `tool_result` blocks) with server-side `clear_tool_uses_20250919`: the client
+never edits, the server clears old tool results and, on Leyline, splices the placeholders into
+the cached conversation; its TTFT column is its E2E (not streamed).
 
 Only the standard library; prints a Markdown table and writes every request to --out.
 """
@@ -26,6 +29,7 @@ import http.client
 import json
 import math
 import queue
+import re
 import sys
 import threading
 import time
@@ -68,6 +72,49 @@ def turns(trajectory, older_than, max_turns):
         seen = prompt + [m]
         yield k, prompt, edit
         k += 1
+
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def to_anthropic(messages):
+    """(system, messages) in Anthropic's form: a recorded `<tool_call>` JSON becomes a
+    `tool_use` block, the tool output that follows it a `tool_result` block, and consecutive
+    messages of one role merge (the API alternates user and assistant)."""
+    system, out, pending, k = None, [], [], 0
+
+    def add(role, blocks):
+        if out and out[-1]["role"] == role:
+            out[-1]["content"].extend(blocks)
+        else:
+            out.append({"role": role, "content": blocks})
+
+    for m in messages:
+        text = m["content"] or ""
+        if m["role"] == "system":
+            system = text
+        elif m["role"] == "assistant":
+            blocks = []
+            rest = TOOL_CALL.sub("", text).strip()
+            if rest:
+                blocks.append({"type": "text", "text": rest})
+            for call in TOOL_CALL.findall(text):
+                try:
+                    j = json.loads(call)
+                except ValueError:
+                    blocks.append({"type": "text", "text": call})
+                    continue
+                k += 1
+                pending.append(f"toolu_{k:04d}")
+                args = j.get("arguments")
+                blocks.append({"type": "tool_use", "id": pending[-1], "name": j.get("name", "tool"),
+                               "input": args if isinstance(args, dict) else {}})
+            add("assistant", blocks or [{"type": "text", "text": text or "."}])
+        elif m["role"] == "tool" and pending:
+            add("user", [{"type": "tool_result", "tool_use_id": pending.pop(0), "content": text}])
+        else:
+            add("user", [{"type": "text", "text": text or "."}])
+    return system, out
 
 
 class Client:
@@ -130,6 +177,28 @@ class Client:
         conn.close()
         return (ttft if ttft is not None else e2e), e2e, usage, leyline, timings
 
+    def messages(self, messages, context_management, headers=None):
+        """One greedy `/v1/messages` request with server-side context editing (not streamed:
+        the SDK's beta path); returns (e2e_s, usage, applied_edits)."""
+        system, msgs = to_anthropic(messages)
+        body = {"model": self.model, "messages": msgs, "max_tokens": self.max_tokens,
+                "temperature": 0, "context_management": context_management}
+        if system:
+            body["system"] = system
+        conn = self.connect()
+        t0 = time.perf_counter()
+        conn.request("POST", self.base + "/v1/messages?beta=true", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json",
+                              "anthropic-beta": "context-management-2025-06-27", **(headers or {})})
+        resp = conn.getresponse()
+        data = resp.read()
+        e2e = time.perf_counter() - t0
+        conn.close()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {data[:500].decode(errors='replace')}")
+        r = json.loads(data)
+        return e2e, r.get("usage") or {}, (r.get("context_management") or {}).get("applied_edits") or []
+
     def delete_session(self, sid):
         """Drops a Leyline session, as a harness does when its agent is done (frees its KV)."""
         conn = self.connect()
@@ -141,7 +210,38 @@ class Client:
             raise RuntimeError(f"DELETE session {sid}: HTTP {resp.status}")
 
 
+def run_messages_session(client, name, trajectory, args, records, lock):
+    """The `messages` arm: the whole recorded history every turn, cleared by the server."""
+    cm = {"edits": [{"type": "clear_tool_uses_20250919",
+                     "trigger": {"type": "tool_uses", "value": args.clear_trigger},
+                     "keep": {"type": "tool_uses", "value": args.clear_keep}}]}
+    headers = {"X-Leyline-Mode": args.header_mode} if args.header_mode else None
+    cleared_before = 0
+    for k, prompt, _ in turns(trajectory, None, args.max_turns):
+        e2e, usage, applied = client.messages(prompt, cm, headers)
+        cleared = sum(a.get("cleared_tool_uses", 0) for a in applied)
+        cached = usage.get("cache_read_input_tokens") or 0
+        rec = {
+            "session": name,
+            "turn": k,
+            # What the model sees changed where the server cleared more than last turn.
+            "edit_turn": cleared > cleared_before,
+            "prompt_tokens": (usage.get("input_tokens") or 0) + cached,
+            "cached_tokens": cached,
+            "ttft_ms": e2e * 1e3,
+            "e2e_ms": e2e * 1e3,
+            "cleared_tool_uses": cleared,
+        }
+        cleared_before = cleared
+        with lock:
+            records.append(rec)
+            n = len(records)
+        print(f"\r{args.label}: {n}/{args.total} requests", end="", file=sys.stderr, flush=True)
+
+
 def run_session(client, name, trajectory, args, records, lock):
+    if args.arm == "messages":
+        return run_messages_session(client, name, trajectory, args, records, lock)
     sid = None
     for k, prompt, edit in turns(trajectory, args.older_than, args.max_turns):
         extra = {}
@@ -224,7 +324,11 @@ def main():
     ap.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     ap.add_argument("--label", required=True, help="name of this arm in the table")
     ap.add_argument("--traces", required=True, help="JSONL trajectories (data/traces/)")
-    ap.add_argument("--arm", choices=["plain", "session"], default="plain")
+    ap.add_argument("--arm", choices=["plain", "session", "messages"], default="plain")
+    ap.add_argument("--clear-trigger", type=int, default=3,
+                    help="--arm messages: clear_tool_uses trigger, in tool uses")
+    ap.add_argument("--clear-keep", type=int, default=2,
+                    help="--arm messages: tool uses clear_tool_uses keeps")
     ap.add_argument("--mode", default="amortize", help="leyline.mode for --arm session")
     ap.add_argument(
         "--header-mode",

@@ -208,6 +208,28 @@ fn another_tenant_never_continues_a_conversation() {
 }
 
 #[test]
+fn another_conversation_with_the_same_system_prompt_is_not_spliced_into() {
+    // A second agent of the same tenant: same system prompt, its own first message. The
+    // diff against the first agent's conversation changes that conversation's last message,
+    // so it is no continuation of it: the prefix tree alone serves the shared part.
+    let mut e = engine();
+    implicit(&mut e, &history(TOOL_OUTPUT, &[]), Mode::Amortize, 0);
+    let other = [
+        msg(
+            "system",
+            "You are a travel agent. Use tools to look things up.",
+        ),
+        msg("user", "Cancel my booking to Rome, please."),
+    ];
+    let (prompt, _) = render(&other);
+    let shared = leyline_kv::radix::common_prefix(&prompt, &render(&history(TOOL_OUTPUT, &[])).0);
+    let (_, usage) = implicit(&mut e, &other, Mode::Amortize, 0);
+    assert_eq!(usage.edit.map(|r| r.directives), Some(0), "{usage:?}");
+    assert_eq!(usage.cached_tokens, shared);
+    assert_eq!(e.metrics().snapshot().implicit_splices, 0);
+}
+
+#[test]
 fn a_sessionless_forget_erases_what_it_drops() {
     let turn1 = history(TOOL_OUTPUT, &[]);
     let (prompt1, _) = render(&turn1);

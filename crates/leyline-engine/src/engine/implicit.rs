@@ -7,9 +7,10 @@
 //! of a hidden session, which outlives it as a cached conversation: at most
 //! [`crate::EngineConfig::max_implicit_sessions`], the least recently used idle one dropped
 //! first, and dropped whole (not just shed) when the pool needs its KV. A new request is
-//! diffed along message bounds against each idle conversation of its tenant; the one that
-//! leaves the least to prefill (replacements included) is taken if it beats the prefix
-//! tree. With edits the conversation is forked first: the fork holds its own reference on
+//! diffed along message bounds against each idle conversation of its tenant that it
+//! continues (its edits leave the conversation's last message as it was, as agent policies
+//! do: they edit older history); the one that leaves the least to prefill (replacements
+//! included) is taken if it beats the prefix tree. With edits the conversation is forked first: the fork holds its own reference on
 //! every slot, so the splice copies each downstream slot before rotating it and the
 //! original stays as it was, for other continuations of it. A spliced branch's KV carries
 //! the fork's lineage and never enters the shared tree, so only a continuation of that
@@ -98,6 +99,19 @@ impl Engine {
                 continue;
             }
             let directives = message_edits(&s.tokens, old_bounds, prompt, bounds, Mode::Amortize);
+            // A continuation keeps the conversation's last message: policies edit older
+            // history. Another conversation that shares a system prompt (or a few messages)
+            // changes it, and splicing its KV would carry a stranger's context downstream.
+            let last = match old_bounds.len() {
+                n if n >= 2 => old_bounds[n - 2]..old_bounds[n - 1],
+                _ => 0..usize::MAX,
+            };
+            if directives
+                .iter()
+                .any(|d| d.start < last.end && d.end.max(d.start + 1) > last.start)
+            {
+                continue;
+            }
             let replaced: usize = directives.iter().map(|d| d.replacement.len()).sum();
             let edits = directives.len();
             let ctx = ValidationContext {
