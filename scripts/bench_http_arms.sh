@@ -11,7 +11,7 @@
 #   messages-prefix   the same with `X-Leyline-Mode: prefix` (clearing without the splice)
 # One line per arm goes to OUT/table.md.
 #
-#   scripts/bench_http_arms.sh [SESSIONS] [TURNS] [OUT] [CONCURRENCY] [MODEL]
+#   [TRACES=FILE] scripts/bench_http_arms.sh [SESSIONS] [TURNS] [OUT] [CONCURRENCY] [MODEL]
 #
 # Needs python3 and a release build of leyline. Run it on a quiet machine.
 set -euo pipefail
@@ -25,7 +25,7 @@ port=${PORT:-18432}
 # shellcheck source=side_by_side.sh
 source "$(dirname "$0")/side_by_side.sh"
 leyline_and_model "$model"
-traces="$repo/data/traces/tau-bench.jsonl"
+traces="${TRACES:-$repo/data/traces/tau-bench.jsonl}"
 mkdir -p "$out"
 
 wait_up() {
