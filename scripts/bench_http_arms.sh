@@ -28,17 +28,6 @@ leyline_and_model "$model"
 traces="${TRACES:-$repo/data/traces/tau-bench.jsonl}"
 mkdir -p "$out"
 
-wait_up() {
-    for _ in $(seq 1 480); do
-        if python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; then
-            return 0
-        fi
-        sleep 0.5
-    done
-    echo "the server did not come up; see $1" >&2
-    return 1
-}
-
 # arm LABEL REPLAY_ARGS...: starts a fresh server, replays, stops it.
 arm() {
     local label=$1

@@ -1,6 +1,7 @@
 # Sourced by the side-by-side scripts (bench_vs_llamacpp.sh, bench_http_vs_llamacpp.sh).
 #
 #   llamacpp_bin TARGET   # prints the path of llama.cpp's build/bin/TARGET, building it first
+#   wait_up LOG               # waits for a server on $port (LOG named if it never answers)
 #   leyline_and_model [NAME]  # sets $repo, $leyline (a release build, built if missing) and $gguf
 #                             # (the registry model NAME, default: the default model)
 #
@@ -43,6 +44,18 @@ llamacpp_bin() {
         cmake --build "$src/build" --target "$target" -j "$(nproc)" >&2
     fi
     echo "$bin"
+}
+
+# wait_up LOG: waits (up to 4 minutes) until the server on 127.0.0.1:$port answers /health.
+wait_up() {
+    for _ in $(seq 1 480); do
+        if python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; then
+            return 0
+        fi
+        sleep 0.5
+    done
+    echo "the server did not come up; see $1" >&2
+    return 1
 }
 
 leyline_and_model() {

@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Engine values that are gauges; every other engine value is a counter.
-const GAUGES: [&str; 5] = [
+const GAUGES: [&str; 6] = [
     "queue_depth",
     "running",
+    "conversations",
     "pool_used_slots",
     "pool_capacity_slots",
     "max_batch_seqs",

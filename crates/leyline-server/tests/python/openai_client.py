@@ -69,15 +69,21 @@ def plain_chat():
 TOOL_OUTPUT = " ".join(f"file_{i}.txt size={i * 37 % 1000}" for i in range(40))
 
 
-def session_edit(mode):
-    """Turn 1 with a long tool output; turn 2 replaces it by a stub (as a policy would)."""
-    history = [
-        {"role": "system", "content": "You are a helpful assistant with a shell tool."},
-        {"role": "user", "content": "List the files in the project directory."},
+def shell_history(system, ask):
+    """An agent's history: a request, one tool call, its long output, a question."""
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": ask},
         {"role": "assistant", "content": "I will call the ls tool."},
         {"role": "tool", "tool_call_id": "call_1", "content": TOOL_OUTPUT},
         {"role": "user", "content": "Which of these files is the largest one, and how large is it?"},
     ]
+
+
+def session_edit(mode):
+    """Turn 1 with a long tool output; turn 2 replaces it by a stub (as a policy would)."""
+    history = shell_history("You are a helpful assistant with a shell tool.",
+                            "List the files in the project directory.")
     r1 = A.chat.completions.create(
         model=MODEL, messages=history, max_tokens=8, temperature=0,
         extra_body={"leyline": {"mode": mode}},
@@ -134,13 +140,7 @@ def sessions():
 
 def stock_client():
     """No session id, no extra_body: the server splices the conversation the edit changed."""
-    history = [
-        {"role": "system", "content": "You are a careful assistant with a shell tool."},
-        {"role": "user", "content": "Show me the project files."},
-        {"role": "assistant", "content": "I will call the ls tool."},
-        {"role": "tool", "tool_call_id": "call_1", "content": TOOL_OUTPUT},
-        {"role": "user", "content": "Which of these files is the largest one, and how large is it?"},
-    ]
+    history = shell_history("You are a careful assistant with a shell tool.", "Show me the project files.")
     r1 = A.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
     check(not leyline(r1)["spliced"] and leyline(r1)["session_id"] is None, leyline(r1))
 
