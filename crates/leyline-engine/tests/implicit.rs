@@ -274,3 +274,17 @@ fn conversations_are_bounded() {
     let (_, usage) = finish(&mut e, req, out);
     assert_eq!(usage.cached_tokens, p.len() - 1);
 }
+
+#[test]
+fn a_cache_flush_drops_the_tenants_conversations() {
+    let mut e = engine();
+    implicit(&mut e, &history(TOOL_OUTPUT, &[]), Mode::Amortize, 0);
+    implicit(&mut e, &history(TOOL_OUTPUT, &[]), Mode::Amortize, 3);
+    assert_eq!(e.metrics().snapshot().conversations, 2);
+    e.flush_prefix_cache(Some(3)).unwrap();
+    assert_eq!(e.metrics().snapshot().conversations, 1);
+    e.flush_prefix_cache(Some(0)).unwrap();
+    assert_eq!(e.metrics().snapshot().conversations, 0);
+    assert_eq!(e.cache().pool().used_count(), 0);
+    e.check_no_leaks().unwrap();
+}

@@ -116,11 +116,23 @@ impl Engine {
     }
 
     /// Empties the prefix cache of `tenant` (every tenant's with `None`) of whatever no
-    /// running request holds; sessions keep their KV. Returns the slots freed.
+    /// running request holds, its idle cached conversations (implicit splices) included;
+    /// named sessions keep their KV. Returns the slots freed.
     ///
     /// # Errors
     /// Pool failures.
     pub fn flush_prefix_cache(&mut self, tenant: Option<crate::Tenant>) -> Result<usize> {
+        let conversations: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.implicit && s.busy.is_none() && tenant.is_none_or(|t| t == s.tenant))
+            .map(|(&id, _)| id)
+            .collect();
+        let before = self.cache.pool().free_count();
+        for id in conversations {
+            self.delete_session(id)?;
+        }
+        let from_conversations = self.cache.pool().free_count() - before;
         let removed = match tenant {
             None => self.cache.evict(usize::MAX),
             Some(t) => {
@@ -135,7 +147,7 @@ impl Engine {
         };
         self.zero_private(&removed.freed)?;
         self.update_gauges();
-        Ok(removed.freed.len())
+        Ok(removed.freed.len() + from_conversations)
     }
 
     /// Drops one reference on each of `slots` and zeroes those that became free while
