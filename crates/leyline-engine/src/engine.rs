@@ -352,27 +352,30 @@ impl Engine {
     fn prepare(&mut self, req: &mut Request, id: RequestId) -> Result<TurnEdit> {
         self.check_and_claim(req, id)?;
         let mut implicit = None;
+        let mut bounds = None;
         if let (None, Some(turn), true) = (
             &req.session,
             req.implicit.take(),
             self.cfg.max_implicit_sessions > 0,
         ) {
-            let (sid, fresh) = self.implicit_session(&req.prompt, &turn, req.tenant, id)?;
+            // The conversation search has diffed the prompt already: its directives go as is.
+            let (sid, fresh, directives) =
+                self.implicit_session(&req.prompt, &turn, req.tenant, id)?;
             implicit = Some((sid, fresh));
+            bounds = Some(turn.bounds);
             req.session = Some(SessionRequest {
                 id: sid,
                 mode: turn.mode,
-                edits: SessionEdits::Messages(turn.bounds),
+                edits: SessionEdits::Directives(directives),
             });
         }
         let Some(sr) = req.session.as_mut() else {
             return Ok(TurnEdit::default());
         };
         let edits = std::mem::take(&mut sr.edits);
-        let bounds = match &edits {
-            SessionEdits::Messages(b) => Some(b.clone()),
-            _ => None,
-        };
+        if let SessionEdits::Messages(b) = &edits {
+            bounds = Some(b.clone());
+        }
         let (sid, mode) = (sr.id, sr.mode);
         let edited = self
             .turn_directives(sid, edits, &req.prompt, mode)

@@ -87,7 +87,7 @@ impl Engine {
     }
 
     /// Ids of the sessions, least recently used first.
-    fn sessions_by_use(&self) -> Vec<(SessionId, Instant, bool)> {
+    pub(super) fn sessions_by_use(&self) -> Vec<(SessionId, Instant, bool)> {
         let mut v: Vec<_> = self
             .sessions
             .iter()

@@ -20,17 +20,17 @@ use super::Engine;
 use crate::error::Result;
 use crate::request::{ImplicitTurn, RequestId, Tenant};
 use crate::session::{message_edits, SessionId};
-use leyline_core::{DirectiveBatch, Mode, SessionState, ValidationContext};
+use leyline_core::{Directive, DirectiveBatch, Mode, SessionState, ValidationContext};
 use leyline_kv::radix::{common_prefix, Namespace};
 use leyline_kv::slots::Lineage;
 use std::time::Instant;
 
 /// A cached conversation a prompt can continue, and what continuing it costs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Candidate {
     id: SessionId,
-    /// Directives of the diff (0: the prompt extends the conversation or leaves it).
-    edits: usize,
+    /// The diff's directives (none: the prompt extends the conversation or leaves it).
+    directives: Vec<Directive>,
     /// Prompt tokens to compute: replacements plus what follows the reused prefix.
     cost: usize,
 }
@@ -39,14 +39,14 @@ impl Engine {
     /// The hidden session that request `by` (no session of its own) runs in, claimed for
     /// it: a conversation it continues (in AMORTIZE mode a fork of it when it edits it), or
     /// a new one. Also says whether the session is new (a fork or empty), so a failed edit
-    /// can drop it.
+    /// can drop it, and returns the directives that turn it into the prompt's context.
     pub(super) fn implicit_session(
         &mut self,
         prompt: &[u32],
         turn: &ImplicitTurn,
         tenant: Tenant,
         by: RequestId,
-    ) -> Result<(SessionId, bool)> {
+    ) -> Result<(SessionId, bool, Vec<Directive>)> {
         let bounds = &turn.bounds;
         self.drop_stale_conversations()?;
         self.trim_conversations(1)?;
@@ -55,25 +55,25 @@ impl Engine {
         let ns = Namespace::shared(self.model_id).for_tenant(tenant);
         let tree_cost = probe.len() - self.cache.cached_len(ns, probe);
         let best = self.best_conversation(prompt, probe, bounds, tenant);
-        let (id, fresh) = match best {
+        let (id, fresh, directives) = match best {
             // FORGET edits the conversation itself: what it drops goes for every reader.
-            Some(c) if turn.mode == Mode::Forget => (c.id, false),
+            Some(c) if turn.mode == Mode::Forget => (c.id, false, c.directives),
             // Extending a conversation costs what the tree would, and keeps one record.
-            Some(c) if c.edits == 0 && c.cost <= tree_cost => (c.id, false),
-            Some(c) if c.edits > 0 && c.cost < tree_cost => {
+            Some(c) if c.directives.is_empty() && c.cost <= tree_cost => (c.id, false, Vec::new()),
+            Some(c) if !c.directives.is_empty() && c.cost < tree_cost => {
                 self.metrics.add(&self.metrics.implicit_splices, 1);
-                (self.fork_session(c.id)?, true)
+                (self.fork_session(c.id)?, true, c.directives)
             }
             _ => {
                 let id = self.create_tenant_session(tenant);
                 self.session_mut(id)?.implicit = true;
-                (id, true)
+                (id, true, Vec::new())
             }
         };
         let s = self.session_mut(id)?;
         s.busy = Some(by);
         s.last_used = Instant::now();
-        Ok((id, fresh))
+        Ok((id, fresh, directives))
     }
 
     /// The idle conversation of `tenant` that `prompt` continues most cheaply, if any.
@@ -113,28 +113,34 @@ impl Engine {
                 continue;
             }
             let replaced: usize = directives.iter().map(|d| d.replacement.len()).sum();
-            let edits = directives.len();
-            let ctx = ValidationContext {
-                seq_len: s.tokens.len(),
-                vocab_size,
-                session: SessionState::Idle,
-            };
-            let edited = match DirectiveBatch::validate(directives, &ctx) {
-                Ok(batch) if edits > 0 => match batch.apply_to_tokens(&s.tokens) {
-                    Ok(t) => t,
+            let reused = if directives.is_empty() {
+                common_prefix(&s.tokens, probe)
+            } else {
+                let ctx = ValidationContext {
+                    seq_len: s.tokens.len(),
+                    vocab_size,
+                    session: SessionState::Idle,
+                };
+                let edited = DirectiveBatch::validate(directives.clone(), &ctx)
+                    .and_then(|batch| batch.apply_to_tokens(&s.tokens));
+                match edited {
+                    Ok(t) => common_prefix(&t, probe),
                     Err(_) => continue,
-                },
-                Ok(_) => s.tokens.clone(),
-                Err(_) => continue,
+                }
             };
-            let reused = common_prefix(&edited, probe);
             if reused < replaced {
                 continue;
             }
             let cost = probe.len() - reused + replaced;
-            let c = Candidate { id, edits, cost };
-            if best.is_none_or(|b| (c.cost, c.edits) < (b.cost, b.edits)) {
-                best = Some(c);
+            let better = best
+                .as_ref()
+                .is_none_or(|b| (cost, directives.len()) < (b.cost, b.directives.len()));
+            if better {
+                best = Some(Candidate {
+                    id,
+                    directives,
+                    cost,
+                });
             }
         }
         best
@@ -179,17 +185,19 @@ impl Engine {
 
     /// Drops least recently used idle conversations until `room` more fit under the limit.
     fn trim_conversations(&mut self, room: usize) -> Result<()> {
-        let max = self.cfg.max_implicit_sessions;
-        let mut idle: Vec<(Instant, SessionId)> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| s.implicit && s.busy.is_none())
-            .map(|(&id, s)| (s.last_used, id))
-            .collect();
         let total = self.sessions.values().filter(|s| s.implicit).count();
-        let excess = (total + room).saturating_sub(max);
-        idle.sort();
-        for &(_, id) in idle.iter().take(excess) {
+        let excess = (total + room).saturating_sub(self.cfg.max_implicit_sessions);
+        if excess == 0 {
+            return Ok(());
+        }
+        let idle: Vec<SessionId> = self
+            .sessions_by_use()
+            .into_iter()
+            .filter(|&(id, _, busy)| !busy && self.sessions.get(&id).is_some_and(|s| s.implicit))
+            .map(|(id, _, _)| id)
+            .take(excess)
+            .collect();
+        for id in idle {
             self.delete_session(id)?;
         }
         Ok(())
