@@ -2,20 +2,24 @@
 # Alternated A/B runs of two leyline binaries on the default model: `bench engine` and
 # `bench splice`, PAIRS pairs, A first in odd pairs and B first in even ones. Prints each
 # run's figures and, per figure, both medians and the median of the per-pair ratios B/A.
-# Usage: scripts/ab_bench.sh BASE_BINARY NEW_BINARY [PAIRS=5]
+# Usage: [GEN_TOKENS=32] [SPLICE=1] scripts/ab_bench.sh BASE_BINARY NEW_BINARY [PAIRS=5]
+# (SPLICE=0 leaves out `bench splice`, for a decode-only A/B with a longer GEN_TOKENS.)
 set -euo pipefail
 a=$1 b=$2 pairs=${3:-5}
+gen=${GEN_TOKENS:-32}
 out=$(mktemp -d)
 run() { # binary tag pair
-  "$1" bench engine --prompt-tokens 512 --gen-tokens 32 --repeat 3 --json >"$out/engine-$2-$3.json" 2>/dev/null
-  "$1" bench splice --downstream 1024 --repeat 5 --json >"$out/splice-$2-$3.json" 2>/dev/null
+  "$1" bench engine --prompt-tokens 512 --gen-tokens "$gen" --repeat 3 --json >"$out/engine-$2-$3.json" 2>/dev/null
+  if [[ ${SPLICE:-1} != 0 ]]; then
+    "$1" bench splice --downstream 1024 --repeat 5 --json >"$out/splice-$2-$3.json" 2>/dev/null
+  fi
 }
 for p in $(seq 1 "$pairs"); do
   if (( p % 2 )); then run "$a" a "$p"; run "$b" b "$p"; else run "$b" b "$p"; run "$a" a "$p"; fi
   echo "pair $p done" >&2
 done
 python3 - "$out" "$pairs" <<'PY'
-import json, statistics, sys
+import json, os, statistics, sys
 out, pairs = sys.argv[1], int(sys.argv[2])
 def figures(kind, tag, p):
     j = json.load(open(f"{out}/{kind}-{tag}-{p}.json"))
@@ -30,6 +34,8 @@ def figures(kind, tag, p):
 rows = {}
 for p in range(1, pairs + 1):
     for kind in ("engine", "splice"):
+        if kind == "splice" and os.environ.get("SPLICE", "1") == "0":
+            continue
         fa, fb = figures(kind, "a", p), figures(kind, "b", p)
         for k in fa:
             if k in fb:

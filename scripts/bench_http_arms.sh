@@ -11,7 +11,10 @@
 #   messages-prefix   the same with `X-Leyline-Mode: prefix` (clearing without the splice)
 # One line per arm goes to OUT/table.md.
 #
-#   [TRACES=FILE] scripts/bench_http_arms.sh [SESSIONS] [TURNS] [OUT] [CONCURRENCY] [MODEL]
+#   [TRACES=FILE] [ARMS="prefix implicit ..."] scripts/bench_http_arms.sh [SESSIONS] [TURNS] [OUT] [CONCURRENCY] [MODEL]
+#
+# A trajectory whose prompt outgrows the model's context is cut there (replay_http.py counts
+# the sessions cut); ARMS picks arms by label (default: all six).
 #
 # Needs python3 and a release build of leyline. Run it on a quiet machine.
 set -euo pipefail
@@ -32,6 +35,7 @@ mkdir -p "$out"
 arm() {
     local label=$1
     shift
+    [[ " ${ARMS:-$label} " == *" $label "* ]] || return 0
     "$leyline" serve --model "${model:-smollm2-135m}" --addr "127.0.0.1:$port" --kv-slots $((conc * 8192 + 4096)) \
         > "$out/$label.server.log" 2>&1 &
     pid=$!

@@ -2,13 +2,15 @@
 # Replay over HTTP, side by side (BENCHMARKS.md, "Replay over HTTP: Leyline vs. llama.cpp"):
 # the turns of the first SESSIONS tau-bench trajectories (truncate_tool_outputs:2, greedy,
 # 8 tokens) sent as streamed chat completions to four servers in turn, each started fresh:
-#   leyline-prefix     `leyline serve`, the full edited history each turn (prefix cache only)
+#   leyline-prefix     `leyline serve --implicit-splices off`, the full edited history each turn
+#                      (prefix cache only)
+#   leyline-implicit   `leyline serve`, the same stock requests (implicit splices)
 #   leyline-amortize   `leyline serve`, one AMORTIZE session per trajectory
 #   llamacpp           llama-server -np 1 --cache-ram 0 (its slot's prefix cache)
 #   llamacpp-reuse     the same with --cache-reuse 256 (KV shifting of matching chunks)
 # Timed at the client by scripts/replay_http.py; one line per server goes to OUT/table.md.
 #
-#   scripts/bench_http_vs_llamacpp.sh [SESSIONS] [TURNS] [OUT] [CONCURRENCY]
+#   [TRACES=FILE] scripts/bench_http_vs_llamacpp.sh [SESSIONS] [TURNS] [OUT] [CONCURRENCY]
 #
 # Needs python3 with pip, cmake and a C++ compiler (llama.cpp is built outside the repository
 # by scripts/side_by_side.sh); a release build of leyline. Run it on a quiet machine.
@@ -24,7 +26,7 @@ port=${PORT:-18431}
 source "$(dirname "$0")/side_by_side.sh"
 leyline_and_model
 server=$(llamacpp_bin llama-server)
-traces="$repo/data/traces/tau-bench.jsonl"
+traces="${TRACES:-$repo/data/traces/tau-bench.jsonl}"
 mkdir -p "$out"
 
 # arm LABEL plain|session COMMAND...: starts the server, replays, stops it.
@@ -52,6 +54,7 @@ arm() {
 } >> "$out/table.md"
 slots=$((conc * 8192 + 4096))
 arm leyline-prefix plain "$leyline" serve --addr "127.0.0.1:$port" --kv-slots "$slots" --implicit-splices off
+arm leyline-implicit plain "$leyline" serve --addr "127.0.0.1:$port" --kv-slots "$slots"
 arm leyline-amortize session "$leyline" serve --addr "127.0.0.1:$port" --kv-slots "$slots"
 llama=("$server" -m "$gguf" -t "$threads" -c $((conc * 8192)) -np "$conc" --cache-ram 0
     --port "$port" --no-webui)

@@ -38,6 +38,21 @@ import urllib.parse
 STUB = "[evicted: older tool output]"  # leyline-policy's DEFAULT_STUB
 
 
+class ContextFull(RuntimeError):
+    """The server refused a prompt longer than its context (HTTP 400 naming the context).
+
+    The session ends there, as `leyline bench replay`'s length rule cuts a trajectory: its
+    later prompts are longer still. The summary counts the sessions cut and the turns dropped.
+    """
+
+
+def refuse(status, text):
+    """The exception for a non-200 answer: ContextFull for a prompt over the context."""
+    if status == 400 and re.search(r"context", text, re.I):
+        return ContextFull(f"HTTP {status}: {text[:300]}")
+    return RuntimeError(f"HTTP {status}: {text[:500]}")
+
+
 def truncate_tool_outputs(messages, older_than):
     """The policy of crates/leyline-policy/src/truncate.rs, stateless over the history."""
     out = [dict(m) for m in messages]
@@ -151,8 +166,7 @@ class Client:
         )
         resp = conn.getresponse()
         if resp.status != 200:
-            text = resp.read().decode(errors="replace")
-            raise RuntimeError(f"HTTP {resp.status}: {text[:500]}")
+            raise refuse(resp.status, resp.read().decode(errors="replace"))
         ttft = None
         usage = leyline = timings = None
         while True:
@@ -195,7 +209,7 @@ class Client:
         e2e = time.perf_counter() - t0
         conn.close()
         if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {data[:500].decode(errors='replace')}")
+            raise refuse(resp.status, data.decode(errors="replace"))
         r = json.loads(data)
         return e2e, r.get("usage") or {}, (r.get("context_management") or {}).get("applied_edits") or []
 
@@ -243,45 +257,48 @@ def run_session(client, name, trajectory, args, records, lock):
     if args.arm == "messages":
         return run_messages_session(client, name, trajectory, args, records, lock)
     sid = None
-    for k, prompt, edit in turns(trajectory, args.older_than, args.max_turns):
-        extra = {}
-        if args.arm == "session":
-            extra["leyline"] = {"mode": args.mode}
-            if sid:
-                extra["session_id"] = sid
-        headers = {"X-Leyline-Mode": args.header_mode} if args.header_mode else None
-        ttft, e2e, usage, leyline, timings = client.chat(prompt, extra, headers)
-        if leyline and leyline.get("session_id"):
-            sid = leyline["session_id"]
-        usage = usage or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if cached is None and timings:
-            cached = timings.get("cache_n")
-        rec = {
-            "session": name,
-            "turn": k,
-            "edit_turn": edit,
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": cached,
-            "ttft_ms": ttft * 1e3,
-            "e2e_ms": e2e * 1e3,
-        }
-        if leyline:
-            rec["leyline"] = leyline
-        if timings:
-            rec["server_prompt_n"] = timings.get("prompt_n")
-            rec["server_prompt_ms"] = timings.get("prompt_ms")
-        with lock:
-            records.append(rec)
-            n = len(records)
-        print(
-            f"\r{args.label}: {n}/{args.total} requests",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
-    if sid:
-        client.delete_session(sid)
+    try:
+        for k, prompt, edit in turns(trajectory, args.older_than, args.max_turns):
+            extra = {}
+            if args.arm == "session":
+                extra["leyline"] = {"mode": args.mode}
+                if sid:
+                    extra["session_id"] = sid
+            headers = {"X-Leyline-Mode": args.header_mode} if args.header_mode else None
+            ttft, e2e, usage, leyline, timings = client.chat(prompt, extra, headers)
+            if leyline and leyline.get("session_id"):
+                sid = leyline["session_id"]
+            usage = usage or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached is None and timings:
+                cached = timings.get("cache_n")
+            rec = {
+                "session": name,
+                "turn": k,
+                "edit_turn": edit,
+                "prompt_tokens": usage.get("prompt_tokens"),
+                "cached_tokens": cached,
+                "ttft_ms": ttft * 1e3,
+                "e2e_ms": e2e * 1e3,
+            }
+            if leyline:
+                rec["leyline"] = leyline
+            if timings:
+                rec["server_prompt_n"] = timings.get("prompt_n")
+                rec["server_prompt_ms"] = timings.get("prompt_ms")
+            with lock:
+                records.append(rec)
+                n = len(records)
+            print(
+                f"\r{args.label}: {n}/{args.total} requests",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        # Also when the server refused a turn (ContextFull): free the session's KV.
+        if sid:
+            client.delete_session(sid)
 
 
 def pct(xs, p):
@@ -354,7 +371,7 @@ def main():
     work = queue.Queue()
     for t in trajs:
         work.put(t)
-    records, lock, errors = [], threading.Lock(), []
+    records, lock, errors, cuts = [], threading.Lock(), [], []
 
     def worker():
         client = Client(args.url, args.model, args.max_tokens, args.timeout)
@@ -364,7 +381,12 @@ def main():
             except queue.Empty:
                 return
             try:
-                run_session(client, f"{t['source']}/{t['id']}", t, args, records, lock)
+                name = f"{t['source']}/{t['id']}"
+                run_session(client, name, t, args, records, lock)
+            except ContextFull:
+                with lock:
+                    done = sum(1 for r in records if r["session"] == name)
+                cuts.append(len(list(turns(t, args.older_than, args.max_turns))) - done)
             except Exception as e:  # reported below; the other sessions go on
                 errors.append(f"{t['id']}: {e}")
 
@@ -379,11 +401,16 @@ def main():
     if errors:
         sys.exit("requests failed:\n" + "\n".join(errors))
     s = summary(records, wall)
-    s.update(label=args.label, arm=args.arm, concurrency=args.concurrency)
+    s.update(label=args.label, arm=args.arm, concurrency=args.concurrency,
+             sessions_cut=len(cuts), turns_dropped=sum(cuts))
+    if cuts:
+        print(f"{args.label}: {len(cuts)} sessions cut at the context length, "
+              f"{sum(cuts)} turns dropped", file=sys.stderr)
     with open(args.out, "w") as f:
         json.dump({"summary": s, "args": vars(args), "requests": records}, f, indent=1)
     print(
-        f"| {args.label} | {args.concurrency} | {s['requests']} ({s['edit_turns']} edit) "
+        f"| {args.label} | {args.concurrency} | {s['requests']} ({s['edit_turns']} edit"
+        f"{f', {len(cuts)} cut' if cuts else ''}) "
         f"| {s['prompt_tokens']} | {s['cache_hit_rate']:.3f} "
         f"| {s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f} "
         f"| {s['e2e_p50_ms']:.0f} / {s['e2e_p95_ms']:.0f} "
