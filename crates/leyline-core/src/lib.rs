@@ -30,9 +30,11 @@
 
 mod batch;
 mod error;
+mod repair;
 
 pub use batch::{DirectiveBatch, Segment, SessionState, ValidationContext};
 pub use error::{CoreError, Result};
+pub use repair::{Repair, RepairRule};
 
 use serde::{Deserialize, Serialize};
 use std::ops::Range;

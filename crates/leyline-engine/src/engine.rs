@@ -27,6 +27,7 @@ use crate::metrics::Metrics;
 use crate::request::{Event, FinishReason, Request, RequestId, Usage};
 use crate::sampling::Sampler;
 use crate::session::{EditReport, Session, SessionEdits, SessionId, SessionRequest};
+use leyline_core::Repair;
 use leyline_kv::radix::{LockReceipt, Namespace, PrefixCache};
 use leyline_kv::slots::Lineage;
 use leyline_kv::{KvDtype, KvStorage};
@@ -60,6 +61,9 @@ pub struct EngineConfig {
     /// Most cached conversations of sessionless requests kept for implicit splices
     /// (`engine/implicit.rs`); the least recently used idle one goes first.
     pub max_implicit_sessions: usize,
+    /// The repair of AMORTIZE edits whose batch and session name none ([`Repair::NONE`]:
+    /// the splice alone).
+    pub repair: Repair,
 }
 
 /// [`EngineConfig::kv_dtype`] unless set otherwise. f16 by measurement on the default model
@@ -129,6 +133,7 @@ impl EngineConfig {
             prefill_patience: DEFAULT_PREFILL_PATIENCE,
             max_waiting: DEFAULT_MAX_WAITING,
             max_implicit_sessions: DEFAULT_MAX_IMPLICIT_SESSIONS,
+            repair: Repair::NONE,
         }
     }
 
@@ -379,7 +384,7 @@ impl Engine {
         let (sid, mode) = (sr.id, sr.mode);
         let edited = self
             .turn_directives(sid, edits, &req.prompt, mode)
-            .and_then(|d| self.edit_session(sid, d, mode, Some(id)));
+            .and_then(|d| self.edit_session(sid, d, mode, Some(id), req.repair));
         match edited {
             Ok((report, ranges, _)) => Ok(TurnEdit {
                 report: Some(report),

@@ -133,6 +133,9 @@ pub struct Request {
     /// For a request without a session: continue the tenant's cached conversation that
     /// the prompt edits ([`ImplicitTurn`]); `None` serves it from the prefix tree only.
     pub implicit: Option<ImplicitTurn>,
+    /// The repair of this turn's AMORTIZE edits, over its session's and the engine's
+    /// ([`crate::EngineConfig::repair`]).
+    pub repair: Option<leyline_core::Repair>,
 }
 
 impl Request {
@@ -149,6 +152,7 @@ impl Request {
             alive: None,
             tenant: 0,
             implicit: None,
+            repair: None,
         }
     }
 

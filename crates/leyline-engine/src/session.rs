@@ -65,6 +65,8 @@ pub struct EditReport {
     /// Tokens prefilled by the edit itself (AMORTIZE replacements; FORGET on the explicit
     /// channel: everything from the first start on).
     pub prefilled: usize,
+    /// Downstream tokens an AMORTIZE edit recomputed under the edited context (its repair).
+    pub repaired: usize,
     /// Slots zeroed because a FORGET freed them.
     pub zeroed: usize,
     /// Session length after the edit.
@@ -81,6 +83,7 @@ impl EditReport {
             rotated: 0,
             copied: 0,
             prefilled: 0,
+            repaired: 0,
             zeroed: 0,
             new_len: len,
         }
@@ -116,6 +119,8 @@ pub(crate) struct Session {
     /// A cached conversation of sessionless requests (`engine/implicit.rs`), not a named
     /// session: it goes whole when its KV must go, and no client can name it.
     pub(crate) implicit: bool,
+    /// The repair of this session's AMORTIZE edits; `None`: the engine's default.
+    pub(crate) repair: Option<leyline_core::Repair>,
 }
 
 impl Session {
@@ -132,6 +137,7 @@ impl Session {
             turns: 0,
             last_used: Instant::now(),
             implicit: false,
+            repair: None,
         }
     }
 }

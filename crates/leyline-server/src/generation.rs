@@ -110,6 +110,8 @@ pub struct GenerateSpec {
     pub tenant: leyline_engine::Tenant,
     /// Without a session: the cached conversation it may continue.
     pub implicit: Option<leyline_engine::ImplicitTurn>,
+    /// The repair of the turn's AMORTIZE edits, if the request names one.
+    pub repair: Option<leyline_core::Repair>,
 }
 
 /// Builds the engine request and the channel its pieces arrive on.
@@ -199,6 +201,7 @@ pub fn request(
         alive: Some(alive),
         tenant: spec.tenant,
         implicit: spec.implicit,
+        repair: spec.repair,
     };
     (req, rx)
 }

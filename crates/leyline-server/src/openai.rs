@@ -73,6 +73,42 @@ pub struct LeylineOptions {
     /// `/v1/messages` (see `context.rs`).
     #[serde(default)]
     pub context_management: Option<Value>,
+    /// How many downstream tokens this turn's AMORTIZE splice recomputes under the edited
+    /// context, and which ([`WireRepair`]); the server's `--repair` when absent.
+    #[serde(default)]
+    pub repair: Option<WireRepair>,
+}
+
+/// A repair on the wire: a token count (the first N tokens after each edit), a string
+/// (`after_edit:N` or `before_end:N`), or `{"tokens": N, "rule": "after_edit"}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum WireRepair {
+    /// The first N tokens after each edit.
+    Tokens(usize),
+    /// `after_edit:N` or `before_end:N`.
+    Spec(String),
+    /// Count and rule.
+    Full(leyline_core::Repair),
+}
+
+impl WireRepair {
+    /// The repair it names; a 400 naming `param` for a string that names none.
+    ///
+    /// # Errors
+    /// [`ServerError::InvalidRequest`].
+    pub fn resolve(&self, param: &str) -> Result<leyline_core::Repair> {
+        match self {
+            Self::Tokens(n) => Ok(leyline_core::Repair::new(
+                *n,
+                leyline_core::RepairRule::AfterEdit,
+            )),
+            Self::Spec(s) => s
+                .parse()
+                .map_err(|e: String| ServerError::invalid(param, e)),
+            Self::Full(r) => Ok(*r),
+        }
+    }
 }
 
 /// Sampling and length fields shared by both completion endpoints.
@@ -473,6 +509,8 @@ pub struct LeylineReport {
     pub tokens_reused: usize,
     /// Reused tokens whose keys were rotated.
     pub tokens_rotated: usize,
+    /// Downstream tokens the splice recomputed under the edited context (`repair`).
+    pub tokens_repaired: usize,
     /// Prompt tokens prefilled.
     pub tokens_prefilled: usize,
     /// With `leyline.context_management` in the request: `{"applied_edits": [...]}`.

@@ -3,6 +3,7 @@
 use crate::auth::Principal;
 use crate::error::{Result, ServerError};
 use crate::handler::{create_engine_session, engine_call, parse, reap, ApiJson, St};
+use crate::openai::WireRepair;
 use crate::state::AppState;
 use axum::extract::{Path, Query, State};
 use axum::{Extension, Json};
@@ -91,6 +92,9 @@ pub(crate) struct DirectiveRequest {
     directives: Vec<WireDirective>,
     #[serde(default)]
     mode: Option<Mode>,
+    /// The batch's repair, over the session's and the server's.
+    #[serde(default)]
+    repair: Option<WireRepair>,
 }
 
 pub(crate) async fn apply_directives(
@@ -142,10 +146,15 @@ async fn apply_batch(
         };
         directives.push(Directive::new(d.start, d.end, replacement, mode));
     }
+    let repair = match &req.repair {
+        Some(r) => Some(r.resolve("repair")?),
+        None => None,
+    };
     let eid = st.sessions.resolve(id, who)?;
     let (before, report) = engine_call(st, move |e| {
         let before = e.session_info(eid).map(|i| i.tokens.len())?;
-        e.apply_directives(eid, directives).map(|r| (before, r))
+        e.apply_directives_repaired(eid, directives, repair)
+            .map(|r| (before, r))
     })
     .await??;
     Ok(Json(json!({
@@ -158,6 +167,7 @@ async fn apply_batch(
         "delta": report.new_len as i64 - before as i64,
         "tokens_reused": report.reused,
         "tokens_rotated": report.rotated,
+        "tokens_repaired": report.repaired,
         "tokens_prefilled": report.prefilled,
     })))
 }

@@ -188,6 +188,10 @@ pub(crate) async fn start(
         }
         (None, _) => (None, None),
     };
+    let repair = match fields.leyline.as_ref().and_then(|l| l.repair.as_ref()) {
+        Some(r) => Some(r.resolve("leyline.repair")?),
+        None => None,
+    };
     let prompt_tokens = prompt.len();
     let spec = GenerateSpec {
         prompt,
@@ -198,6 +202,7 @@ pub(crate) async fn start(
         session: session_req,
         tenant: who.tenant(fields.cache_salt.as_deref()),
         implicit,
+        repair,
     };
     let (req, rx) = generation::request(spec, Arc::clone(&st.tokenizer));
     // Refusals known at once (invalid, unknown or busy session) get their status before
@@ -221,6 +226,7 @@ pub(crate) fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>
         directives_applied: edit.map_or(0, |e| e.directives),
         tokens_reused: usage.cached_tokens,
         tokens_rotated: edit.map_or(0, |e| e.rotated),
+        tokens_repaired: edit.map_or(0, |e| e.repaired),
         tokens_prefilled: usage.computed_tokens(),
         context_management: None,
     }

@@ -278,6 +278,76 @@ fn session_tokens(id: &str) -> Vec<u64> {
 }
 
 #[test]
+fn a_splice_recomputes_the_repair_a_batch_or_a_turn_asks_for() {
+    let id = post("/v1/sessions", &json!({})).json()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let system = |s: &str| {
+        json!([
+            {"role": "system", "content": s},
+            {"role": "user", "content": "Name three rivers of Europe, one per line."},
+        ])
+    };
+    let turn = |messages: Value, leyline: Value| {
+        let mut b = chat_body("", 2, false);
+        b["messages"] = messages;
+        b["session_id"] = json!(id);
+        b["leyline"] = leyline;
+        post("/v1/chat/completions", &b)
+    };
+    let r = turn(
+        system("You are a geography tutor."),
+        json!({"mode": "amortize"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // A turn that edits the system message: its splice recomputes the two tokens after it.
+    let r = turn(
+        system("You are a terse tutor."),
+        json!({"mode": "amortize", "repair": "after_edit:2"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let report = &r.json()["leyline"];
+    assert!(report["spliced"].as_bool().unwrap(), "{report}");
+    assert_eq!(report["tokens_repaired"], 2, "{report}");
+
+    let path = format!("/v1/sessions/{id}/directives");
+    let batch = |repair: Value| {
+        json!({"mode": "amortize", "repair": repair,
+               "directives": [{"start": 2, "end": 4, "text": " x"}]})
+    };
+    for (repair, want) in [
+        (json!(3), 3),
+        (json!({"tokens": 2, "rule": "before_end"}), 2),
+        (json!("0"), 0),
+    ] {
+        let r = post(&path, &batch(repair.clone()));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["tokens_repaired"], want, "{repair}: {}", r.body);
+    }
+    let before = session_tokens(&id);
+    for bad in [json!("middle:3"), json!("after_edit:many"), json!(-1)] {
+        let e = post(&path, &batch(bad.clone())).expect_error(400);
+        assert!(
+            e["param"] == "repair" || e["message"].as_str().unwrap().contains("repair"),
+            "{bad}: {e}"
+        );
+    }
+    assert_eq!(
+        session_tokens(&id),
+        before,
+        "a refused repair changed the session"
+    );
+    let e = turn(
+        system("x"),
+        json!({"mode": "amortize", "repair": "sideways:1"}),
+    )
+    .expect_error(400);
+    assert_eq!(e["param"], "leyline.repair", "{e}");
+}
+
+#[test]
 fn directive_batches_are_atomic_and_sessions_are_scoped_to_their_key() {
     for mode in ["forget", "amortize"] {
         let id = post("/v1/sessions", &json!({})).json()["id"]

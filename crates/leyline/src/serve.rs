@@ -78,6 +78,12 @@ pub struct ServeArgs {
     /// Most cached conversations kept for implicit splices (least recently used goes).
     #[arg(long, default_value_t = leyline_engine::DEFAULT_MAX_IMPLICIT_SESSIONS)]
     max_conversations: usize,
+    /// Downstream tokens an AMORTIZE splice recomputes under the edited context, unless a
+    /// request or directive batch says otherwise: `0` (none: the splice alone), `N` (the
+    /// first N tokens after each edit), `after_edit:N` or `before_end:N` (the last N tokens
+    /// of the cached context). More is closer to FORGET's exact result and costs prefill.
+    #[arg(long, default_value = "0")]
+    repair: leyline_core::Repair,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -112,6 +118,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         } else {
             0
         },
+        repair: a.repair,
         ..leyline_engine::EngineConfig::new(slots)
     };
     let name = a

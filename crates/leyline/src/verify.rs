@@ -16,6 +16,7 @@ use crate::{load_any_model, ModelArgs, ThreadsArgs};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use leyline_core::{Repair, RepairRule};
 use leyline_engine::{ChatRenderer, Engine, EngineConfig};
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::{AnyModel, ForwardSeq, LogitsFor};
@@ -65,6 +66,12 @@ pub struct VerifyArgs {
     /// Largest |delta| of one drift splice (deltas are random in ±[1, this]).
     #[arg(long, default_value_t = 512)]
     pub drift_max_delta: u64,
+    /// Repairs to measure besides the plain splice, each on its own session per probe: a
+    /// bare count N stands for both `after_edit:N` (the first N tokens after the edit) and
+    /// `before_end:N` (the last N of the context); `0` is the splice alone. Example:
+    /// `--repair 0,4,16,64`.
+    #[arg(long, value_delimiter = ',')]
+    pub repair: Vec<String>,
     /// Rows of the per-probe table (disagreements first, then the nearest ties); 0 omits it.
     #[arg(long, default_value_t = 12)]
     pub show: usize,
@@ -112,6 +119,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     if a.probes == 0 {
         bail!("--probes must be at least 1");
     }
+    let repairs = repair_list(&a.repair)?;
     a.pool.init()?;
     let lm = load_any_model(&a.model)?;
     let max_tokens = probe_budget(&a, lm.model().info());
@@ -144,7 +152,8 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     let started = Instant::now();
     let mut outcomes = Vec::with_capacity(probes.len());
     for p in &probes {
-        let o = run_probe(&mut engine, p).with_context(|| format!("probe {}", p.label))?;
+        let extra: Vec<Repair> = repairs.iter().copied().filter(|r| !r.is_none()).collect();
+        let o = run_probe(&mut engine, p, &extra).with_context(|| format!("probe {}", p.label))?;
         outcomes.push(o);
         bar.inc(1);
         if bar.is_hidden() && outcomes.len() % 10 == 0 {
@@ -160,20 +169,101 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     let drift = drift(&lm, &probes[0].prompt, &a)?;
     let drift_secs = t.elapsed().as_secs_f64();
 
+    let rows = repair_rows(&outcomes, &repairs);
     if a.json {
         print_json(
             &a,
             &lm,
             &source,
-            &outcomes,
+            (&outcomes, &rows),
             &drift,
             (probe_secs, drift_secs),
             prefilled,
         );
     } else {
-        print_tables(&a, &lm, &source, &outcomes, &drift, probe_secs);
+        print_tables(&a, &lm, &source, (&outcomes, &rows), &drift, probe_secs);
     }
     Ok(())
+}
+
+/// `--repair` as repairs, in order, each once: a bare count stands for both rules.
+fn repair_list(specs: &[String]) -> Result<Vec<Repair>> {
+    let mut out: Vec<Repair> = Vec::new();
+    for s in specs {
+        let r: Repair = s
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--repair: {e}"))?;
+        let expanded = if r.is_none() {
+            vec![Repair::NONE]
+        } else if s.contains(':') {
+            vec![r]
+        } else {
+            vec![r, Repair::new(r.tokens, RepairRule::BeforeEnd)]
+        };
+        for r in expanded {
+            if !out.contains(&r) {
+                out.push(r);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Smallest FORGET margin at which a probe counts as decided for the exact edited context.
+const FORGET_MARGIN: f32 = 0.25;
+
+/// One (setting, rule) of `--repair`, over every probe.
+struct RepairRow {
+    repair: Repair,
+    /// Recomputed downstream tokens over those FORGET recomputes (replacements excluded).
+    recomputed_share: f64,
+    agree_full: usize,
+    agree_forget: usize,
+    kl_forget_mean: f64,
+    /// Probes whose FORGET margin is at least [`FORGET_MARGIN`], and how many of those agree
+    /// with FORGET.
+    forget_margin_probes: usize,
+    agree_forget_margin: usize,
+}
+
+fn repair_rows(o: &[ProbeOutcome], repairs: &[Repair]) -> Vec<RepairRow> {
+    repairs
+        .iter()
+        .map(|&repair| {
+            // (token, KL, recomputed) of each probe under this repair.
+            let per: Vec<(u32, f64, usize)> = o
+                .iter()
+                .map(|p| {
+                    if repair.is_none() {
+                        return (p.amortize.0, p.kl_forget, 0);
+                    }
+                    p.repairs
+                        .iter()
+                        .find(|r| r.repair == repair)
+                        .map_or((u32::MAX, f64::NAN, 0), |r| {
+                            (r.token.0, r.kl_forget, r.repaired)
+                        })
+                })
+                .collect();
+            let decided: Vec<usize> = (0..o.len())
+                .filter(|&i| o[i].forget.1 >= FORGET_MARGIN)
+                .collect();
+            let recomputed: usize = per.iter().map(|x| x.2).sum();
+            let forget_total: usize = o.iter().map(ProbeOutcome::forget_recomputed).sum();
+            RepairRow {
+                repair,
+                recomputed_share: recomputed as f64 / forget_total.max(1) as f64,
+                agree_full: (0..o.len()).filter(|&i| per[i].0 == o[i].full.0).count(),
+                agree_forget: (0..o.len()).filter(|&i| per[i].0 == o[i].forget.0).count(),
+                kl_forget_mean: per.iter().map(|x| x.1).sum::<f64>() / o.len().max(1) as f64,
+                forget_margin_probes: decided.len(),
+                agree_forget_margin: decided
+                    .iter()
+                    .filter(|&&i| per[i].0 == o[i].forget.0)
+                    .count(),
+            }
+        })
+        .collect()
 }
 
 /// Longest probe prompt: `--max-tokens-per-probe` within the model's context (the scored
@@ -350,7 +440,7 @@ fn print_json(
     a: &VerifyArgs,
     lm: &AnyModel,
     source: &Source,
-    o: &[ProbeOutcome],
+    (o, rows): (&[ProbeOutcome], &[RepairRow]),
     drift: &[Drift],
     (probe_secs, drift_secs): (f64, f64),
     prefilled: u64,
@@ -377,6 +467,15 @@ fn print_json(
                 "amortize_forget_max_abs_diff": p.amortize_forget_max_diff,
                 "rotated": p.amortize_report.rotated,
                 "copied": p.amortize_report.copied,
+                "kl_forget": p.kl_forget,
+                "repairs": p.repairs.iter().map(|r| serde_json::json!({
+                    "repair": r.repair.tokens,
+                    "rule": r.repair.rule.name(),
+                    "token": r.token.0,
+                    "margin": r.token.1,
+                    "kl_forget": r.kl_forget,
+                    "repaired": r.repaired,
+                })).collect::<Vec<_>>(),
             })
         })
         .collect();
@@ -431,6 +530,16 @@ fn print_json(
             "drift_key_width": info.geometry.k_width(),
             "drift_rotary_dim": info.rope.rotary_dim,
             "drift": drift,
+            "repair": rows.iter().map(|r| serde_json::json!({
+                "repair": r.repair.tokens,
+                "rule": r.repair.rule.name(),
+                "recomputed_share": r.recomputed_share,
+                "agree_full": r.agree_full,
+                "agree_forget": r.agree_forget,
+                "kl_forget_mean": r.kl_forget_mean,
+                "forget_margin_probes": r.forget_margin_probes,
+                "agree_forget_margin": r.agree_forget_margin,
+            })).collect::<Vec<_>>(),
             "per_probe": per_probe,
             "prefilled_tokens": prefilled,
             "probe_seconds": probe_secs,
@@ -450,7 +559,7 @@ fn print_tables(
     a: &VerifyArgs,
     lm: &AnyModel,
     source: &Source,
-    o: &[ProbeOutcome],
+    (o, rows): (&[ProbeOutcome], &[RepairRow]),
     drift: &[Drift],
     probe_secs: f64,
 ) {
@@ -486,6 +595,29 @@ fn print_tables(
         );
     }
     println!();
+    if !rows.is_empty() {
+        println!("AMORTIZE with repair (recomputed share: recomputed downstream tokens over FORGET's, replacements excluded; decided: FORGET margin >= {FORGET_MARGIN}):\n");
+        println!("| repair | rule | recomputed share | = full context | = FORGET | = FORGET where decided | mean KL(FORGET \\|\\| AMORTIZE) |");
+        println!("|---|---|---|---|---|---|---|");
+        for r in rows {
+            println!(
+                "| {} | {} | {:.3} | {}/{n} | {}/{n} | {}/{} | {:.4} |",
+                r.repair.tokens,
+                if r.repair.is_none() {
+                    "-"
+                } else {
+                    r.repair.rule.name()
+                },
+                r.recomputed_share,
+                r.agree_full,
+                r.agree_forget,
+                r.agree_forget_margin,
+                r.forget_margin_probes,
+                r.kl_forget_mean,
+            );
+        }
+        println!();
+    }
     // Disagreements first, then the nearest ties of the reference.
     let mut rows: Vec<&ProbeOutcome> = o.iter().collect();
     rows.sort_by(|x, y| {

@@ -24,7 +24,7 @@ use super::Engine;
 use crate::error::{EngineError, Result};
 use crate::request::RequestId;
 use crate::session::{message_edits, EditReport, Session, SessionEdits, SessionId, SessionInfo};
-use leyline_core::{Directive, DirectiveBatch, Mode, SessionState, ValidationContext};
+use leyline_core::{Directive, DirectiveBatch, Mode, Repair, SessionState, ValidationContext};
 use leyline_kv::slots::Lineage;
 use leyline_kv::splice::{apply_splice, SpliceError, SpliceTarget, Spliced};
 use leyline_model::{ForwardSeq, LogitsFor};
@@ -50,6 +50,16 @@ impl Engine {
         self.sessions
             .insert(id, Session::new(Lineage(id.0), tenant));
         id
+    }
+
+    /// Sets the repair every AMORTIZE edit of session `id` makes from now on, unless its
+    /// batch names one; `None` goes back to the engine's default ([`crate::EngineConfig::repair`]).
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownSession`].
+    pub fn set_session_repair(&mut self, id: SessionId, repair: Option<Repair>) -> Result<()> {
+        self.session_mut(id)?.repair = repair;
+        Ok(())
     }
 
     pub(super) fn session(&self, id: SessionId) -> Result<&Session> {
@@ -299,6 +309,21 @@ impl Engine {
         id: SessionId,
         directives: Vec<Directive>,
     ) -> Result<EditReport> {
+        self.apply_directives_repaired(id, directives, None)
+    }
+
+    /// [`Self::apply_directives`] with a repair for this batch in place of the session's
+    /// ([`Self::set_session_repair`]) or the engine's default ([`crate::EngineConfig::repair`]).
+    ///
+    /// # Errors
+    /// As [`Self::apply_directives`]. A repair that fails after the splice committed
+    /// leaves the session cut where it failed.
+    pub fn apply_directives_repaired(
+        &mut self,
+        id: SessionId,
+        directives: Vec<Directive>,
+        repair: Option<Repair>,
+    ) -> Result<EditReport> {
         let s = self.session(id)?;
         if s.tokens.is_empty() && !s.shed.is_empty() && !directives.is_empty() {
             // Its cache went for room since the caller last looked: the directives' ranges
@@ -306,7 +331,7 @@ impl Engine {
             return Err(EngineError::SessionShed(id.0));
         }
         let mode = directives.first().map_or(Mode::Amortize, |d| d.mode);
-        let (mut report, _, target) = self.edit_session(id, directives, mode, None)?;
+        let (mut report, _, target) = self.edit_session(id, directives, mode, None, repair)?;
         self.session_mut(id)?.bounds = None;
         if let Some(target) = target {
             report.prefilled = self.prefill_session_tail(id, &target)?;
@@ -344,6 +369,7 @@ impl Engine {
         mut directives: Vec<Directive>,
         mode: Mode,
         by: Option<RequestId>,
+        repair: Option<Repair>,
     ) -> Result<Edited> {
         for d in &mut directives {
             d.mode = mode;
@@ -377,7 +403,16 @@ impl Engine {
             )));
         }
         match mode {
-            Mode::Amortize => Ok((self.amortize(id, &batch)?, batch.new_ranges(), None)),
+            Mode::Amortize => {
+                let repair = repair
+                    .or(self.session(id)?.repair)
+                    .unwrap_or(self.cfg.repair);
+                let repairs = repair.ranges(&batch);
+                let report = self.amortize(id, &batch, &repairs)?;
+                let mut computed = batch.new_ranges();
+                computed.extend(repairs);
+                Ok((report, union(computed), None))
+            }
             Mode::Forget => {
                 let (report, target) = self.forget(id, &batch)?;
                 Ok((report, Vec::new(), Some(target)))
@@ -385,7 +420,13 @@ impl Engine {
         }
     }
 
-    fn amortize(&mut self, id: SessionId, batch: &DirectiveBatch) -> Result<EditReport> {
+    /// The splice, then the recompute of `repairs` (post-edit ranges, [`Repair::ranges`]).
+    fn amortize(
+        &mut self,
+        id: SessionId,
+        batch: &DirectiveBatch,
+        repairs: &[Range<usize>],
+    ) -> Result<EditReport> {
         let info = self.model.info().clone();
         info.rope.ensure_shiftable()?;
         let n_repl: usize = batch.directives().iter().map(|d| d.replacement.len()).sum();
@@ -410,13 +451,14 @@ impl Engine {
         self.note_evicted(spliced.evicted);
         let s = self.session(id)?;
         let tokens = batch.apply_to_tokens(&s.tokens)?;
-        let report = EditReport {
+        let mut report = EditReport {
             mode: Mode::Amortize,
             directives: batch.directives().len(),
             reused: tokens.len() - n_repl,
             rotated: spliced.rotated,
             copied: spliced.copied,
             prefilled: spliced.prefilled,
+            repaired: 0,
             zeroed: 0,
             new_len: tokens.len(),
         };
@@ -428,8 +470,87 @@ impl Engine {
         m.add(&m.prefilled_tokens, n_repl as u64);
         m.add(&m.rotated_tokens, report.rotated as u64);
         m.add(&m.directives_amortize, report.directives as u64);
+        // The splice has committed: a repair that fails leaves its session cut where the
+        // failure struck, never holding KV half written.
+        report.repaired = self.repair_session(id, repairs)?;
         self.update_gauges();
         Ok(report)
+    }
+
+    /// Recomputes the session's tokens in `ranges` (post-edit indices, sorted and disjoint)
+    /// under its current context, in order, writing over their slots; a slot another
+    /// sequence shares is replaced by a fresh one first. Returns the tokens recomputed.
+    fn repair_session(&mut self, id: SessionId, ranges: &[Range<usize>]) -> Result<usize> {
+        let mut repaired = 0;
+        for r in ranges {
+            self.unshare(id, r.clone())?;
+            let mut a = r.start;
+            while a < r.end {
+                let b = (a + self.cfg.prefill_chunk).min(r.end);
+                // The session by field, so the model and the storage stay borrowable.
+                let s = self
+                    .sessions
+                    .get(&id)
+                    .ok_or(EngineError::UnknownSession(id.0))?;
+                let positions: Vec<u32> = (a as u32..b as u32).collect();
+                let seq = ForwardSeq {
+                    tokens: &s.tokens[a..b],
+                    positions: &positions,
+                    context: &s.slots[..a],
+                    new_slots: &s.slots[a..b],
+                    logits: LogitsFor::None,
+                };
+                if let Err(e) = self.model.forward(&mut self.kv, &[seq]) {
+                    let sess = self.session_mut(id)?;
+                    sess.tokens.truncate(a);
+                    sess.bounds = None;
+                    let tail = sess.slots.split_off(a);
+                    self.release_slots(&tail)?;
+                    return Err(e.into());
+                }
+                a = b;
+            }
+            repaired += r.len();
+        }
+        self.metrics
+            .add(&self.metrics.prefilled_tokens, repaired as u64);
+        Ok(repaired)
+    }
+
+    /// Gives session `id` slots of its own for `range`: each slot there that another
+    /// sequence (or the prefix tree) also holds is swapped for a fresh one at the same
+    /// position, in the session's lineage. The fresh slots' KV is left for the caller to
+    /// write.
+    fn unshare(&mut self, id: SessionId, range: Range<usize>) -> Result<()> {
+        let s = self.session(id)?;
+        let pool = self.cache.pool();
+        let mut shared = Vec::new();
+        for i in range {
+            if pool.refcount(s.slots[i])? > 1 {
+                shared.push(i);
+            }
+        }
+        if shared.is_empty() {
+            return Ok(());
+        }
+        let (lineage, clean_len) = (s.lineage, s.clean_len);
+        let (fresh, removed) = self.cache.alloc_evicting(shared.len())?;
+        self.note_evicted(removed.freed.len());
+        let pool = self.cache.pool_mut();
+        for (&i, &slot) in shared.iter().zip(&fresh) {
+            pool.set_position(slot, i as u32)?;
+            if i >= clean_len {
+                pool.set_lineage(slot, lineage)?;
+            }
+        }
+        let sess = self.session_mut(id)?;
+        let old: Vec<u32> = shared
+            .iter()
+            .zip(&fresh)
+            .map(|(&i, &slot)| std::mem::replace(&mut sess.slots[i], slot))
+            .collect();
+        self.release_slots(&old)?;
+        Ok(())
     }
 
     /// One attempt at the KV layer's splice of session `id`, the model forward passed in.
@@ -501,6 +622,7 @@ impl Engine {
             rotated: 0,
             copied: 0,
             prefilled: 0,
+            repaired: 0,
             zeroed,
             new_len: target.len(),
         };
@@ -625,4 +747,18 @@ impl Engine {
         }
         gone
     }
+}
+
+/// `ranges` sorted and merged where they overlap or touch.
+fn union(mut ranges: Vec<Range<usize>>) -> Vec<Range<usize>> {
+    ranges.retain(|r| !r.is_empty());
+    ranges.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<usize>> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
 }

@@ -14,7 +14,7 @@
 //! [`Engine::peek_logits`] after the edit, so every arm's logits come from a forward pass
 //! that attends to the edited cache.
 
-use leyline_core::{Directive, Mode};
+use leyline_core::{Directive, Mode, Repair};
 use leyline_engine::{
     EditReport, Engine, EngineError, Event, Request, Result, SessionEdits, SessionId,
     SessionRequest,
@@ -261,6 +261,23 @@ pub struct ProbeOutcome {
     pub amortize_forget_max_diff: f32,
     /// The AMORTIZE edit's report.
     pub amortize_report: EditReport,
+    /// KL(FORGET || AMORTIZE) of the next-token distributions, in nats.
+    pub kl_forget: f64,
+    /// The same edit in AMORTIZE with each repair asked for, in order.
+    pub repairs: Vec<RepairOutcome>,
+}
+
+/// What one probe gave under AMORTIZE with a repair.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RepairOutcome {
+    /// The repair.
+    pub repair: Repair,
+    /// Next token and its margin.
+    pub token: (u32, f32),
+    /// KL(FORGET || this) of the next-token distributions, in nats.
+    pub kl_forget: f64,
+    /// Downstream tokens it recomputed.
+    pub repaired: usize,
 }
 
 impl ProbeOutcome {
@@ -278,6 +295,30 @@ impl ProbeOutcome {
     pub fn forget_agree_full(&self) -> bool {
         self.forget.0 == self.full.0
     }
+
+    /// Downstream tokens FORGET recomputes and a splice keeps: those between the edit and
+    /// the scored last token (the replacement left out).
+    pub fn forget_recomputed(&self) -> usize {
+        self.downstream.saturating_sub(1)
+    }
+}
+
+/// KL(p || q) in nats of the softmax distributions of logits `p` and `q`.
+pub fn kl_divergence(p: &[f32], q: &[f32]) -> f64 {
+    let log_softmax = |x: &[f32]| -> Vec<f64> {
+        let max = x
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+        let sum: f64 = x.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+        let log_z = max + sum.ln();
+        x.iter().map(|&v| f64::from(v) - log_z).collect()
+    };
+    let (lp, lq) = (log_softmax(p), log_softmax(q));
+    lp.iter()
+        .zip(&lq)
+        .map(|(a, b)| a.exp() * (a - b))
+        .sum::<f64>()
+        .max(0.0)
 }
 
 /// Lower edges of the reference-margin bands that [`by_reference_margin`] reports; the last
@@ -371,12 +412,13 @@ pub fn session_with(engine: &mut Engine, tokens: &[u32]) -> Result<SessionId> {
 }
 
 /// Runs one probe: the unedited reference, the edit in AMORTIZE, the edit in FORGET (on a
-/// second session), each scored by running the last prompt token after the cache. Both
-/// sessions are deleted afterwards.
+/// second session), then the edit in AMORTIZE with each of `repairs` (a session each), each
+/// scored by running the last prompt token after the cache. Every session is deleted
+/// afterwards.
 ///
 /// # Errors
 /// Engine errors; an edit whose result is not the expected token sequence.
-pub fn run_probe(engine: &mut Engine, probe: &Probe) -> Result<ProbeOutcome> {
+pub fn run_probe(engine: &mut Engine, probe: &Probe, repairs: &[Repair]) -> Result<ProbeOutcome> {
     let n = probe.prompt.len();
     if n < 2 || probe.edit.end >= n - 1 {
         return Err(EngineError::InvalidRequest(
@@ -399,7 +441,11 @@ pub fn run_probe(engine: &mut Engine, probe: &Probe) -> Result<ProbeOutcome> {
     let a = session_with(engine, head)?;
     let result = (|| {
         let full = engine.peek_logits(a, last)?;
-        let report = engine.apply_directives(a, vec![directive(Mode::Amortize)])?;
+        let report = engine.apply_directives_repaired(
+            a,
+            vec![directive(Mode::Amortize)],
+            Some(Repair::NONE),
+        )?;
         if engine.session_info(a)?.tokens != want {
             return Err(EngineError::InvalidRequest(
                 "AMORTIZE produced an unexpected sequence".into(),
@@ -424,6 +470,27 @@ pub fn run_probe(engine: &mut Engine, probe: &Probe) -> Result<ProbeOutcome> {
     engine.delete_session(f)?;
     let forget = result?;
 
+    let mut repaired = Vec::with_capacity(repairs.len());
+    for &repair in repairs {
+        let r = session_with(engine, head)?;
+        let result = (|| -> Result<RepairOutcome> {
+            let report = engine.apply_directives_repaired(
+                r,
+                vec![directive(Mode::Amortize)],
+                Some(repair),
+            )?;
+            let logits = engine.peek_logits(r, last)?;
+            Ok(RepairOutcome {
+                repair,
+                token: top_margin(&logits),
+                kl_forget: kl_divergence(&forget, &logits),
+                repaired: report.repaired,
+            })
+        })();
+        engine.delete_session(r)?;
+        repaired.push(result?);
+    }
+
     let (full_top, amortize_top) = (top_margin(&full), top_margin(&amortize));
     let max_diff = amortize
         .iter()
@@ -442,6 +509,8 @@ pub fn run_probe(engine: &mut Engine, probe: &Probe) -> Result<ProbeOutcome> {
         amortize_gap_in_full: full[full_top.0 as usize] - full[amortize_top.0 as usize],
         amortize_forget_max_diff: max_diff,
         amortize_report,
+        kl_forget: kl_divergence(&forget, &amortize),
+        repairs: repaired,
     })
 }
 

@@ -226,9 +226,12 @@ fn outcome(full: (u32, f32), amortize: u32, forget: u32) -> ProbeOutcome {
             rotated: 0,
             copied: 0,
             prefilled: 0,
+            repaired: 0,
             zeroed: 0,
             new_len: 0,
         },
+        kl_forget: 0.0,
+        repairs: Vec::new(),
     }
 }
 
@@ -331,4 +334,16 @@ fn probes_replace_the_oldest_tool_output_when_a_newer_one_exists() {
         ..opts
     };
     assert!(build_probes(&[t], &ByteChatMl, &tight).unwrap().is_empty());
+}
+
+#[test]
+fn kl_divergence_matches_a_hand_computed_pair() {
+    // softmax([0, ln 3]) = (1/4, 3/4), softmax([0, 0]) = (1/2, 1/2):
+    // KL = 1/4 ln(1/2) + 3/4 ln(3/2).
+    let want = 0.25 * 0.5f64.ln() + 0.75 * 1.5f64.ln();
+    let got = kl_divergence(&[0.0, 3f32.ln()], &[0.0, 0.0]);
+    assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+    assert_eq!(kl_divergence(&[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0]), 0.0);
+    // A shift of every logit is the same distribution.
+    assert!(kl_divergence(&[1.0, 2.0], &[11.0, 12.0]) < 1e-9);
 }
