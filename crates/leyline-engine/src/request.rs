@@ -61,10 +61,13 @@ pub struct Usage {
 
 impl Usage {
     /// Prompt tokens computed for this request, in its prefill or by its edit, counting
-    /// edit replacements that the prompt then did not keep.
+    /// edit replacements (and repaired tokens) that the prompt then did not keep.
     pub fn computed_tokens(&self) -> usize {
         let kept = self.reused_tokens - self.cached_tokens;
-        self.prefilled_tokens + self.edit.map_or(0, |e| e.prefilled.saturating_sub(kept))
+        self.prefilled_tokens
+            + self
+                .edit
+                .map_or(0, |e| (e.prefilled + e.repaired).saturating_sub(kept))
     }
 }
 

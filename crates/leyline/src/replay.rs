@@ -82,6 +82,10 @@ pub struct ReplayArgs {
     /// Cap on the KV pool when `--kv-slots` is not given, in GiB.
     #[arg(long, default_value_t = 8.0)]
     pub kv_mem_gib: f64,
+    /// The `repair` arm's repair: `N` (the first N tokens after each edit), `after_edit:N` or
+    /// `before_end:N` (see `serve --repair`).
+    #[arg(long, default_value = "after_edit:16")]
+    pub repair: leyline_core::Repair,
     /// Only redraw the plots of an earlier run from `--out`/replay.json (`--traces` ignored).
     #[arg(long)]
     pub plot_only: bool,
@@ -202,6 +206,11 @@ pub fn run(a: ReplayArgs) -> Result<()> {
                     prefill_order: a.prefill_order,
                     prefill_patience: a.prefill_patience,
                     max_running: live.max(1),
+                    repair: if arm == Arm::Repair {
+                        a.repair
+                    } else {
+                        leyline_core::Repair::NONE
+                    },
                     ..EngineConfig::new(kv_slots)
                 },
             };
@@ -255,6 +264,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         "kv_dtype": a.model.kv_dtype.name(),
         "threads": a.pool.threads,
         "policy": a.policy,
+        "repair": a.repair.to_string(),
         "max_tokens": a.max_tokens,
         "prefill_chunk": a.prefill_chunk,
         "decode_prefill_chunk": a.decode_prefill_chunk,

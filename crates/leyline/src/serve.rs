@@ -73,7 +73,7 @@ pub struct ServeArgs {
     /// their API key continue it by a splice instead of a re-prefill (`on` or `off`). A
     /// request opts out with `leyline.mode` or the `X-Leyline-Mode` header set to `prefix`
     /// or `forget`.
-    #[arg(long, default_value = "on", value_parser = on_off)]
+    #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
     implicit_splices: bool,
     /// Most cached conversations kept for implicit splices (least recently used goes).
     #[arg(long, default_value_t = leyline_engine::DEFAULT_MAX_IMPLICIT_SESSIONS)]

@@ -72,6 +72,10 @@ pub struct VerifyArgs {
     /// `--repair 0,4,16,64`.
     #[arg(long, value_delimiter = ',')]
     pub repair: Vec<String>,
+    /// With `--repair`: write the Pareto plot (agreement with FORGET where its margin is at
+    /// least 0.25, against the recomputed share; a line per rule) to this PNG.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Rows of the per-probe table (disagreements first, then the nearest ties); 0 omits it.
     #[arg(long, default_value_t = 12)]
     pub show: usize,
@@ -120,6 +124,9 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         bail!("--probes must be at least 1");
     }
     let repairs = repair_list(&a.repair)?;
+    if a.plot.is_some() && repairs.is_empty() {
+        bail!("--plot draws the repair settings: give them with --repair (e.g. 0,4,16,64)");
+    }
     a.pool.init()?;
     let lm = load_any_model(&a.model)?;
     let max_tokens = probe_budget(&a, lm.model().info());
@@ -170,6 +177,9 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     let drift_secs = t.elapsed().as_secs_f64();
 
     let rows = repair_rows(&outcomes, &repairs);
+    if let Some(path) = &a.plot {
+        plot_repairs(path, lm.model().info(), a.model.kv_dtype, &rows)?;
+    }
     if a.json {
         print_json(
             &a,
@@ -207,6 +217,42 @@ fn repair_list(specs: &[String]) -> Result<Vec<Repair>> {
         }
     }
     Ok(out)
+}
+
+/// The Pareto plot of `rows`: each rule's line starts at the plain splice (`0`).
+fn plot_repairs(
+    path: &std::path::Path,
+    info: &leyline_model::ModelInfo,
+    dtype: KvDtype,
+    rows: &[RepairRow],
+) -> Result<()> {
+    let none = rows.iter().find(|r| r.repair.is_none());
+    let mut points = Vec::new();
+    for rule in [RepairRule::AfterEdit, RepairRule::BeforeEnd] {
+        let line: Vec<&RepairRow> = rows
+            .iter()
+            .filter(|r| !r.repair.is_none() && r.repair.rule == rule)
+            .collect();
+        if line.is_empty() {
+            continue;
+        }
+        for r in none.into_iter().chain(line) {
+            points.push(crate::eval::plot::ParetoPoint {
+                line: rule.name().to_string(),
+                label: format!(" {}", r.repair.tokens),
+                share: r.recomputed_share,
+                agree: r.agree_forget_margin as f64 / r.forget_margin_probes.max(1) as f64,
+            });
+        }
+    }
+    let title = format!("AMORTIZE with repair: {} (kv {dtype})", info.name);
+    crate::eval::plot::pareto(
+        path,
+        &title,
+        &format!("agreement with FORGET (its margin >= {FORGET_MARGIN})"),
+        &points,
+    )
+    .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Smallest FORGET margin at which a probe counts as decided for the exact edited context.

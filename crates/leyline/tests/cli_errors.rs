@@ -206,3 +206,26 @@ fn directory_that_is_not_a_checkpoint() {
     let out = leyline(&["verify", "--model", llama.to_str().unwrap()]);
     assert_one_line_error(&out, &["llama-dir", "config.json", "unsupported", "llama"]);
 }
+
+#[test]
+fn serve_takes_its_valued_flags_and_names_a_bad_value() {
+    // Good values parse: the run gets as far as the model, which does not exist.
+    let good = leyline(&[
+        "serve",
+        "--implicit-splices",
+        "off",
+        "--repair",
+        "before_end:8",
+        "--model",
+        "/nonexistent/model.gguf",
+    ]);
+    assert_one_line_error(&good, &["/nonexistent/model.gguf"]);
+    for (flag, value, want) in [
+        ("--implicit-splices", "true", "on or off"),
+        ("--repair", "sideways:3", "unknown repair rule"),
+        ("--repair", "lots", "not a token count"),
+    ] {
+        let out = leyline(&["serve", flag, value, "--model", "/nonexistent/model.gguf"]);
+        assert_one_line_error(&out, &[flag, want]);
+    }
+}

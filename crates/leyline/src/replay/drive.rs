@@ -31,6 +31,8 @@ pub enum Arm {
     Amortize,
     /// Leyline sessions, edits trimmed and re-prefilled (FORGET).
     Forget,
+    /// Leyline sessions, edits spliced in place and repaired (AMORTIZE with `--repair`).
+    Repair,
 }
 
 impl Arm {
@@ -40,13 +42,14 @@ impl Arm {
             Arm::Baseline => "baseline",
             Arm::Amortize => "amortize",
             Arm::Forget => "forget",
+            Arm::Repair => "repair",
         }
     }
 
     fn mode(self) -> Option<Mode> {
         match self {
             Arm::Baseline => None,
-            Arm::Amortize => Some(Mode::Amortize),
+            Arm::Amortize | Arm::Repair => Some(Mode::Amortize),
             Arm::Forget => Some(Mode::Forget),
         }
     }
@@ -97,6 +100,10 @@ pub struct RequestRecord {
     pub rotated_tokens: usize,
     /// Replacement tokens the edit prefilled that the prompt then did not reuse.
     pub edit_wasted_tokens: usize,
+    /// Downstream tokens the edit recomputed (the `repair` arm).
+    pub repaired_tokens: usize,
+    /// The turn's fresh tokens: what no cache could have held ([`PreparedTurn::fresh_tokens`]).
+    pub fresh_tokens: usize,
     /// Tokens generated.
     pub completion_tokens: usize,
     /// Queue time, ms.
@@ -290,6 +297,8 @@ fn record(i: usize, name: &str, turn: &PreparedTurn, s: &Live, u: &Usage) -> Req
         directives: s.directives,
         rotated_tokens: rotated,
         edit_wasted_tokens: u.computed_tokens() - u.prefilled_tokens,
+        repaired_tokens: u.edit.map_or(0, |e| e.repaired),
+        fresh_tokens: turn.fresh_tokens,
         completion_tokens: u.completion_tokens,
         queued_ms: ms(u.queued),
         ttft_ms: ms(u.ttft),

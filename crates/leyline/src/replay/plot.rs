@@ -1,32 +1,18 @@
 //! PNG plots of a replay: cache-hit rate and latency against concurrency, one line per arm.
-//! Text is drawn with DejaVu Sans compiled into the binary (no system fonts needed).
 
 use super::drive::Arm;
 use super::report::Summary;
+use crate::eval::plot::{register_font, FONT};
 use anyhow::{anyhow, Result};
 use plotters::prelude::*;
 use std::path::Path;
-use std::sync::OnceLock;
-
-const FONT: &str = "sans-serif";
-
-fn register_font() -> Result<()> {
-    static DONE: OnceLock<bool> = OnceLock::new();
-    let ok = *DONE.get_or_init(|| {
-        plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
-    });
-    if ok {
-        Ok(())
-    } else {
-        Err(anyhow!("the embedded DejaVu Sans font did not load"))
-    }
-}
 
 fn color(arm: Arm) -> RGBColor {
     match arm {
         Arm::Baseline => RGBColor(90, 90, 90),
         Arm::Amortize => RGBColor(0, 114, 178),
         Arm::Forget => RGBColor(213, 94, 0),
+        Arm::Repair => RGBColor(0, 158, 115),
     }
 }
 

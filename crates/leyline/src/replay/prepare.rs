@@ -2,7 +2,9 @@
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
-use leyline_policy::{replay_turns, Message, Policy, Rendered, Renderer, Trajectory};
+use leyline_policy::{
+    diff_rendered, replay_turns, Message, Policy, Rendered, Renderer, Trajectory,
+};
 
 /// What happens to a trajectory whose prompt outgrows the model's context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -22,6 +24,11 @@ pub struct PreparedTurn {
     pub prompt: Rendered,
     /// The policy changed a message the previous request had already seen.
     pub edit_turn: bool,
+    /// Tokens no cache could have held for this prompt: for a session's first turn, the
+    /// prompt past the longest prefix of an earlier session's prompts; later, the tokens the
+    /// turn adds to or writes into the previous prompt (new messages, replacement text).
+    /// Their sum is the floor against which a run's prefill is amplification.
+    pub fresh_tokens: usize,
 }
 
 /// A trajectory as one replay session.
@@ -119,6 +126,7 @@ pub fn prepare(
                 turn: turn.turn,
                 prompt,
                 edit_turn,
+                fresh_tokens: 0,
             });
         }
         match too_long {
@@ -136,9 +144,30 @@ pub fn prepare(
             out.skipped.push(name);
             continue;
         }
+        fresh_tokens(&mut turns, &out.sessions)?;
         out.sessions.push(PreparedSession { name, turns });
     }
     Ok(out)
+}
+
+/// Fills in [`PreparedTurn::fresh_tokens`] of a session's `turns`, `earlier` being the
+/// sessions replayed before it.
+fn fresh_tokens(turns: &mut [PreparedTurn], earlier: &[PreparedSession]) -> Result<()> {
+    let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let first = &turns[0].prompt.tokens;
+    let shared = earlier
+        .iter()
+        .flat_map(|s| &s.turns)
+        .map(|t| common(&t.prompt.tokens, first))
+        .max()
+        .unwrap_or(0);
+    turns[0].fresh_tokens = first.len() - shared;
+    for k in 1..turns.len() {
+        let edits = diff_rendered(&turns[k - 1].prompt, &turns[k].prompt)
+            .context("diffing consecutive prompts")?;
+        turns[k].fresh_tokens = edits.iter().map(|e| e.replacement.len()).sum();
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -211,6 +240,31 @@ mod tests {
         )
         .unwrap();
         assert!(got.sessions[0].turns.iter().all(|t| !t.edit_turn));
+    }
+
+    #[test]
+    fn fresh_tokens_are_what_no_cache_could_hold() {
+        let policy: PolicyConfig = "truncate_tool_outputs:1".parse().unwrap();
+        let p = policy.build();
+        let t = [trajectory("a", 50), trajectory("b", 50)];
+        let got = prepare(&t, p.as_ref(), &ByteChatMl, &opts(100_000, LongRule::Cut)).unwrap();
+        let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        let (a, b) = (&got.sessions[0].turns, &got.sessions[1].turns);
+        // Nothing before the first session; the second repeats the first's opening.
+        assert_eq!(a[0].fresh_tokens, a[0].prompt.tokens.len());
+        assert_eq!(b[0].fresh_tokens, 0, "the same first prompt");
+        for w in a.windows(2) {
+            let (prev, cur) = (&w[0].prompt.tokens, &w[1].prompt.tokens);
+            // Byte tokens: past the common prefix, a plain turn is all new, and an edit
+            // turn writes only the stub and the new messages, fewer than a re-prefill.
+            let tail = cur.len() - common(prev, cur);
+            if w[1].edit_turn {
+                assert!(w[1].fresh_tokens < tail, "turn {}", w[1].turn);
+                assert!(w[1].fresh_tokens >= cur.len().saturating_sub(prev.len()));
+            } else {
+                assert_eq!(w[1].fresh_tokens, tail, "turn {}", w[1].turn);
+            }
+        }
     }
 
     #[test]

@@ -23,6 +23,15 @@ pub struct Summary {
     pub cached_tokens: usize,
     /// Of which computed.
     pub prefilled_tokens: usize,
+    /// Tokens no cache could have held (the turns' [`super::prepare::PreparedTurn::fresh_tokens`]).
+    #[serde(default)]
+    pub fresh_tokens: usize,
+    /// `prefilled_tokens / fresh_tokens`: how far the arm is from the least work possible.
+    #[serde(default)]
+    pub amplification: f64,
+    /// Downstream tokens recomputed by repairs (the `repair` arm).
+    #[serde(default)]
+    pub repaired_tokens: usize,
     /// `cached_tokens / prompt_tokens`.
     pub cache_hit_rate: f64,
     /// Cache-hit rate of edit turns.
@@ -81,6 +90,8 @@ pub fn summarize(arm: Arm, concurrency: usize, run: &RunOutcome) -> Summary {
     let e2e = |rs: &[&RequestRecord]| col(rs, |r| r.e2e_ms);
     let sum = |f: fn(&RequestRecord) -> usize| all.iter().map(|r| f(r)).sum::<usize>();
     let prompt_tokens = sum(|r| r.prompt_tokens);
+    let prefilled_tokens = sum(|r| r.prefilled_tokens);
+    let fresh_tokens = sum(|r| r.fresh_tokens);
     let wall_s = run.wall.as_secs_f64();
     Summary {
         arm,
@@ -89,7 +100,10 @@ pub fn summarize(arm: Arm, concurrency: usize, run: &RunOutcome) -> Summary {
         edit_requests: edit.len(),
         prompt_tokens,
         cached_tokens: sum(|r| r.cached_tokens),
-        prefilled_tokens: sum(|r| r.prefilled_tokens),
+        prefilled_tokens,
+        fresh_tokens,
+        amplification: prefilled_tokens as f64 / fresh_tokens as f64,
+        repaired_tokens: sum(|r| r.repaired_tokens),
         cache_hit_rate: rate(&all),
         cache_hit_rate_edit_turns: rate(&edit),
         cache_hit_rate_plain_turns: rate(&plain),
@@ -129,13 +143,13 @@ fn msf(x: f64) -> String {
 /// The Markdown table: one row per (arm, concurrency), edit and plain turns apart.
 pub fn markdown(rows: &[Summary]) -> String {
     let mut s = String::from(
-        "| arm | C | requests (edit) | prompt tok | cached tok | prefilled tok | hit rate | hit rate edit / plain turns | TTFT p50 / p95 ms | E2E p50 / p95 ms | E2E p50 edit / plain turns ms | TTFT p50 edit turns ms | rotated tok | wall s |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| arm | C | requests (edit) | prompt tok | cached tok | prefilled tok | amplification | hit rate | hit rate edit / plain turns | TTFT p50 / p95 ms | E2E p50 / p95 ms | E2E p50 edit / plain turns ms | TTFT p50 edit turns ms | rotated tok | repaired tok | wall s |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "| {} | {} | {} ({}) | {} | {} | {} | {} | {} / {} | {} / {} | {} / {} | {} / {} | {} | {} | {:.1} |",
+            "| {} | {} | {} ({}) | {} | {} | {} | {:.3}x | {} | {} / {} | {} / {} | {} / {} | {} / {} | {} | {} | {} | {:.1} |",
             r.arm,
             r.concurrency,
             r.requests,
@@ -143,6 +157,7 @@ pub fn markdown(rows: &[Summary]) -> String {
             r.prompt_tokens,
             r.cached_tokens,
             r.prefilled_tokens,
+            r.amplification,
             pct(r.cache_hit_rate),
             pct(r.cache_hit_rate_edit_turns),
             pct(r.cache_hit_rate_plain_turns),
@@ -154,6 +169,7 @@ pub fn markdown(rows: &[Summary]) -> String {
             msf(r.e2e_p50_ms_plain_turns),
             msf(r.ttft_p50_ms_edit_turns),
             r.rotated_tokens,
+            r.repaired_tokens,
             r.wall_s,
         );
     }
