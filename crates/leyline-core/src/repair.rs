@@ -35,6 +35,10 @@ pub enum RepairRule {
     AfterEdit,
     /// The last tokens of the context, the ones nearest to what is asked next.
     BeforeEnd,
+    /// The tokens whose KV changes most when recomputed (as CacheBlend selects them): a
+    /// selection pass runs every downstream token through the first layer under the edited
+    /// context and ranks them by how far their second layer's keys and values move.
+    Deviation,
 }
 
 impl RepairRule {
@@ -43,6 +47,7 @@ impl RepairRule {
         match self {
             Self::AfterEdit => "after_edit",
             Self::BeforeEnd => "before_end",
+            Self::Deviation => "deviation",
         }
     }
 }
@@ -77,7 +82,9 @@ impl Repair {
     /// Post-edit ranges to recompute after `batch` is spliced: sorted, disjoint, all after
     /// the first replacement. A window that reaches a later replacement takes it in too:
     /// that replacement was computed while attending to the unrepaired tokens before it.
-    /// Empty for an empty batch or [`Repair::NONE`].
+    /// For [`RepairRule::Deviation`], the range its selection pass scans: everything after
+    /// the first replacement (the engine picks `tokens` of it). Empty for an empty batch or
+    /// [`Repair::NONE`].
     pub fn ranges(&self, batch: &DirectiveBatch) -> Vec<Range<usize>> {
         let replaced = batch.new_ranges();
         let (Some(first), false) = (replaced.first(), self.is_none()) else {
@@ -92,6 +99,7 @@ impl Repair {
             RepairRule::BeforeEnd => {
                 std::iter::once(len.saturating_sub(self.tokens).max(first.end)..len).collect()
             }
+            RepairRule::Deviation => std::iter::once(first.end..len).collect(),
         };
         let mut out: Vec<Range<usize>> = Vec::new();
         for w in windows.into_iter().filter(|w| !w.is_empty()) {
@@ -134,15 +142,17 @@ impl fmt::Display for Repair {
 impl FromStr for Repair {
     type Err = String;
 
-    /// `0` (none), `N` (the first N tokens after each edit), `after_edit:N` or `before_end:N`.
+    /// `0` (none), `N` (the first N tokens after each edit), `after_edit:N`, `before_end:N`
+    /// or `deviation:N`.
     fn from_str(s: &str) -> Result<Self, String> {
         let (rule, n) = match s.split_once(':') {
             None => (RepairRule::AfterEdit, s),
             Some(("after_edit", n)) => (RepairRule::AfterEdit, n),
             Some(("before_end", n)) => (RepairRule::BeforeEnd, n),
+            Some(("deviation", n)) => (RepairRule::Deviation, n),
             Some((r, _)) => {
                 return Err(format!(
-                    "unknown repair rule '{r}' (expected after_edit or before_end)"
+                    "unknown repair rule '{r}' (expected after_edit, before_end or deviation)"
                 ))
             }
         };
@@ -181,7 +191,11 @@ mod tests {
     #[test]
     fn a_window_as_long_as_the_context_covers_everything_after_the_first_edit() {
         let b = batch(40, &[(3, 6, 2), (10, 10, 4), (20, 30, 0)]);
-        for rule in [RepairRule::AfterEdit, RepairRule::BeforeEnd] {
+        for rule in [
+            RepairRule::AfterEdit,
+            RepairRule::BeforeEnd,
+            RepairRule::Deviation,
+        ] {
             let r = Repair::new(1000, rule).ranges(&b);
             let covered: Vec<usize> = r.iter().flat_map(|r| r.clone()).collect();
             assert_eq!(covered, after_first(&b), "{rule:?}");
@@ -221,7 +235,7 @@ mod tests {
 
     #[test]
     fn parses_what_it_prints() {
-        for s in ["0", "after_edit:16", "before_end:4"] {
+        for s in ["0", "after_edit:16", "before_end:4", "deviation:8"] {
             assert_eq!(s.parse::<Repair>().unwrap().to_string(), s);
         }
         assert_eq!(

@@ -78,6 +78,11 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 pub const DEFAULT_DECODE_PREFILL_CHUNK: usize = 128;
 /// [`EngineConfig::max_waiting`] unless set otherwise.
 pub const DEFAULT_MAX_WAITING: usize = 256;
+/// The layer at which the repair rule `deviation` compares recomputed KV with the cached:
+/// the first whose keys and values depend on the context (layer 0's depend on the token and
+/// its position alone, which the splice keeps exact).
+pub const REPAIR_DEVIATION_LAYER: usize = 1;
+
 /// [`EngineConfig::max_implicit_sessions`] unless set otherwise.
 pub const DEFAULT_MAX_IMPLICIT_SESSIONS: usize = 256;
 

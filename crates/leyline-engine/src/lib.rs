@@ -22,7 +22,7 @@ pub mod session;
 pub use engine::{
     Engine, EngineConfig, PrefillOrder, StepReport, DEFAULT_DECODE_PREFILL_CHUNK, DEFAULT_KV_DTYPE,
     DEFAULT_MAX_IMPLICIT_SESSIONS, DEFAULT_MAX_WAITING, DEFAULT_PREFILL_CHUNK,
-    DEFAULT_PREFILL_PATIENCE,
+    DEFAULT_PREFILL_PATIENCE, REPAIR_DEVIATION_LAYER,
 };
 pub use error::{EngineError, ErrorKind, Failure, Result};
 pub use generate::{

@@ -67,6 +67,9 @@ pub struct EditReport {
     pub prefilled: usize,
     /// Downstream tokens an AMORTIZE edit recomputed under the edited context (its repair).
     pub repaired: usize,
+    /// Tokens the repair's selection pass ran through its first layers (rule `deviation`:
+    /// [`crate::REPAIR_DEVIATION_LAYER`] layers and that layer's key and value projections).
+    pub scanned: usize,
     /// Slots zeroed because a FORGET freed them.
     pub zeroed: usize,
     /// Session length after the edit.
@@ -84,6 +87,7 @@ impl EditReport {
             copied: 0,
             prefilled: 0,
             repaired: 0,
+            scanned: 0,
             zeroed: 0,
             new_len: len,
         }

@@ -1,13 +1,17 @@
 //! AMORTIZE with repair on the default model (f32 KV): a repair that covers the whole
-//! downstream gives FORGET's logits, a repair of k tokens writes only their slots, and a
-//! repair of KV shared with the prefix tree writes copies, never the tree's slots.
+//! downstream gives FORGET's logits, a repair of k tokens writes only their slots, a repair
+//! of KV shared with the prefix tree writes copies, never the tree's slots, and the
+//! deviation rule's selection pass measures what a recompute measures.
 
 mod common;
 
 use common::{encode, lm, request};
 use leyline_core::{Directive, Mode, Repair, RepairRule};
-use leyline_engine::{Engine, EngineConfig, SessionEdits, SessionId, SessionRequest};
-use leyline_kv::KvDtype;
+use leyline_engine::{
+    Engine, EngineConfig, SessionEdits, SessionId, SessionRequest, REPAIR_DEVIATION_LAYER,
+};
+use leyline_kv::{KvDtype, KvStorage};
+use leyline_model::{ForwardSeq, LogitsFor};
 use std::sync::Arc;
 
 fn engine() -> Engine {
@@ -122,7 +126,11 @@ fn a_repair_of_the_whole_downstream_gives_forgets_logits() {
         gap > 1e-2,
         "the splice alone already equals FORGET ({gap}): nothing to test"
     );
-    for rule in [RepairRule::AfterEdit, RepairRule::BeforeEnd] {
+    for rule in [
+        RepairRule::AfterEdit,
+        RepairRule::BeforeEnd,
+        RepairRule::Deviation,
+    ] {
         let repair = Repair::new(ctx.len(), rule);
         let got = logits_after(&ctx, d(Mode::Amortize), Some(repair));
         let diff = max_diff(&got, &forget);
@@ -164,6 +172,89 @@ fn a_repair_of_k_tokens_rewrites_those_and_no_other() {
             }
         }
     }
+    // By deviation: five tokens somewhere downstream, after a pass over all of them.
+    let repair = Repair::new(5, RepairRule::Deviation);
+    let (r, sums) = after(repair);
+    assert_eq!((r.repaired, r.scanned), (5, len - stub_end));
+    let changed: Vec<usize> = (0..len).filter(|&i| base[i] != sums[i]).collect();
+    assert_eq!(changed.len(), 5, "{changed:?}");
+    assert!(changed.iter().all(|&i| i >= stub_end), "{changed:?}");
+}
+
+/// Writes `tokens` at positions 0.. into slots `first..` of `kv`; returns the slots.
+fn prefill(kv: &mut KvStorage, tokens: &[u32], first: u32) -> Vec<u32> {
+    let slots: Vec<u32> = (first..first + tokens.len() as u32).collect();
+    let positions: Vec<u32> = (0..tokens.len() as u32).collect();
+    let seq = ForwardSeq {
+        tokens,
+        positions: &positions,
+        context: &[],
+        new_slots: &slots,
+        logits: LogitsFor::None,
+    };
+    lm().model.forward(kv, &[seq]).unwrap();
+    slots
+}
+
+#[test]
+fn the_deviation_pass_measures_how_far_a_recompute_moves_the_kv() {
+    let (ctx, start, end, _) = context();
+    // Same length, so the old downstream KV sits at the positions of the new.
+    let mut edited = ctx.clone();
+    for t in &mut edited[start..end] {
+        *t = encode(" x")[0];
+    }
+    let model = &lm().model;
+    let n = ctx.len() as u32;
+    let mut kv = KvStorage::new(model.info().geometry, KvDtype::F32, 4 * n as usize).unwrap();
+    let old = prefill(&mut kv, &ctx, 0);
+    let new = prefill(&mut kv, &edited, n);
+    let down = end..ctx.len();
+    let scratch: Vec<u32> = (2 * n..2 * n + down.len() as u32).collect();
+    let positions: Vec<u32> = (down.start as u32..n).collect();
+    let deviation = |kv: &mut KvStorage, context: &[u32], cached: &[u32]| {
+        let seq = ForwardSeq {
+            tokens: &edited[down.clone()],
+            positions: &positions,
+            context,
+            new_slots: &scratch,
+            logits: LogitsFor::None,
+        };
+        model
+            .kv_deviation(kv, seq, REPAIR_DEVIATION_LAYER, cached)
+            .unwrap()
+    };
+    // Reference: the exact edited context's KV at that layer against the stale KV.
+    let g = kv.geometry();
+    let rows = |kv: &KvStorage, slots: &[u32]| {
+        let mut k = vec![0.0; slots.len() * g.k_width()];
+        let mut v = vec![0.0; slots.len() * g.v_width];
+        kv.gather_k(REPAIR_DEVIATION_LAYER, slots, &mut k).unwrap();
+        kv.gather_v(REPAIR_DEVIATION_LAYER, slots, &mut v).unwrap();
+        (k, v)
+    };
+    let (ok, ov) = rows(&kv, &old[down.clone()]);
+    let (nk, nv) = rows(&kv, &new[down.clone()]);
+    let got = deviation(&mut kv, &new[..down.start], &old[down.clone()]);
+    assert_eq!(got.len(), down.len());
+    let (kw, vw) = (g.k_width(), g.v_width);
+    let mut largest = 0f32;
+    for (i, &d) in got.iter().enumerate() {
+        let sq: f64 = (0..kw)
+            .map(|j| f64::from(nk[i * kw + j] - ok[i * kw + j]).powi(2))
+            .chain((0..vw).map(|j| f64::from(nv[i * vw + j] - ov[i * vw + j]).powi(2)))
+            .sum();
+        let want = sq.sqrt() as f32;
+        assert!(
+            (d - want).abs() <= 1e-3 * want.max(1.0),
+            "token {i}: {d} vs {want}"
+        );
+        largest = largest.max(want);
+    }
+    assert!(largest > 0.1, "the edit moved no downstream KV ({largest})");
+    // Against KV computed in the same context, nothing moves.
+    let same = deviation(&mut kv, &new[..down.start], &new[down.clone()]);
+    assert!(same.iter().all(|&d| d < 1e-3), "{same:?}");
 }
 
 #[test]

@@ -359,16 +359,9 @@ impl DeepseekV2 {
         Ok(q)
     }
 
-    /// Computes the new tokens' normed latent and post-RoPE `k_pe` and writes them to the pool.
-    fn write_cache(
-        &self,
-        kv: &mut KvStorage,
-        layer: usize,
-        a: &Attn,
-        xn: &Tensor,
-        rot: &[Rotation],
-        new_slots: &[u32],
-    ) -> Result<()> {
+    /// Computes the new tokens' post-RoPE `k_pe` and normed latent: what the pool holds as
+    /// their key and value rows.
+    fn cache_rows(&self, a: &Attn, xn: &Tensor, rot: &[Rotation]) -> Result<(Vec<f32>, Vec<f32>)> {
         let (r, dr) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
         let kva = a.kv_a.forward(xn)?;
         let latent = rms_norm(
@@ -382,12 +375,74 @@ impl DeepseekV2 {
             .contiguous()?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        for (i, &slot) in new_slots.iter().enumerate() {
-            let k = &mut k_pe[i * dr..(i + 1) * dr];
-            rot[i].apply_f32(k);
-            kv.write(layer, slot, k, &latent[i * r..(i + 1) * r])?;
+        for (k, rot) in k_pe.chunks_exact_mut(dr).zip(rot) {
+            rot.apply_f32(k);
         }
-        Ok(())
+        Ok((k_pe, latent))
+    }
+
+    /// The forward pass ([`CausalLm::forward`], checked by the caller), or with `stop =
+    /// (layer, cached)` [`CausalLm::kv_deviation`]: it ends at `layer`, before writing that
+    /// layer's KV.
+    fn run(
+        &self,
+        kv: &mut KvStorage,
+        seqs: &[ForwardSeq<'_>],
+        stop: Option<(usize, &[u32])>,
+    ) -> Result<crate::Ran> {
+        let crate::FlatBatch {
+            tokens,
+            positions,
+            new_slots,
+        } = crate::FlatBatch::new(seqs);
+        let n = tokens.len();
+        let rot = self.rotations(&positions);
+        let eps = self.cfg.rms_norm_eps as f32;
+        let mut x = self
+            .embed
+            .index_select(&Tensor::from_vec(tokens, n, &Device::Cpu)?, 0)?;
+        let row = self.cfg.num_attention_heads * self.cfg.qk_head_dim();
+        for (li, b) in self.blocks.iter().enumerate() {
+            let xn = rms_norm(&x, &b.in_norm, eps)?;
+            let q = Tensor::from_vec(self.queries(&b.attn, &xn, &rot)?, (n, row), &Device::Cpu)?;
+            let (k_pe, latent) = self.cache_rows(&b.attn, &xn, &rot)?;
+            if let Some((layer, cached)) = stop.filter(|&(layer, _)| layer == li) {
+                let d = crate::kv_distances(kv, layer, cached, &k_pe, &latent)?;
+                return Ok(crate::Ran::Deviation(d));
+            }
+            let (r, dr) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
+            for (i, &slot) in new_slots.iter().enumerate() {
+                kv.write(
+                    li,
+                    slot,
+                    &k_pe[i * dr..(i + 1) * dr],
+                    &latent[i * r..(i + 1) * r],
+                )?;
+            }
+            let att = self.attention(kv, li, &b.attn, &q, seqs)?;
+            x = (x + b.attn.o.forward(&att)?)?;
+            let xn = rms_norm(&x, &b.post_norm, eps)?;
+            let y = match &b.ffn {
+                Ffn::Dense(m) => m.forward(&xn)?,
+                Ffn::Moe(m) => m.forward(&xn)?,
+            };
+            x = (x + y)?;
+        }
+        // Only the rows whose logits are wanted go through the head.
+        let (rows, counts) = crate::logit_rows(seqs);
+        if rows.is_empty() {
+            return Ok(crate::Ran::Logits(vec![Vec::new(); seqs.len()]));
+        }
+        let nrows = rows.len();
+        let idx = Tensor::from_vec(rows, nrows, &Device::Cpu)?;
+        let xs = rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
+        let logits = self.lm_head.forward(&xs)?.to_dtype(DType::F32)?;
+        let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+        Ok(crate::Ran::Logits(crate::split_logits(
+            &logits,
+            &counts,
+            self.info.vocab_size,
+        )))
     }
 
     /// MLA over each sequence's context slots followed by its new slots, causally.
@@ -464,42 +519,19 @@ impl CausalLm for DeepseekV2 {
 
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
         crate::check_batch(&self.info, kv, seqs)?;
-        let crate::FlatBatch {
-            tokens,
-            positions,
-            new_slots,
-        } = crate::FlatBatch::new(seqs);
-        let n = tokens.len();
-        let rot = self.rotations(&positions);
-        let eps = self.cfg.rms_norm_eps as f32;
-        let mut x = self
-            .embed
-            .index_select(&Tensor::from_vec(tokens, n, &Device::Cpu)?, 0)?;
-        let row = self.cfg.num_attention_heads * self.cfg.qk_head_dim();
-        for (li, b) in self.blocks.iter().enumerate() {
-            let xn = rms_norm(&x, &b.in_norm, eps)?;
-            let q = Tensor::from_vec(self.queries(&b.attn, &xn, &rot)?, (n, row), &Device::Cpu)?;
-            self.write_cache(kv, li, &b.attn, &xn, &rot, &new_slots)?;
-            let att = self.attention(kv, li, &b.attn, &q, seqs)?;
-            x = (x + b.attn.o.forward(&att)?)?;
-            let xn = rms_norm(&x, &b.post_norm, eps)?;
-            let y = match &b.ffn {
-                Ffn::Dense(m) => m.forward(&xn)?,
-                Ffn::Moe(m) => m.forward(&xn)?,
-            };
-            x = (x + y)?;
-        }
-        // Only the rows whose logits are wanted go through the head.
-        let (rows, counts) = crate::logit_rows(seqs);
-        if rows.is_empty() {
-            return Ok(vec![Vec::new(); seqs.len()]);
-        }
-        let nrows = rows.len();
-        let idx = Tensor::from_vec(rows, nrows, &Device::Cpu)?;
-        let xs = rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
-        let logits = self.lm_head.forward(&xs)?.to_dtype(DType::F32)?;
-        let logits = logits.flatten_all()?.to_vec1::<f32>()?;
-        Ok(crate::split_logits(&logits, &counts, self.info.vocab_size))
+        self.run(kv, seqs, None)?.logits()
+    }
+
+    fn kv_deviation(
+        &self,
+        kv: &mut KvStorage,
+        seq: ForwardSeq<'_>,
+        layer: usize,
+        cached: &[u32],
+    ) -> Result<Vec<f32>> {
+        let seqs = [seq];
+        crate::check_deviation(&self.info, kv, &seqs, layer, cached)?;
+        self.run(kv, &seqs, Some((layer, cached)))?.deviation()
     }
 }
 

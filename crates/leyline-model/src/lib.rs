@@ -82,6 +82,102 @@ pub trait CausalLm: Send + Sync {
     /// # Errors
     /// Inconsistent lengths, out-of-range slots or token ids, tensor failures.
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>>;
+
+    /// The selection pass of a repair by deviation: runs `seq` through layers `0..layer` (its
+    /// KV for those layers goes to `seq.new_slots`, which are scratch), computes its tokens'
+    /// keys and values at `layer`, and returns per token the L2 distance of those from the
+    /// keys and values `cached` (one slot per token) holds at `layer`: how far each token's
+    /// KV moves when it is recomputed in `seq`'s context.
+    ///
+    /// # Errors
+    /// As [`Self::forward`]; `layer` is not a layer of the model or `cached` does not match
+    /// the tokens.
+    fn kv_deviation(
+        &self,
+        kv: &mut KvStorage,
+        seq: ForwardSeq<'_>,
+        layer: usize,
+        cached: &[u32],
+    ) -> Result<Vec<f32>>;
+}
+
+/// What a model's forward pass returns: the logits of [`CausalLm::forward`], or the
+/// distances of [`CausalLm::kv_deviation`] (the same pass, stopped at a layer).
+pub(crate) enum Ran {
+    Logits(Vec<Vec<f32>>),
+    Deviation(Vec<f32>),
+}
+
+impl Ran {
+    fn logits(self) -> Result<Vec<Vec<f32>>> {
+        match self {
+            Self::Logits(l) => Ok(l),
+            Self::Deviation(_) => Err(ModelError::Input(
+                "a forward pass without a stop layer stopped".into(),
+            )),
+        }
+    }
+
+    fn deviation(self) -> Result<Vec<f32>> {
+        match self {
+            Self::Deviation(d) => Ok(d),
+            Self::Logits(_) => Err(ModelError::Input(
+                "the deviation pass ran past its layer".into(),
+            )),
+        }
+    }
+}
+
+/// [`check_batch`] for [`CausalLm::kv_deviation`]: one sequence, a layer of the model, one
+/// cached slot per token.
+fn check_deviation(
+    info: &ModelInfo,
+    kv: &KvStorage,
+    seqs: &[ForwardSeq<'_>; 1],
+    layer: usize,
+    cached: &[u32],
+) -> Result<()> {
+    check_batch(info, kv, seqs)?;
+    let (layers, cap) = (info.geometry.layers, kv.capacity());
+    if layer >= layers || cached.len() != seqs[0].tokens.len() {
+        return Err(ModelError::Input(format!(
+            "deviation at layer {layer} of {layers} for {} tokens and {} cached slots",
+            seqs[0].tokens.len(),
+            cached.len()
+        )));
+    }
+    if let Some(&bad) = cached.iter().find(|&&x| x as usize >= cap) {
+        return Err(ModelError::Input(format!(
+            "cached slot {bad} is outside the pool of {cap} slots"
+        )));
+    }
+    Ok(())
+}
+
+/// Per token, the L2 distance between freshly computed key and value rows (`fresh_k`,
+/// `fresh_v`: row-major, as the pool stores them) and those `cached` holds at `layer`.
+pub(crate) fn kv_distances(
+    kv: &KvStorage,
+    layer: usize,
+    cached: &[u32],
+    fresh_k: &[f32],
+    fresh_v: &[f32],
+) -> Result<Vec<f32>> {
+    let g = kv.geometry();
+    let (kw, vw) = (g.k_width(), g.v_width);
+    let mut ck = vec![0f32; cached.len() * kw];
+    let mut cv = vec![0f32; cached.len() * vw];
+    kv.gather_k(layer, cached, &mut ck)?;
+    kv.gather_v(layer, cached, &mut cv)?;
+    let sq =
+        |a: &[f32], b: &[f32]| -> f32 { a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum() };
+    Ok((0..cached.len())
+        .map(|i| {
+            let k = sq(&fresh_k[i * kw..(i + 1) * kw], &ck[i * kw..(i + 1) * kw]);
+            let v = sq(&fresh_v[i * vw..(i + 1) * vw], &cv[i * vw..(i + 1) * vw]);
+            (k + v).sqrt()
+        })
+        .collect())
 }
 
 /// Checks a forward batch against the model and pool before any work is done.

@@ -314,6 +314,19 @@ impl CausalLm for Llama {
 
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
         crate::check_batch(&self.info, kv, seqs)?;
-        self.forward_buffers(kv, seqs)
+        self.forward_buffers(kv, seqs, None)?.logits()
+    }
+
+    fn kv_deviation(
+        &self,
+        kv: &mut KvStorage,
+        seq: ForwardSeq<'_>,
+        layer: usize,
+        cached: &[u32],
+    ) -> Result<Vec<f32>> {
+        let seqs = [seq];
+        crate::check_deviation(&self.info, kv, &seqs, layer, cached)?;
+        self.forward_buffers(kv, &seqs, Some((layer, cached)))?
+            .deviation()
     }
 }

@@ -586,3 +586,69 @@ fn a_checkpoint_directory_loads_bare_and_refuses_tokenizer_callers() {
         assert!(e.to_string().contains("no config.json"), "{e}");
     }
 }
+
+/// The deviation pass of MLA compares `k_pe` and the latent: recomputing a sequence's tail
+/// after its head changed (same length) moves them by what a full prefill of the changed
+/// sequence holds, and recomputing it in its own context moves nothing.
+#[test]
+fn the_deviation_pass_compares_the_compressed_cache() {
+    for name in NAMES {
+        let m = &fixture(name).model;
+        let mut kv = pool(m, KvDtype::F32);
+        let n = 40u32;
+        let old: Vec<u32> = shuffled(n, 7).iter().map(|t| t % 50 + 3).collect();
+        let mut new = old.clone();
+        for t in &mut new[4..9] {
+            *t = 1;
+        }
+        let (a, b): (Vec<u32>, Vec<u32>) = ((0..n).collect(), (n..2 * n).collect());
+        prefill(m, &mut kv, &old, &a, &[]);
+        prefill(m, &mut kv, &new, &b, &[]);
+        let scratch: Vec<u32> = (2 * n..3 * n - 9).collect();
+        let positions: Vec<u32> = (9..n).collect();
+        let tail = 9..n as usize;
+        let deviation = |kv: &mut KvStorage, cached: &[u32]| {
+            let seq = ForwardSeq {
+                tokens: &new[tail.clone()],
+                positions: &positions,
+                context: &b[..9],
+                new_slots: &scratch,
+                logits: LogitsFor::None,
+            };
+            m.kv_deviation(kv, seq, 1, cached).unwrap()
+        };
+        let got = deviation(&mut kv, &a[tail.clone()]);
+        let (ok, ol) = cached(&kv, 1, &a[tail.clone()]);
+        let (nk, nl) = cached(&kv, 1, &b[tail.clone()]);
+        let (kw, vw) = (ok.len() / tail.len(), ol.len() / tail.len());
+        for (i, &d) in got.iter().enumerate() {
+            let sq: f64 = (0..kw)
+                .map(|j| f64::from(nk[i * kw + j] - ok[i * kw + j]).powi(2))
+                .chain((0..vw).map(|j| f64::from(nl[i * vw + j] - ol[i * vw + j]).powi(2)))
+                .sum();
+            let want = sq.sqrt() as f32;
+            assert!(
+                (d - want).abs() <= 1e-4 * want.max(1.0),
+                "{name} token {i}: {d} vs {want}"
+            );
+        }
+        assert!(
+            got.iter().any(|&d| d > 1e-3),
+            "{name}: nothing moved: {got:?}"
+        );
+        let same = deviation(&mut kv, &b[tail.clone()]);
+        assert!(same.iter().all(|&d| d < 1e-4), "{name}: {same:?}");
+        // A layer the model does not have is an error, not a panic.
+        let seq = ForwardSeq {
+            tokens: &new[tail.clone()],
+            positions: &positions,
+            context: &b[..9],
+            new_slots: &scratch,
+            logits: LogitsFor::None,
+        };
+        let layers = m.info().geometry.layers;
+        assert!(m
+            .kv_deviation(&mut kv, seq, layers, &a[tail.clone()])
+            .is_err());
+    }
+}

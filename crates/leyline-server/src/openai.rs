@@ -80,13 +80,13 @@ pub struct LeylineOptions {
 }
 
 /// A repair on the wire: a token count (the first N tokens after each edit), a string
-/// (`after_edit:N` or `before_end:N`), or `{"tokens": N, "rule": "after_edit"}`.
+/// (`after_edit:N`, `before_end:N` or `deviation:N`), or `{"tokens": N, "rule": "after_edit"}`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum WireRepair {
     /// The first N tokens after each edit.
     Tokens(usize),
-    /// `after_edit:N` or `before_end:N`.
+    /// `after_edit:N`, `before_end:N` or `deviation:N`.
     Spec(String),
     /// Count and rule.
     Full(leyline_core::Repair),

@@ -82,8 +82,8 @@ pub struct ReplayArgs {
     /// Cap on the KV pool when `--kv-slots` is not given, in GiB.
     #[arg(long, default_value_t = 8.0)]
     pub kv_mem_gib: f64,
-    /// The `repair` arm's repair: `N` (the first N tokens after each edit), `after_edit:N` or
-    /// `before_end:N` (see `serve --repair`).
+    /// The `repair` arm's repair: `N` (the first N tokens after each edit), `after_edit:N`,
+    /// `before_end:N` or `deviation:N` (see `serve --repair`).
     #[arg(long, default_value = "after_edit:16")]
     pub repair: leyline_core::Repair,
     /// Only redraw the plots of an earlier run from `--out`/replay.json (`--traces` ignored).

@@ -79,9 +79,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = leyline_engine::DEFAULT_MAX_IMPLICIT_SESSIONS)]
     max_conversations: usize,
     /// Downstream tokens an AMORTIZE splice recomputes under the edited context, unless a
-    /// request or directive batch says otherwise: `0` (none: the splice alone), `N` (the
-    /// first N tokens after each edit), `after_edit:N` or `before_end:N` (the last N tokens
-    /// of the cached context). More is closer to FORGET's exact result and costs prefill.
+    /// request or directive batch says otherwise: `0` (none: the splice alone), `N` or
+    /// `after_edit:N` (the first N tokens after each edit), `before_end:N` (the last N tokens
+    /// of the cached context) or `deviation:N` (the N whose KV moves most, found by a pass of
+    /// the first layers over every downstream token). More is closer to FORGET's exact
+    /// result and costs prefill.
     #[arg(long, default_value = "0")]
     repair: leyline_core::Repair,
     #[command(flatten)]

@@ -17,6 +17,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use leyline_core::{Repair, RepairRule};
+use leyline_engine::REPAIR_DEVIATION_LAYER;
 use leyline_engine::{ChatRenderer, Engine, EngineConfig};
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::{AnyModel, ForwardSeq, LogitsFor};
@@ -67,8 +68,9 @@ pub struct VerifyArgs {
     #[arg(long, default_value_t = 512)]
     pub drift_max_delta: u64,
     /// Repairs to measure besides the plain splice, each on its own session per probe: a
-    /// bare count N stands for both `after_edit:N` (the first N tokens after the edit) and
-    /// `before_end:N` (the last N of the context); `0` is the splice alone. Example:
+    /// bare count N stands for `after_edit:N` (the first N tokens after the edit),
+    /// `before_end:N` (the last N of the context) and `deviation:N` (the N whose KV a
+    /// one-layer pass finds moving most); `0` is the splice alone. Example:
     /// `--repair 0,4,16,64`.
     #[arg(long, value_delimiter = ',')]
     pub repair: Vec<String>,
@@ -176,7 +178,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     let drift = drift(&lm, &probes[0].prompt, &a)?;
     let drift_secs = t.elapsed().as_secs_f64();
 
-    let rows = repair_rows(&outcomes, &repairs);
+    let rows = repair_rows(&outcomes, &repairs, lm.model().info().geometry.layers);
     if let Some(path) = &a.plot {
         plot_repairs(path, lm.model().info(), a.model.kv_dtype, &rows)?;
     }
@@ -208,7 +210,11 @@ fn repair_list(specs: &[String]) -> Result<Vec<Repair>> {
         } else if s.contains(':') {
             vec![r]
         } else {
-            vec![r, Repair::new(r.tokens, RepairRule::BeforeEnd)]
+            vec![
+                r,
+                Repair::new(r.tokens, RepairRule::BeforeEnd),
+                Repair::new(r.tokens, RepairRule::Deviation),
+            ]
         };
         for r in expanded {
             if !out.contains(&r) {
@@ -228,7 +234,11 @@ fn plot_repairs(
 ) -> Result<()> {
     let none = rows.iter().find(|r| r.repair.is_none());
     let mut points = Vec::new();
-    for rule in [RepairRule::AfterEdit, RepairRule::BeforeEnd] {
+    for rule in [
+        RepairRule::AfterEdit,
+        RepairRule::BeforeEnd,
+        RepairRule::Deviation,
+    ] {
         let line: Vec<&RepairRow> = rows
             .iter()
             .filter(|r| !r.repair.is_none() && r.repair.rule == rule)
@@ -261,7 +271,10 @@ const FORGET_MARGIN: f32 = 0.25;
 /// One (setting, rule) of `--repair`, over every probe.
 struct RepairRow {
     repair: Repair,
-    /// Recomputed downstream tokens over those FORGET recomputes (replacements excluded).
+    /// Recomputed downstream tokens over those FORGET recomputes (replacements excluded);
+    /// a selection pass counts as the fraction of a whole forward its layers are (the
+    /// deviation pass runs [`REPAIR_DEVIATION_LAYER`] layers and one more layer's key and
+    /// value projections, counted as a whole layer).
     recomputed_share: f64,
     agree_full: usize,
     agree_forget: usize,
@@ -272,33 +285,39 @@ struct RepairRow {
     agree_forget_margin: usize,
 }
 
-fn repair_rows(o: &[ProbeOutcome], repairs: &[Repair]) -> Vec<RepairRow> {
+fn repair_rows(o: &[ProbeOutcome], repairs: &[Repair], layers: usize) -> Vec<RepairRow> {
+    let scan_cost = (REPAIR_DEVIATION_LAYER + 1) as f64 / layers.max(1) as f64;
     repairs
         .iter()
         .map(|&repair| {
-            // (token, KL, recomputed) of each probe under this repair.
-            let per: Vec<(u32, f64, usize)> = o
+            // (token, KL, recomputed tokens, selection pass in forward-token units).
+            let per: Vec<(u32, f64, usize, f64)> = o
                 .iter()
                 .map(|p| {
                     if repair.is_none() {
-                        return (p.amortize.0, p.kl_forget, 0);
+                        return (p.amortize.0, p.kl_forget, 0, 0.0);
                     }
-                    p.repairs
-                        .iter()
-                        .find(|r| r.repair == repair)
-                        .map_or((u32::MAX, f64::NAN, 0), |r| {
-                            (r.token.0, r.kl_forget, r.repaired)
-                        })
+                    p.repairs.iter().find(|r| r.repair == repair).map_or(
+                        (u32::MAX, f64::NAN, 0, 0.0),
+                        |r| {
+                            (
+                                r.token.0,
+                                r.kl_forget,
+                                r.repaired,
+                                r.scanned as f64 * scan_cost,
+                            )
+                        },
+                    )
                 })
                 .collect();
             let decided: Vec<usize> = (0..o.len())
                 .filter(|&i| o[i].forget.1 >= FORGET_MARGIN)
                 .collect();
-            let recomputed: usize = per.iter().map(|x| x.2).sum();
+            let recomputed: f64 = per.iter().map(|x| x.2 as f64 + x.3).sum();
             let forget_total: usize = o.iter().map(ProbeOutcome::forget_recomputed).sum();
             RepairRow {
                 repair,
-                recomputed_share: recomputed as f64 / forget_total.max(1) as f64,
+                recomputed_share: recomputed / forget_total.max(1) as f64,
                 agree_full: (0..o.len()).filter(|&i| per[i].0 == o[i].full.0).count(),
                 agree_forget: (0..o.len()).filter(|&i| per[i].0 == o[i].forget.0).count(),
                 kl_forget_mean: per.iter().map(|x| x.1).sum::<f64>() / o.len().max(1) as f64,
@@ -521,6 +540,7 @@ fn print_json(
                     "margin": r.token.1,
                     "kl_forget": r.kl_forget,
                     "repaired": r.repaired,
+                    "scanned": r.scanned,
                 })).collect::<Vec<_>>(),
             })
         })

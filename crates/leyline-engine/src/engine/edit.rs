@@ -20,11 +20,13 @@
 //! Every slot a session gives back is zeroed when it becomes free and held session-private
 //! or forgotten KV ([`Engine::release_slots`]).
 
-use super::Engine;
+use super::{Engine, REPAIR_DEVIATION_LAYER};
 use crate::error::{EngineError, Result};
 use crate::request::RequestId;
 use crate::session::{message_edits, EditReport, Session, SessionEdits, SessionId, SessionInfo};
-use leyline_core::{Directive, DirectiveBatch, Mode, Repair, SessionState, ValidationContext};
+use leyline_core::{
+    Directive, DirectiveBatch, Mode, Repair, RepairRule, SessionState, ValidationContext,
+};
 use leyline_kv::slots::Lineage;
 use leyline_kv::splice::{apply_splice, SpliceError, SpliceTarget, Spliced};
 use leyline_model::{ForwardSeq, LogitsFor};
@@ -407,10 +409,9 @@ impl Engine {
                 let repair = repair
                     .or(self.session(id)?.repair)
                     .unwrap_or(self.cfg.repair);
-                let repairs = repair.ranges(&batch);
-                let report = self.amortize(id, &batch, &repairs)?;
+                let (report, repaired) = self.amortize(id, &batch, repair)?;
                 let mut computed = batch.new_ranges();
-                computed.extend(repairs);
+                computed.extend(repaired);
                 Ok((report, union(computed), None))
             }
             Mode::Forget => {
@@ -420,13 +421,13 @@ impl Engine {
         }
     }
 
-    /// The splice, then the recompute of `repairs` (post-edit ranges, [`Repair::ranges`]).
+    /// The splice, then `repair`; also returns the post-edit ranges the repair recomputed.
     fn amortize(
         &mut self,
         id: SessionId,
         batch: &DirectiveBatch,
-        repairs: &[Range<usize>],
-    ) -> Result<EditReport> {
+        repair: Repair,
+    ) -> Result<(EditReport, Vec<Range<usize>>)> {
         let info = self.model.info().clone();
         info.rope.ensure_shiftable()?;
         let n_repl: usize = batch.directives().iter().map(|d| d.replacement.len()).sum();
@@ -459,6 +460,7 @@ impl Engine {
             copied: spliced.copied,
             prefilled: spliced.prefilled,
             repaired: 0,
+            scanned: 0,
             zeroed: 0,
             new_len: tokens.len(),
         };
@@ -472,9 +474,73 @@ impl Engine {
         m.add(&m.directives_amortize, report.directives as u64);
         // The splice has committed: a repair that fails leaves its session cut where the
         // failure struck, never holding KV half written.
-        report.repaired = self.repair_session(id, repairs)?;
+        let ranges = self.repair_ranges(id, batch, repair, &mut report)?;
+        report.repaired = self.repair_session(id, &ranges)?;
         self.update_gauges();
-        Ok(report)
+        Ok((report, ranges))
+    }
+
+    /// The post-edit ranges `repair` recomputes in the spliced session `id`; for the
+    /// deviation rule this runs its selection pass (counted in `report.scanned`).
+    fn repair_ranges(
+        &mut self,
+        id: SessionId,
+        batch: &DirectiveBatch,
+        repair: Repair,
+        report: &mut EditReport,
+    ) -> Result<Vec<Range<usize>>> {
+        let ranges = repair.ranges(batch);
+        let (RepairRule::Deviation, Some(scan)) = (repair.rule, ranges.first().cloned()) else {
+            return Ok(ranges);
+        };
+        let deviation = self.kv_deviation(id, scan.clone())?;
+        report.scanned = scan.len();
+        let mut pick: Vec<usize> = (0..deviation.len()).collect();
+        pick.sort_by(|&a, &b| deviation[b].total_cmp(&deviation[a]).then(a.cmp(&b)));
+        pick.truncate(repair.tokens);
+        pick.sort_unstable();
+        Ok(union(
+            pick.into_iter()
+                .map(|i| scan.start + i..scan.start + i + 1)
+                .collect(),
+        ))
+    }
+
+    /// How far the KV of the session's tokens in `scan` moves at the layer
+    /// [`REPAIR_DEVIATION_LAYER`] when they are recomputed in its current context
+    /// ([`leyline_model::CausalLm::kv_deviation`]), chunk by chunk into scratch slots.
+    fn kv_deviation(&mut self, id: SessionId, scan: Range<usize>) -> Result<Vec<f32>> {
+        let layer = REPAIR_DEVIATION_LAYER.min(self.kv.geometry().layers.saturating_sub(1));
+        let mut out = Vec::with_capacity(scan.len());
+        let mut a = scan.start;
+        while a < scan.end {
+            let b = (a + self.cfg.prefill_chunk).min(scan.end);
+            let (scratch, removed) = self.cache.alloc_evicting(b - a)?;
+            self.note_evicted(removed.freed.len());
+            let s = self
+                .sessions
+                .get(&id)
+                .ok_or(EngineError::UnknownSession(id.0))?;
+            let positions: Vec<u32> = (a as u32..b as u32).collect();
+            // The context is the session's own slots: the layers before `layer` that the
+            // earlier scanned tokens feed do not depend on context at layer 0, and the pass
+            // reads no deeper than that.
+            let seq = ForwardSeq {
+                tokens: &s.tokens[a..b],
+                positions: &positions,
+                context: &s.slots[..a],
+                new_slots: &scratch,
+                logits: LogitsFor::None,
+            };
+            let got = self
+                .model
+                .kv_deviation(&mut self.kv, seq, layer, &s.slots[a..b]);
+            self.scrub(&scratch)?;
+            self.cache.pool_mut().release_all(&scratch)?;
+            out.extend(got?);
+            a = b;
+        }
+        Ok(out)
     }
 
     /// Recomputes the session's tokens in `ranges` (post-edit indices, sorted and disjoint)
@@ -623,6 +689,7 @@ impl Engine {
             copied: 0,
             prefilled: 0,
             repaired: 0,
+            scanned: 0,
             zeroed,
             new_len: target.len(),
         };

@@ -13,7 +13,7 @@ use super::attend;
 use super::Llama;
 use crate::error::Result;
 use crate::pool::SpinPool;
-use crate::ForwardSeq;
+use crate::{ForwardSeq, Ran};
 use leyline_kv::KvStorage;
 
 /// `out = x / rms(x) * w`, row by row.
@@ -36,12 +36,14 @@ fn add_into(acc: &mut [f32], y: &[f32]) {
 
 impl Llama {
     /// The forward pass; same contract as [`crate::CausalLm::forward`], whose checks the
-    /// caller has run.
+    /// caller has run. With `stop = (layer, cached)` it is [`crate::CausalLm::kv_deviation`]
+    /// instead: it ends at `layer`, before writing that layer's KV.
     pub(super) fn forward_buffers(
         &self,
         kv: &mut KvStorage,
         seqs: &[ForwardSeq<'_>],
-    ) -> Result<Vec<Vec<f32>>> {
+        stop: Option<(usize, &[u32])>,
+    ) -> Result<Ran> {
         let pool = SpinPool::global();
         let crate::FlatBatch {
             tokens,
@@ -75,6 +77,14 @@ impl Llama {
             b.qkv.forward(&xn, n, &mut qkv)?;
             // Queries and keys are the first h + kvh heads of a row.
             self.apply_rope(&mut qkv, qkv_w, h + kvh, &cos, &sin);
+            if let Some((layer, cached)) = stop.filter(|&(layer, _)| layer == li) {
+                let rows = qkv.chunks_exact(qkv_w);
+                let k: Vec<f32> = rows.clone().flat_map(|r| &r[qw..qw + w]).copied().collect();
+                let v: Vec<f32> = rows.flat_map(|r| &r[qw + w..qw + 2 * w]).copied().collect();
+                return Ok(Ran::Deviation(crate::kv_distances(
+                    kv, layer, cached, &k, &v,
+                )?));
+            }
             for (row, &slot) in qkv.chunks_exact(qkv_w).zip(&new_slots) {
                 kv.write(li, slot, &row[qw..qw + w], &row[qw + w..qw + 2 * w])?;
             }
@@ -93,7 +103,7 @@ impl Llama {
         }
         let (rows, counts) = crate::logit_rows(seqs);
         if rows.is_empty() {
-            return Ok(vec![Vec::new(); seqs.len()]);
+            return Ok(Ran::Logits(vec![Vec::new(); seqs.len()]));
         }
         let m = rows.len();
         let mut xs = vec![0f32; m * hid];
@@ -103,6 +113,10 @@ impl Llama {
         }
         let mut logits = vec![0f32; m * self.info.vocab_size];
         self.lm_head.forward_rows(&xs, m, &mut logits)?;
-        Ok(crate::split_logits(&logits, &counts, self.info.vocab_size))
+        Ok(Ran::Logits(crate::split_logits(
+            &logits,
+            &counts,
+            self.info.vocab_size,
+        )))
     }
 }

@@ -278,6 +278,8 @@ pub struct RepairOutcome {
     pub kl_forget: f64,
     /// Downstream tokens it recomputed.
     pub repaired: usize,
+    /// Tokens its selection pass scanned (rule `deviation`).
+    pub scanned: usize,
 }
 
 impl ProbeOutcome {
@@ -485,6 +487,7 @@ pub fn run_probe(engine: &mut Engine, probe: &Probe, repairs: &[Repair]) -> Resu
                 token: top_margin(&logits),
                 kl_forget: kl_divergence(&forget, &logits),
                 repaired: report.repaired,
+                scanned: report.scanned,
             })
         })();
         engine.delete_session(r)?;

@@ -227,6 +227,7 @@ fn outcome(full: (u32, f32), amortize: u32, forget: u32) -> ProbeOutcome {
             copied: 0,
             prefilled: 0,
             repaired: 0,
+            scanned: 0,
             zeroed: 0,
             new_len: 0,
         },
