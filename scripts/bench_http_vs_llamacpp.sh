@@ -10,7 +10,7 @@
 #   llamacpp-reuse     the same with --cache-reuse 256 (KV shifting of matching chunks)
 # Timed at the client by scripts/replay_http.py; one line per server goes to OUT/table.md.
 #
-#   [TRACES=FILE] scripts/bench_http_vs_llamacpp.sh [SESSIONS] [TURNS] [OUT] [CONCURRENCY]
+#   [TRACES=FILE] [ARMS="llamacpp ..."] scripts/bench_http_vs_llamacpp.sh [SESSIONS] [TURNS] [OUT] [CONCURRENCY]
 #
 # Needs python3 with pip, cmake and a C++ compiler (llama.cpp is built outside the repository
 # by scripts/side_by_side.sh); a release build of leyline. Run it on a quiet machine.
@@ -33,6 +33,7 @@ mkdir -p "$out"
 arm() {
     local label=$1 kind=$2
     shift 2
+    [[ " ${ARMS:-$label} " == *" $label "* ]] || return 0
     "$@" > "$out/$label.server.log" 2>&1 &
     pid=$!
     trap 'kill "$pid" 2>/dev/null || true' EXIT
