@@ -529,9 +529,14 @@ impl CausalLm for DeepseekV2 {
         layer: usize,
         cached: &[u32],
     ) -> Result<Vec<f32>> {
-        let seqs = [seq];
-        crate::check_deviation(&self.info, kv, &seqs, layer, cached)?;
-        self.run(kv, &seqs, Some((layer, cached)))?.deviation()
+        crate::kv_deviation_by(
+            &self.info,
+            kv,
+            seq,
+            layer,
+            cached,
+            Box::new(|kv, s, stop| self.run(kv, s, stop)),
+        )
     }
 }
 

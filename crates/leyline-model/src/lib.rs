@@ -128,16 +128,22 @@ impl Ran {
     }
 }
 
-/// [`check_batch`] for [`CausalLm::kv_deviation`]: one sequence, a layer of the model, one
-/// cached slot per token.
-fn check_deviation(
+/// The forward pass of a model, stopping at a layer when given one (see [`Ran`]).
+type RunFn<'f> =
+    dyn FnOnce(&mut KvStorage, &[ForwardSeq<'_>], Option<(usize, &[u32])>) -> Result<Ran> + 'f;
+
+/// [`CausalLm::kv_deviation`] of a model whose forward pass is `run`: the checks, then the
+/// pass stopped at `layer`.
+fn kv_deviation_by(
     info: &ModelInfo,
-    kv: &KvStorage,
-    seqs: &[ForwardSeq<'_>; 1],
+    kv: &mut KvStorage,
+    seq: ForwardSeq<'_>,
     layer: usize,
     cached: &[u32],
-) -> Result<()> {
-    check_batch(info, kv, seqs)?;
+    run: Box<RunFn<'_>>,
+) -> Result<Vec<f32>> {
+    let seqs = [seq];
+    check_batch(info, kv, &seqs)?;
     let (layers, cap) = (info.geometry.layers, kv.capacity());
     if layer >= layers || cached.len() != seqs[0].tokens.len() {
         return Err(ModelError::Input(format!(
@@ -151,7 +157,7 @@ fn check_deviation(
             "cached slot {bad} is outside the pool of {cap} slots"
         )));
     }
-    Ok(())
+    run(kv, &seqs, Some((layer, cached)))?.deviation()
 }
 
 /// Per token, the L2 distance between freshly computed key and value rows (`fresh_k`,

@@ -324,9 +324,13 @@ impl CausalLm for Llama {
         layer: usize,
         cached: &[u32],
     ) -> Result<Vec<f32>> {
-        let seqs = [seq];
-        crate::check_deviation(&self.info, kv, &seqs, layer, cached)?;
-        self.forward_buffers(kv, &seqs, Some((layer, cached)))?
-            .deviation()
+        crate::kv_deviation_by(
+            &self.info,
+            kv,
+            seq,
+            layer,
+            cached,
+            Box::new(|kv, s, stop| self.forward_buffers(kv, s, stop)),
+        )
     }
 }
