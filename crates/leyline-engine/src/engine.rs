@@ -21,6 +21,7 @@
 mod admit;
 mod edit;
 mod implicit;
+mod repair;
 
 use crate::error::{EngineError, ErrorKind, Failure, Result};
 use crate::metrics::Metrics;
