@@ -45,9 +45,7 @@ impl Engine {
     fn kv_deviation(&mut self, id: SessionId, scan: Range<usize>) -> Result<Vec<f32>> {
         let layer = REPAIR_DEVIATION_LAYER.min(self.kv.geometry().layers.saturating_sub(1));
         let mut out = Vec::with_capacity(scan.len());
-        let mut a = scan.start;
-        while a < scan.end {
-            let b = (a + self.cfg.prefill_chunk).min(scan.end);
+        for Range { start: a, end: b } in chunks(scan, self.cfg.prefill_chunk) {
             let (scratch, removed) = self.cache.alloc_evicting(b - a)?;
             self.note_evicted(removed.freed.len());
             let s = self
@@ -71,7 +69,6 @@ impl Engine {
             self.scrub(&scratch)?;
             self.cache.pool_mut().release_all(&scratch)?;
             out.extend(got?);
-            a = b;
         }
         Ok(out)
     }
@@ -87,9 +84,7 @@ impl Engine {
         let mut repaired = 0;
         for r in ranges {
             self.unshare(id, r.clone())?;
-            let mut a = r.start;
-            while a < r.end {
-                let b = (a + self.cfg.prefill_chunk).min(r.end);
+            for Range { start: a, end: b } in chunks(r.clone(), self.cfg.prefill_chunk) {
                 // The session by field, so the model and the storage stay borrowable.
                 let s = self
                     .sessions
@@ -111,7 +106,6 @@ impl Engine {
                     self.release_slots(&tail)?;
                     return Err(e.into());
                 }
-                a = b;
             }
             repaired += r.len();
         }
@@ -155,4 +149,12 @@ impl Engine {
         self.release_slots(&old)?;
         Ok(())
     }
+}
+
+/// `range` in consecutive pieces of at most `chunk` tokens (a prefill step's budget).
+fn chunks(range: Range<usize>, chunk: usize) -> impl Iterator<Item = Range<usize>> {
+    let end = range.end;
+    range
+        .step_by(chunk.max(1))
+        .map(move |a| a..(a + chunk.max(1)).min(end))
 }
