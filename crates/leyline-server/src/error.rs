@@ -221,7 +221,7 @@ impl From<leyline_engine::Failure> for ServerError {
             K::Invalid => Self::bad_request(f.message),
             K::UnknownSession => Self::NotFound {
                 message: f.message,
-                code: "session_not_found",
+                code: "session_unknown",
             },
             K::Busy => Self::Busy(f.message),
             K::Shed => Self::Shed(f.message),

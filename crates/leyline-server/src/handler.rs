@@ -5,7 +5,7 @@ use crate::auth::Principal;
 use crate::error::{Result, ServerError};
 use crate::state::AppState;
 use axum::extract::{FromRequest, Request, State};
-use leyline_engine::Engine;
+use leyline_engine::{Engine, SessionId};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use std::sync::Arc;
@@ -91,21 +91,30 @@ pub(crate) async fn engine_call<T: Send + 'static>(
 }
 
 /// Creates a session in the engine and the table, under the caller's tenant (split by
-/// `cache_salt`); returns its public id.
+/// `cache_salt`) and under `id` if given (checked by the caller); returns its public id and
+/// its engine session.
+///
+/// # Errors
+/// 429 when every place is taken; 409 when a concurrent request created `id` first.
 pub(crate) async fn create_engine_session(
     st: &AppState,
     who: Principal,
+    id: Option<&str>,
     cache_salt: Option<&str>,
-) -> Result<String> {
+) -> Result<(String, SessionId)> {
     let limits = st.config.sessions;
     reap(st, 1).await;
     let tenant = who.tenant(cache_salt);
     let eid = engine_call(st, move |e| e.create_tenant_session(tenant)).await?;
-    st.sessions.create(who, eid, limits.max).inspect_err(|_| {
-        // Lost a race for the last place: the engine session must not outlive this.
-        let engine = st.engine.clone();
-        tokio::task::spawn_blocking(move || engine.call(move |e| e.delete_session(eid)));
-    })
+    let id = st
+        .sessions
+        .create(who, id, eid, limits.max)
+        .inspect_err(|_| {
+            // Lost a race for the last place or the id: the engine session must not outlive this.
+            let engine = st.engine.clone();
+            tokio::task::spawn_blocking(move || engine.call(move |e| e.delete_session(eid)));
+        })?;
+    Ok((id, eid))
 }
 
 /// Drops expired sessions (and, for `room > 0`, the least recently used idle ones until

@@ -64,7 +64,7 @@ async fn handle(
             format!("max_tokens must be at least 1, got {}", req.max_tokens),
         ));
     }
-    let fields = GenerationFields {
+    let mut fields = GenerationFields {
         max_tokens: Some(req.max_tokens),
         temperature: req.temperature,
         top_p: req.top_p,
@@ -93,7 +93,9 @@ async fn handle(
         gen.sampling.top_k = usize::try_from(k)
             .map_err(|_| ServerError::invalid("top_k", format!("top_k must be >= 0, got {k}")))?;
     }
+    crate::submit::session_header(&st, &headers, &mut fields)?;
     let mut chat = anthropic::to_chat(&req)?;
+    fields.history = chat.iter().any(|m| m.role == "assistant");
     let applied = match &req.context_management {
         Some(cm) => crate::context::apply(&mut chat, cm, &st.tokenizer)?,
         None => Vec::new(),

@@ -31,6 +31,9 @@ pub struct ServerMetrics {
     pub connections_open: AtomicU64,
     /// HTTP connections accepted.
     pub connections_accepted: AtomicU64,
+    /// Sessions a turn named that this server did not hold, created again from the turn's
+    /// history (after a failover or a rebalance).
+    pub sessions_rebuilt: AtomicU64,
 }
 
 impl ServerMetrics {
@@ -67,6 +70,11 @@ impl ServerMetrics {
         let _ = writeln!(
             out,
             "# TYPE leyline_streams_open gauge\nleyline_streams_open {open}"
+        );
+        let rebuilt = self.sessions_rebuilt.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "# TYPE leyline_sessions_rebuilt_total counter\nleyline_sessions_rebuilt_total {rebuilt}"
         );
         let errs = self.stream_errors.load(Ordering::Relaxed);
         let _ = writeln!(

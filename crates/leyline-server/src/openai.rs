@@ -150,6 +150,10 @@ pub struct GenerationFields {
     /// The `X-Leyline-Mode` header, set by the handler (not a body field).
     #[serde(skip)]
     pub header_mode: Option<CacheMode>,
+    /// Whether the prompt carries earlier turns (an assistant message), set by the chat
+    /// handlers: a session created for it is a rebuild, not a first turn.
+    #[serde(skip)]
+    pub history: bool,
     /// Separates the prefix caches of users behind one API key (as vLLM's `cache_salt`):
     /// requests match only cached prefixes computed under the same key and salt.
     #[serde(default)]
@@ -513,6 +517,9 @@ pub struct LeylineReport {
     pub tokens_repaired: usize,
     /// Prompt tokens prefilled.
     pub tokens_prefilled: usize,
+    /// Whether this turn named a session this server did not hold and, carrying the
+    /// conversation's history, created it again (after a failover or a rebalance).
+    pub session_rebuilt: bool,
     /// With `leyline.context_management` in the request: `{"applied_edits": [...]}`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context_management: Option<Value>,

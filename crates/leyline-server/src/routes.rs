@@ -253,6 +253,7 @@ async fn chat_completions(
     let req: ChatCompletionRequest = parse(&v)?;
     let mut fields: GenerationFields = parse(&v)?;
     fields.header_mode = crate::submit::header_mode(&headers)?;
+    crate::submit::session_header(&st, &headers, &mut fields)?;
     st.check_model(&req.model)?;
     let gen = fields.validate()?;
     if req.logprobs == Some(true) {
@@ -278,6 +279,7 @@ async fn chat_completions(
         .enumerate()
         .map(|(i, m)| m.into_chat(i))
         .collect::<Result<Vec<_>>>()?;
+    fields.history = messages.iter().any(|m| m.role == "assistant");
     let cm = fields
         .leyline
         .as_ref()
@@ -315,10 +317,12 @@ struct ChatExtras {
 async fn completions(
     State(st): St,
     Extension(who): Extension<Principal>,
+    headers: HeaderMap,
     ApiJson(v): ApiJson,
 ) -> Result<Response> {
     let req: CompletionRequest = parse(&v)?;
-    let fields: GenerationFields = parse(&v)?;
+    let mut fields: GenerationFields = parse(&v)?;
+    crate::submit::session_header(&st, &headers, &mut fields)?;
     st.check_model(&req.model)?;
     let gen = fields.validate()?;
     if req.echo == Some(true) {

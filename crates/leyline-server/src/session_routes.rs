@@ -33,7 +33,7 @@ pub(crate) async fn create_session(
     State(st): St,
     Extension(who): Extension<Principal>,
 ) -> Result<Json<Value>> {
-    let id = create_engine_session(&st, who, None).await?;
+    let (id, _) = create_engine_session(&st, who, None, None).await?;
     Ok(Json(json!({"id": id, "object": "session", "length": 0})))
 }
 

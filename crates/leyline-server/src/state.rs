@@ -48,6 +48,9 @@ pub struct ServerConfig {
     /// conversation they edit (implicit splices; a request opts out with `leyline.mode` or
     /// `X-Leyline-Mode` set to `prefix` or `forget`).
     pub implicit_splices: bool,
+    /// Whether an `X-Session-Id` header names the request's session, as `session_id` in the
+    /// body does; when false the header is only a proxy's affinity key and is ignored here.
+    pub session_header: bool,
 }
 
 impl ServerConfig {
@@ -68,6 +71,7 @@ impl ServerConfig {
             max_connections: 512,
             max_rendering: 2,
             implicit_splices: true,
+            session_header: true,
         }
     }
 }

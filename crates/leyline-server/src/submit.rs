@@ -19,6 +19,8 @@ pub(crate) struct SessionRun {
     pub(crate) id: String,
     pub(crate) engine: SessionId,
     pub(crate) mode: CacheMode,
+    /// Whether this request created it again from its history.
+    pub(crate) rebuilt: bool,
 }
 
 /// How a request uses cached context.
@@ -79,27 +81,75 @@ pub(crate) fn header_mode(headers: &axum::http::HeaderMap) -> Result<Option<Cach
         })
 }
 
+/// Takes the `X-Session-Id` header as the request's session id when the server lets the
+/// header name sessions (`session_header`) and the body names none.
+///
+/// # Errors
+/// A header that is not text, or one that names another session than the body.
+pub(crate) fn session_header(
+    st: &AppState,
+    headers: &axum::http::HeaderMap,
+    fields: &mut GenerationFields,
+) -> Result<()> {
+    let Some(v) = headers
+        .get("x-session-id")
+        .filter(|_| st.config.session_header)
+    else {
+        return Ok(());
+    };
+    let v = v.to_str().map_err(|_| {
+        ServerError::invalid("X-Session-Id", "the X-Session-Id header must be ASCII")
+    })?;
+    match &fields.session_id {
+        Some(body) if body != v => Err(ServerError::invalid(
+            "session_id",
+            "session_id and the X-Session-Id header name different sessions",
+        )),
+        Some(_) => Ok(()),
+        None => {
+            fields.session_id = Some(v.to_owned());
+            Ok(())
+        }
+    }
+}
+
 /// The request's session, if it runs in one: a named one, or a new one when
 /// `leyline.mode` (amortize or forget) comes without a session id (its id comes back in
-/// `leyline`).
+/// `leyline`). A named id this server does not hold for the caller's key is created under
+/// that id (sessions are soft state: after a failover the turn's full history rebuilds it).
 async fn open_session(
     st: &Arc<AppState>,
     who: Principal,
     fields: &GenerationFields,
 ) -> Result<Option<SessionRun>> {
     let mode = fields.leyline.as_ref().and_then(|l| l.mode);
-    let id = match (&fields.session_id, mode) {
-        (Some(id), _) => id.clone(),
+    let salt = fields.cache_salt.as_deref();
+    let (id, engine, created) = match (&fields.session_id, mode) {
+        (Some(id), _) => match st.sessions.resolve(id, who) {
+            Ok(engine) => (id.clone(), engine, false),
+            Err(_) => {
+                crate::sessions::check_client_id(id, "session_id")?;
+                let (_, engine) = create_engine_session(st, who, Some(id), salt).await?;
+                (id.clone(), engine, true)
+            }
+        },
         (None, Some(CacheMode::Amortize | CacheMode::Forget)) => {
-            create_engine_session(st, who, fields.cache_salt.as_deref()).await?
+            let (id, engine) = create_engine_session(st, who, None, salt).await?;
+            (id, engine, false)
         }
         (None, _) => return Ok(None),
     };
-    let engine = st.sessions.resolve(&id, who)?;
+    let rebuilt = created && fields.history;
+    if rebuilt {
+        st.metrics
+            .sessions_rebuilt
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     Ok(Some(SessionRun {
         id,
         engine,
         mode: mode.unwrap_or(CacheMode::Amortize),
+        rebuilt,
     }))
 }
 
@@ -228,6 +278,7 @@ pub(crate) fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>
         tokens_rotated: edit.map_or(0, |e| e.rotated),
         tokens_repaired: edit.map_or(0, |e| e.repaired),
         tokens_prefilled: usage.computed_tokens(),
+        session_rebuilt: session.as_ref().is_some_and(|s| s.rebuilt),
         context_management: None,
     }
 }

@@ -403,7 +403,8 @@ fn directive_batches_are_atomic_and_sessions_are_scoped_to_their_key() {
             before.len() - 1
         );
 
-        // Another key sees nothing.
+        // Another key sees nothing: the id names nothing under it, and a chat turn naming it
+        // opens that key's own session of the same name, which reads none of A's KV.
         let path = format!("/v1/sessions/{id}");
         request("GET", &path, Some(KEY_B), None).expect_error(404);
         request("DELETE", &path, Some(KEY_B), None).expect_error(404);
@@ -415,9 +416,21 @@ fn directive_batches_are_atomic_and_sessions_are_scoped_to_their_key() {
             Some(KEY_B),
             Some(b2.to_string().as_bytes()),
         );
-        r.expect_error(404);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["leyline"]["session_id"], json!(id));
+        assert_eq!(
+            session_tokens(&id),
+            expected,
+            "{mode}: B's turn changed A's session"
+        );
+        let b_tokens = request("GET", &format!("{path}?tokens=true"), Some(KEY_B), None).json()
+            ["tokens"]
+            .clone();
+        assert_ne!(b_tokens, json!(expected), "{mode}: B reads A's session");
+        assert_eq!(request("DELETE", &path, Some(KEY_B), None).status, 200);
         assert_eq!(request("DELETE", &path, Some(KEY_A), None).status, 200);
-        get(&path).expect_error(404);
+        let e = get(&path).expect_error(404);
+        assert_eq!(e["code"], "session_unknown", "{e}");
     }
 }
 

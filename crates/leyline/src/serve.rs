@@ -45,7 +45,8 @@ pub struct ServeArgs {
     /// idle session is dropped for a new one.
     #[arg(long, default_value_t = 1024)]
     max_sessions: usize,
-    /// Seconds after which an idle session is dropped (its id then answers 404).
+    /// Seconds after which an idle session is dropped (a chat turn that names it again, with
+    /// its history, creates it again; a directive batch on it answers 404 `session_unknown`).
     #[arg(long, default_value_t = 1800)]
     session_idle_timeout: u64,
     /// Seconds in-flight requests may run after SIGINT/SIGTERM.
@@ -75,6 +76,13 @@ pub struct ServeArgs {
     /// or `forget`.
     #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
     implicit_splices: bool,
+    /// What an `X-Session-Id` request header does: `session` (it names the request's session,
+    /// as `session_id` in the body does: an id the server does not hold for the caller's key
+    /// is created, so a proxy can route by it from the first turn and a replica that takes a
+    /// conversation over rebuilds it) or `route` (it is only the proxy's affinity key, for
+    /// clients that rely on implicit splices; the server ignores it).
+    #[arg(long, default_value = "session", value_parser = ["session", "route"])]
+    session_header: String,
     /// Most cached conversations kept for implicit splices (least recently used goes).
     #[arg(long, default_value_t = leyline_engine::DEFAULT_MAX_IMPLICIT_SESSIONS)]
     max_conversations: usize,
@@ -148,6 +156,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.body_timeout = std::time::Duration::from_secs(a.body_timeout.max(1));
     cfg.max_connections = a.max_connections.max(1);
     cfg.implicit_splices = a.implicit_splices && a.max_conversations > 0;
+    cfg.session_header = a.session_header == "session";
     cfg.sessions = leyline_server::sessions::SessionLimits {
         max: a.max_sessions.max(1),
         idle_timeout: std::time::Duration::from_secs(a.session_idle_timeout),

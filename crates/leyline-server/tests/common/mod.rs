@@ -132,11 +132,26 @@ pub fn request_to(
     key: Option<&str>,
     body: Option<&[u8]>,
 ) -> Resp {
+    request_with(addr, method, path, key, &[], body)
+}
+
+/// [`request_to`] with extra header lines.
+pub fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> Resp {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(300))).ok();
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     if let Some(k) = key {
         head.push_str(&format!("Authorization: Bearer {k}\r\n"));
+    }
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
     }
     if let Some(b) = body {
         head.push_str(&format!(
