@@ -46,11 +46,19 @@ class ContextFull(RuntimeError):
     """
 
 
+class Refused(RuntimeError):
+    """A non-200 answer; `status` is its HTTP status."""
+
+    def __init__(self, status, text):
+        super().__init__(f"HTTP {status}: {text[:500]}")
+        self.status = status
+
+
 def refuse(status, text):
     """The exception for a non-200 answer: ContextFull for a prompt over the context."""
     if status == 400 and re.search(r"context", text, re.I):
         return ContextFull(f"HTTP {status}: {text[:300]}")
-    return RuntimeError(f"HTTP {status}: {text[:500]}")
+    return Refused(status, text)
 
 
 def truncate_tool_outputs(messages, older_than):
@@ -138,6 +146,8 @@ class Client:
         self.host, self.port = u.hostname, u.port or 80
         self.base = u.path.rstrip("/")
         self.model, self.max_tokens, self.timeout = model, max_tokens, timeout
+        # The last chat answer's headers, names lower-cased.
+        self.last_headers = {}
 
     def connect(self):
         # One connection per request: llama-server closes a connection after a streamed
@@ -165,6 +175,7 @@ class Client:
             headers={"Content-Type": "application/json", **(headers or {})},
         )
         resp = conn.getresponse()
+        self.last_headers = {k.lower(): v for k, v in resp.getheaders()}
         if resp.status != 200:
             raise refuse(resp.status, resp.read().decode(errors="replace"))
         ttft = None
