@@ -53,10 +53,29 @@ impl ToolCallSplitter {
         }
     }
 
-    /// Whether the reply so far may still be one untagged call (held until the end).
+    /// Whether the reply so far may still be one untagged call (held until the end): a
+    /// JSON object, bare or in one ```json (or plain ```) code fence, as small models write
+    /// it.
     fn may_be_bare(&self) -> bool {
+        if self.bare.is_none() || self.released {
+            return false;
+        }
         let t = self.held.trim_start();
-        self.bare.is_some() && !self.released && (t.is_empty() || t.starts_with('{'))
+        if t.is_empty() || t.starts_with('{') || FENCE.starts_with(t) {
+            return true;
+        }
+        let Some(rest) = t.strip_prefix(FENCE) else {
+            return false;
+        };
+        match rest.split_once('\n') {
+            None => "json".starts_with(rest.trim_end()),
+            Some((lang, body)) => {
+                matches!(lang.trim(), "" | "json") && {
+                    let b = body.trim_start();
+                    b.is_empty() || b.starts_with('{')
+                }
+            }
+        }
     }
 
     /// Adds `text`; returns the segments it completes.
@@ -108,7 +127,7 @@ impl ToolCallSplitter {
     pub fn finish(&mut self) -> Vec<Segment> {
         if self.may_be_bare() {
             let names = self.bare.as_deref().unwrap_or_default();
-            match parse_call(&self.held) {
+            match parse_call(unfence(&self.held)) {
                 Some(Segment::Call { name, arguments }) if names.contains(&name) => {
                     self.held.clear();
                     return vec![Segment::Call { name, arguments }];
@@ -161,6 +180,18 @@ pub fn merge_text(segments: Vec<Segment>) -> Vec<Segment> {
         }
     }
     out
+}
+
+/// A Markdown code fence.
+const FENCE: &str = "```";
+
+/// The inside of a reply that is one code fence (its language line dropped), else the reply.
+fn unfence(text: &str) -> &str {
+    let t = text.trim();
+    match t.strip_prefix(FENCE).and_then(|r| r.strip_suffix(FENCE)) {
+        Some(inner) => inner.split_once('\n').map_or(inner, |(_, body)| body),
+        None => text,
+    }
 }
 
 /// `{"name": "...", "arguments": {...}}` (also `parameters`, or arguments as a JSON string).
@@ -257,8 +288,27 @@ mod tests {
             out.extend(s.finish());
             assert_eq!(out, want, "pieces of {n}");
         }
-        // Not offered, not alone, not a call, or no tools at all: text as written.
+        // The same call alone in a code fence, as small models write it.
+        for fenced in [
+            "```json\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n```",
+            "```\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n```\n",
+        ] {
+            for n in [1, 3, 100] {
+                let mut s = ToolCallSplitter::with_tools(vec!["get_weather".into()]);
+                let chars: Vec<char> = fenced.chars().collect();
+                let mut out = Vec::new();
+                for piece in chars.chunks(n) {
+                    out.extend(s.push(&piece.iter().collect::<String>()));
+                }
+                out.extend(s.finish());
+                assert_eq!(out, want, "{fenced:?} in pieces of {n}");
+            }
+        }
+        // Not offered, not alone, not a call, other code, or no tools at all: text as written.
         for text in [
+            "```python\nprint(1)\n```",
+            "```json\n{\"name\": \"get_weather\", \"arguments\": {}}\n```\nDone.",
+            "```json\n{\"city\": \"Paris\"}\n```",
             "{\"name\": \"rm_rf\", \"arguments\": {}}",
             "Sure: {\"name\": \"get_weather\", \"arguments\": {}}",
             "{\"name\": \"get_weather\", \"arguments\": {}} and more",

@@ -1,0 +1,128 @@
+"""Tests of scripts/policy_arm.py that need no model: the task layout, the tools, the
+per-test timeout, solved detection, and the report's statistics against published values.
+Run: python3 -m unittest scripts/test_policy_arm.py (crates/leyline/tests/policy_arm.rs does)."""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import types
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import policy_arm as pa  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "quixbugs")
+ARGS = types.SimpleNamespace(test_timeout=1.0, tests_cap=20.0, output_lines=40, output_chars=3000)
+
+
+class Workspace(unittest.TestCase):
+    def test_a_task_holds_only_its_program_and_never_the_fix(self):
+        ws = pa.Workspace(ROOT, "breadth_first_search", ARGS)
+        try:
+            files = sorted(os.path.relpath(os.path.join(d, f), ws.dir)
+                           for d, _, fs in os.walk(ws.dir) for f in fs)
+            self.assertIn("python_programs/breadth_first_search.py", files)
+            self.assertIn("python_programs/node.py", files)
+            self.assertIn("python_testcases/test_breadth_first_search.py", files)
+            self.assertFalse(any("correct" in f for f in files), files)
+            self.assertFalse(any("gcd" in f for f in files), files)
+        finally:
+            ws.close()
+        self.assertEqual(len(pa.tasks_in(ROOT)), 40)
+
+    def test_tools_read_edit_and_refuse_escapes(self):
+        ws = pa.Workspace(ROOT, "gcd", ARGS)
+        try:
+            text = ws.read_file("python_programs/gcd.py")
+            self.assertTrue(text.startswith("   1  def gcd(a, b):"), text[:40])
+            out, submitted, solved = pa.call_tool(ws, "read_file", '{"path": "../etc/passwd"}')
+            self.assertTrue(out.startswith("Error:") and not submitted, out)
+            out, _, _ = pa.call_tool(ws, "replace_lines", json.dumps(
+                {"path": "python_testcases/test_gcd.py", "start": 1, "end": 1, "text": "x"}))
+            self.assertIn("only files under python_programs/", out)
+            out, _, _ = pa.call_tool(ws, "replace_lines", json.dumps(
+                {"path": "python_programs/gcd.py", "start": 5, "end": 99, "text": "x"}))
+            self.assertTrue(out.startswith("Error:"), out)
+            out, _, _ = pa.call_tool(ws, "no_such_tool", "{}")
+            self.assertIn("no tool", out)
+            out, _, _ = pa.call_tool(ws, "read_file", "{not json")
+            self.assertTrue(out.startswith("Error:"), out)
+            # The buggy program fails; the one-line fix passes at submit.
+            out, submitted, solved = pa.call_tool(ws, "submit", "{}")
+            self.assertTrue(submitted and not solved, out)
+            out, _, _ = pa.call_tool(ws, "replace_lines", json.dumps(
+                {"path": "python_programs/gcd.py", "start": 5, "end": 5,
+                 "text": "        return gcd(b, a % b)"}))
+            self.assertIn("replaced lines 5-5", out)
+            out, submitted, solved = pa.call_tool(ws, "submit", "{}")
+            self.assertTrue(submitted and solved, out)
+        finally:
+            ws.close()
+
+    def test_a_program_that_loops_forever_is_cut_by_the_timeouts(self):
+        ws = pa.Workspace(ROOT, "bitcount", ARGS)
+        try:
+            ok, out = ws.run_tests()
+            self.assertFalse(ok)
+            self.assertIn("Timeout", out)
+            self.assertLessEqual(len(out), ARGS.output_chars + 40)
+        finally:
+            ws.close()
+
+    def test_every_task_is_solvable_with_the_correct_program(self):
+        # Checks the layout: each task's tests pass once the correct program is in place (the
+        # harness's default per-test timeout: the correct levenshtein takes about 1 s).
+        slow = types.SimpleNamespace(**{**vars(ARGS), "test_timeout": 10.0, "tests_cap": 60.0})
+        for name in pa.tasks_in(ROOT):
+            ws = pa.Workspace(ROOT, name, slow)
+            try:
+                shutil.copy(os.path.join(ROOT, "correct_python_programs", f"{name}.py"),
+                            os.path.join(ws.dir, "python_programs", f"{name}.py"))
+                ok, out = ws.run_tests()
+                self.assertTrue(ok, f"{name}: {out}")
+            finally:
+                ws.close()
+
+
+class Statistics(unittest.TestCase):
+    def test_wilson_interval_matches_published_values(self):
+        # Newcombe (1998), Table I: 81/263 -> 0.2553 to 0.3662.
+        lo, hi = pa.wilson(81, 263)
+        self.assertAlmostEqual(lo, 0.2553, places=4)
+        self.assertAlmostEqual(hi, 0.3662, places=4)
+
+    def test_mcnemar_exact(self):
+        # Two-sided exact binomial with 1 vs 6 discordant pairs: 2 * 8/128.
+        self.assertAlmostEqual(pa.mcnemar(1, 6), 0.125)
+        self.assertEqual(pa.mcnemar(0, 0), 1.0)
+        self.assertEqual(pa.mcnemar(3, 3), 1.0)
+
+    def test_report_reads_a_run_file(self):
+        d = tempfile.mkdtemp()
+        try:
+            out = os.path.join(d, "run.jsonl")
+            with open(out, "w") as f:
+                for arm, solved in (("none", [1, 0, 0, 1]), ("truncate", [1, 1, 0, 1])):
+                    for i, s in enumerate(solved):
+                        f.write(json.dumps({
+                            "arm": arm, "seed": 0, "task": f"t{i}", "solved": bool(s),
+                            "end": "submit", "turns": 3, "tool_calls": 3, "malformed": 0,
+                            "prompt_tokens": 100, "cached_tokens": 50, "prefilled_tokens": 50,
+                            "completion_tokens": 10, "wall_s": 1.0}) + "\n")
+            js = os.path.join(d, "report.json")
+            pa.report(types.SimpleNamespace(out=out, json=js))
+            with open(js) as f:
+                r = json.load(f)
+            self.assertEqual(r["arms"]["none"]["solved"], 2)
+            self.assertEqual(r["arms"]["truncate"]["solved"], 3)
+            pair = r["pairs"][0]
+            self.assertEqual((pair["only_a"], pair["only_b"]), (0, 1))
+            self.assertAlmostEqual(pair["diff"], 0.25)
+        finally:
+            shutil.rmtree(d)
+
+
+if __name__ == "__main__":
+    unittest.main()
