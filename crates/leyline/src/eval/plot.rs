@@ -48,6 +48,56 @@ fn err<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> anyhow
     anyhow!("drawing: {e}")
 }
 
+/// Draws `pts` as one line with a marker at each point, shown as `label` in the legend.
+///
+/// # Errors
+/// Drawing fails.
+pub fn marked_line<'a, DB, X, Y>(
+    chart: &mut ChartContext<'a, DB, Cartesian2d<X, Y>>,
+    pts: Vec<(X::ValueType, Y::ValueType)>,
+    color: RGBColor,
+    label: &str,
+) -> Result<()>
+where
+    DB: DrawingBackend + 'a,
+    X: Ranged,
+    Y: Ranged,
+    X::ValueType: Clone + 'static,
+    Y::ValueType: Clone + 'static,
+{
+    let style = color.stroke_width(3);
+    chart
+        .draw_series(LineSeries::new(pts.clone(), style))
+        .map_err(err)?
+        .label(label)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+    chart
+        .draw_series(pts.into_iter().map(|p| Circle::new(p, 5, color.filled())))
+        .map_err(err)?;
+    Ok(())
+}
+
+/// Draws the legend of the labelled lines in the lower right corner.
+///
+/// # Errors
+/// Drawing fails.
+pub fn legend<'a, DB, X, Y>(chart: &mut ChartContext<'a, DB, Cartesian2d<X, Y>>) -> Result<()>
+where
+    DB: DrawingBackend + 'a,
+    X: Ranged,
+    Y: Ranged,
+{
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .label_font((FONT, 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
+
 /// Writes the repair Pareto plot to `path`: agreement against recomputed share, one line per
 /// rule through its settings in order of share.
 ///
@@ -86,15 +136,7 @@ pub fn pareto(path: &Path, title: &str, y_label: &str, points: &[ParetoPoint]) -
         let mut pts: Vec<&ParetoPoint> = points.iter().filter(|p| p.line == *line).collect();
         pts.sort_by(|a, b| a.share.total_cmp(&b.share));
         let xy: Vec<(f64, f64)> = pts.iter().map(|p| (p.share, p.agree)).collect();
-        let style = color.stroke_width(3);
-        chart
-            .draw_series(LineSeries::new(xy.clone(), style))
-            .map_err(err)?
-            .label(*line)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
-        chart
-            .draw_series(xy.iter().map(|&p| Circle::new(p, 5, color.filled())))
-            .map_err(err)?;
+        marked_line(&mut chart, xy, color, line)?;
         chart
             .draw_series(
                 pts.iter().map(|p| {
@@ -103,14 +145,7 @@ pub fn pareto(path: &Path, title: &str, y_label: &str, points: &[ParetoPoint]) -
             )
             .map_err(err)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .label_font((FONT, 15))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
+    legend(&mut chart)?;
     root.present()
         .map_err(|e| anyhow!("writing {}: {e}", path.display()))?;
     Ok(())

@@ -2,7 +2,7 @@
 
 use super::drive::Arm;
 use super::report::Summary;
-use crate::eval::plot::{register_font, FONT};
+use crate::eval::plot::{legend, marked_line, register_font, FONT};
 use anyhow::{anyhow, Result};
 use plotters::prelude::*;
 use std::path::Path;
@@ -77,25 +77,9 @@ where
                 v.is_finite().then_some((i as i32, v))
             })
             .collect();
-        let style = color(arm).stroke_width(3);
-        chart
-            .draw_series(LineSeries::new(pts.clone(), style))
-            .map_err(err)?
-            .label(arm.name())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
-        chart
-            .draw_series(pts.iter().map(|&p| Circle::new(p, 5, color(arm).filled())))
-            .map_err(err)?;
+        marked_line(&mut chart, pts, color(arm), arm.name())?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .label_font((FONT, 15))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    Ok(())
+    legend(&mut chart)
 }
 
 fn render(path: &Path, rows: &[Summary], panels: &[Panel<'_>]) -> Result<()> {
