@@ -607,7 +607,7 @@ fn the_deviation_pass_compares_the_compressed_cache() {
         let scratch: Vec<u32> = (2 * n..3 * n - 9).collect();
         let positions: Vec<u32> = (9..n).collect();
         let tail = 9..n as usize;
-        let deviation = |kv: &mut KvStorage, cached: &[u32]| {
+        let deviation = |kv: &mut KvStorage, layer: usize, cached: &[u32]| {
             let seq = ForwardSeq {
                 tokens: &new[tail.clone()],
                 positions: &positions,
@@ -615,9 +615,9 @@ fn the_deviation_pass_compares_the_compressed_cache() {
                 new_slots: &scratch,
                 logits: LogitsFor::None,
             };
-            m.kv_deviation(kv, seq, 1, cached).unwrap()
+            m.kv_deviation(kv, seq, layer, cached)
         };
-        let got = deviation(&mut kv, &a[tail.clone()]);
+        let got = deviation(&mut kv, 1, &a[tail.clone()]).unwrap();
         let (ok, ol) = cached(&kv, 1, &a[tail.clone()]);
         let (nk, nl) = cached(&kv, 1, &b[tail.clone()]);
         let (kw, vw) = (ok.len() / tail.len(), ol.len() / tail.len());
@@ -636,19 +636,10 @@ fn the_deviation_pass_compares_the_compressed_cache() {
             got.iter().any(|&d| d > 1e-3),
             "{name}: nothing moved: {got:?}"
         );
-        let same = deviation(&mut kv, &b[tail.clone()]);
+        let same = deviation(&mut kv, 1, &b[tail.clone()]).unwrap();
         assert!(same.iter().all(|&d| d < 1e-4), "{name}: {same:?}");
         // A layer the model does not have is an error, not a panic.
-        let seq = ForwardSeq {
-            tokens: &new[tail.clone()],
-            positions: &positions,
-            context: &b[..9],
-            new_slots: &scratch,
-            logits: LogitsFor::None,
-        };
         let layers = m.info().geometry.layers;
-        assert!(m
-            .kv_deviation(&mut kv, seq, layers, &a[tail.clone()])
-            .is_err());
+        assert!(deviation(&mut kv, layers, &a[tail.clone()]).is_err());
     }
 }
