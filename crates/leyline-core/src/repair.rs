@@ -79,12 +79,12 @@ impl Repair {
         self.tokens == 0
     }
 
-    /// Post-edit ranges to recompute after `batch` is spliced: sorted, disjoint, all after
-    /// the first replacement. A window that reaches a later replacement takes it in too:
-    /// that replacement was computed while attending to the unrepaired tokens before it.
-    /// For [`RepairRule::Deviation`], the range its selection pass scans: everything after
-    /// the first replacement (the engine picks `tokens` of it). Empty for an empty batch or
-    /// [`Repair::NONE`].
+    /// Post-edit ranges a positional rule recomputes after `batch` is spliced: sorted,
+    /// disjoint, all after the first replacement. A window that reaches a later replacement
+    /// takes it in too: that replacement was computed while attending to the unrepaired
+    /// tokens before it. Empty for an empty batch, [`Repair::NONE`] and
+    /// [`RepairRule::Deviation`], whose tokens a selection pass over
+    /// [`Repair::scan_range`] picks.
     pub fn ranges(&self, batch: &DirectiveBatch) -> Vec<Range<usize>> {
         let replaced = batch.new_ranges();
         let (Some(first), false) = (replaced.first(), self.is_none()) else {
@@ -99,7 +99,7 @@ impl Repair {
             RepairRule::BeforeEnd => {
                 std::iter::once(len.saturating_sub(self.tokens).max(first.end)..len).collect()
             }
-            RepairRule::Deviation => std::iter::once(first.end..len).collect(),
+            RepairRule::Deviation => return Vec::new(),
         };
         let mut out: Vec<Range<usize>> = Vec::new();
         for w in windows.into_iter().filter(|w| !w.is_empty()) {
@@ -116,6 +116,15 @@ impl Repair {
             }
         }
         out
+    }
+
+    /// The post-edit range the deviation rule's selection pass scans (every token after the
+    /// first replacement); `None` for the positional rules, an empty batch, [`Repair::NONE`]
+    /// or nothing after the edit.
+    pub fn scan_range(&self, batch: &DirectiveBatch) -> Option<Range<usize>> {
+        let first = batch.new_ranges().first()?.end;
+        (self.rule == RepairRule::Deviation && !self.is_none() && first < batch.new_len())
+            .then(|| first..batch.new_len())
     }
 
     /// Downstream tokens of `batch`: kept tokens after its first replacement, whose KV the
@@ -191,15 +200,18 @@ mod tests {
     #[test]
     fn a_window_as_long_as_the_context_covers_everything_after_the_first_edit() {
         let b = batch(40, &[(3, 6, 2), (10, 10, 4), (20, 30, 0)]);
-        for rule in [
-            RepairRule::AfterEdit,
-            RepairRule::BeforeEnd,
-            RepairRule::Deviation,
-        ] {
+        for rule in [RepairRule::AfterEdit, RepairRule::BeforeEnd] {
             let r = Repair::new(1000, rule).ranges(&b);
             let covered: Vec<usize> = r.iter().flat_map(|r| r.clone()).collect();
             assert_eq!(covered, after_first(&b), "{rule:?}");
+            assert_eq!(Repair::new(1000, rule).scan_range(&b), None, "{rule:?}");
         }
+        // The deviation rule scans the same tokens and names none until it has scanned.
+        let d = Repair::new(4, RepairRule::Deviation);
+        let scan: Vec<usize> = d.scan_range(&b).unwrap().collect();
+        assert_eq!(scan, after_first(&b));
+        assert!(d.ranges(&b).is_empty());
+        assert_eq!(Repair::new(0, RepairRule::Deviation).scan_range(&b), None);
     }
 
     #[test]

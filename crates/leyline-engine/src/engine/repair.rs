@@ -22,9 +22,11 @@ impl Engine {
         repair: Repair,
         report: &mut EditReport,
     ) -> Result<Vec<Range<usize>>> {
-        let ranges = repair.ranges(batch);
-        let (RepairRule::Deviation, Some(scan)) = (repair.rule, ranges.first().cloned()) else {
-            return Ok(ranges);
+        if repair.rule != RepairRule::Deviation {
+            return Ok(repair.ranges(batch));
+        }
+        let Some(scan) = repair.scan_range(batch) else {
+            return Ok(Vec::new());
         };
         let deviation = self.kv_deviation(id, scan.clone())?;
         report.scanned = scan.len();
