@@ -102,9 +102,14 @@ def session_edit(mode):
     )
     ley = leyline(r2)
     check(ley["session_id"] == sid and ley["mode"] == mode, ley)
-    # A session of key A does not exist for key B.
-    expect(openai.NotFoundError, lambda: B.chat.completions.create(
-        model=MODEL, messages=edited, max_tokens=2, extra_body={"session_id": sid}), "foreign session")
+    # A session of key A does not exist for key B: naming its id opens B's own session of
+    # that name, built from B's history (a rebuild), never A's.
+    rb = B.chat.completions.create(
+        model=MODEL, messages=edited, max_tokens=2, extra_body={"session_id": sid})
+    check(leyline(rb)["session_rebuilt"] is True, leyline(rb))
+    B.delete(f"/sessions/{sid}", cast_to=object)
+    expect(openai.NotFoundError, lambda: B.get(f"/sessions/{sid}", cast_to=object),
+           "foreign session")
     return r1, r2, ley
 
 
