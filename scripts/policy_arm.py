@@ -39,7 +39,6 @@ import tempfile
 import time
 import uuid
 
-STUB = "[evicted: older tool output]"
 ARMS = {
     "none": {"session": False, "edits": None},
     "truncate": {"session": True,

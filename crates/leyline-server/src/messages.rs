@@ -95,7 +95,6 @@ async fn handle(
     }
     crate::submit::session_header(&st, &headers, &mut fields)?;
     let mut chat = anthropic::to_chat(&req)?;
-    fields.history = chat.iter().any(|m| m.role == "assistant");
     let applied = match &req.context_management {
         Some(cm) => crate::context::apply(&mut chat, cm, &st.tokenizer)?,
         None => Vec::new(),
@@ -104,7 +103,7 @@ async fn handle(
         .then(|| json!({"applied_edits": applied.iter().map(|a| a.to_json()).collect::<Vec<_>>()}));
     let tools = anthropic::template_tools(&req)?;
     let tool_names = tools.as_deref().map(crate::toolcall::tool_names);
-    let (prompt, bounds) = st.render_chat(chat, tools, &fields).await?;
+    let (prompt, bounds) = st.render_chat(chat, tools, &mut fields).await?;
     let started = start(&st, who, prompt, bounds, &gen, &fields).await?;
     let ctx = Ctx {
         id: format!("msg_{:024x}", rand::random::<u128>() >> 32),

@@ -150,8 +150,8 @@ pub struct GenerationFields {
     /// The `X-Leyline-Mode` header, set by the handler (not a body field).
     #[serde(skip)]
     pub header_mode: Option<CacheMode>,
-    /// Whether the prompt carries earlier turns (an assistant message), set by the chat
-    /// handlers: a session created for it is a rebuild, not a first turn.
+    /// Whether the prompt carries earlier turns (an assistant message), set when a chat
+    /// prompt is rendered: a session created for it is a rebuild, not a first turn.
     #[serde(skip)]
     pub history: bool,
     /// Separates the prefix caches of users behind one API key (as vLLM's `cache_salt`):

@@ -188,8 +188,10 @@ impl AppState {
         self: &Arc<Self>,
         mut chat: Vec<leyline_model::chat::ChatMessage>,
         tools: Option<Vec<Value>>,
-        fields: &GenerationFields,
+        fields: &mut GenerationFields,
     ) -> Result<(Vec<u32>, Option<Vec<usize>>)> {
+        // A session this prompt creates is a rebuild when the prompt carries earlier turns.
+        fields.history = chat.iter().any(|m| m.role == "assistant");
         let text_bytes = chat
             .iter()
             .map(|m| m.content.as_ref().map_or(0, String::len))
@@ -279,7 +281,6 @@ async fn chat_completions(
         .enumerate()
         .map(|(i, m)| m.into_chat(i))
         .collect::<Result<Vec<_>>>()?;
-    fields.history = messages.iter().any(|m| m.role == "assistant");
     let cm = fields
         .leyline
         .as_ref()
@@ -301,7 +302,7 @@ async fn chat_completions(
         context_management,
     };
     // Message bounds anchor the engine's diff of the next turn.
-    let (prompt, bounds) = st.render_chat(messages, req.tools, &fields).await?;
+    let (prompt, bounds) = st.render_chat(messages, req.tools, &mut fields).await?;
     run(st, who, Kind::Chat(extras), prompt, bounds, gen, fields).await
 }
 
