@@ -290,7 +290,8 @@ def run(args):
     unknown = sorted(set(names) - set(tasks_in(args.quixbugs)))
     if unknown:
         sys.exit(f"unknown tasks: {unknown}")
-    todo = [(a, s, t) for s in args.seeds for a in args.arms for t in names
+    # Arms alternate within a task, so a partial run holds paired results.
+    todo = [(a, s, t) for s in args.seeds for t in names for a in args.arms
             if (a, s, t) not in done]
     print(f"{len(done)} done, {len(todo)} to run", file=sys.stderr)
     for i, (arm, seed, name) in enumerate(todo):
