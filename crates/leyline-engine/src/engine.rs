@@ -30,6 +30,7 @@ use crate::sampling::Sampler;
 use crate::session::{EditReport, Session, SessionEdits, SessionId, SessionRequest};
 use leyline_core::Repair;
 use leyline_kv::radix::{LockReceipt, Namespace, PrefixCache};
+use leyline_kv::shift::RotationMode;
 use leyline_kv::slots::Lineage;
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
@@ -65,12 +66,21 @@ pub struct EngineConfig {
     /// The repair of AMORTIZE edits whose batch and session name none ([`Repair::NONE`]:
     /// the splice alone).
     pub repair: Repair,
+    /// Whether an AMORTIZE splice rotates downstream keys in storage or leaves them where they
+    /// are and lets attention rotate the query ([`RotationMode`]).
+    pub rotation: RotationMode,
+    /// Under lazy rotation, the most runs of distinct offset a session's context may hold
+    /// after a splice ([`leyline_kv::shift::segment_count`]); past it the session is
+    /// compacted by the eager kernel. `usize::MAX`: never.
+    pub max_segments: usize,
 }
 
 /// [`EngineConfig::kv_dtype`] unless set otherwise. f16 by measurement on the default model
 /// (BENCHMARKS.md, "KV storage type"): the same prefill speed and first-token agreement as
 /// f32, faster decode at long context, half the memory per cached token.
 pub const DEFAULT_KV_DTYPE: KvDtype = KvDtype::F16;
+/// [`EngineConfig::max_segments`] unless set otherwise.
+pub const DEFAULT_MAX_SEGMENTS: usize = 32;
 /// [`EngineConfig::prefill_patience`] unless set otherwise.
 pub const DEFAULT_PREFILL_PATIENCE: u32 = 32;
 /// [`EngineConfig::prefill_chunk`] unless set otherwise.
@@ -140,6 +150,8 @@ impl EngineConfig {
             max_waiting: DEFAULT_MAX_WAITING,
             max_implicit_sessions: DEFAULT_MAX_IMPLICIT_SESSIONS,
             repair: Repair::NONE,
+            rotation: RotationMode::Eager,
+            max_segments: DEFAULT_MAX_SEGMENTS,
         }
     }
 
@@ -569,6 +581,11 @@ impl Engine {
             positions.push((from as u32..to as u32).collect());
             new_slots.push(take);
         }
+        // Contexts a lazy splice left shifted are read through their runs.
+        let shifts = plan
+            .iter()
+            .map(|&(i, from, _)| self.cache.pool().key_shifts(&self.running[i].slots[..from]))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         let logits = {
             let seqs: Vec<ForwardSeq<'_>> = plan
                 .iter()
@@ -585,6 +602,7 @@ impl Engine {
                         } else {
                             LogitsFor::None
                         },
+                        shifts: &shifts[k],
                     }
                 })
                 .collect();

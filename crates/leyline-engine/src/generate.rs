@@ -145,6 +145,7 @@ pub fn generate_after(
             } else {
                 LogitsFor::None
             },
+            shifts: &[],
         };
         logits = model.forward(kv, &[seq])?.remove(0);
         done = end;
@@ -178,6 +179,7 @@ pub fn generate_after(
             context: &slots[..n],
             new_slots: &slots[n..n + 1],
             logits: LogitsFor::Last,
+            shifts: &[],
         };
         logits = model.forward(kv, &[seq])?.remove(0);
     };

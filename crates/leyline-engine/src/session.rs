@@ -74,6 +74,10 @@ pub struct EditReport {
     pub zeroed: usize,
     /// Session length after the edit.
     pub new_len: usize,
+    /// Whether a lazy splice left more shifted runs than
+    /// [`crate::EngineConfig::max_segments`], so that the session was compacted (its keys
+    /// rotated to their positions, counted in `rotated` and `copied`).
+    pub compacted: bool,
 }
 
 impl EditReport {
@@ -90,6 +94,7 @@ impl EditReport {
             scanned: 0,
             zeroed: 0,
             new_len: len,
+            compacted: false,
         }
     }
 }

@@ -191,6 +191,7 @@ fn prefill(kv: &mut KvStorage, tokens: &[u32], first: u32) -> Vec<u32> {
         context: &[],
         new_slots: &slots,
         logits: LogitsFor::None,
+        shifts: &[],
     };
     lm().model.forward(kv, &[seq]).unwrap();
     slots
@@ -219,6 +220,7 @@ fn the_deviation_pass_measures_how_far_a_recompute_moves_the_kv() {
             context,
             new_slots: &scratch,
             logits: LogitsFor::None,
+            shifts: &[],
         };
         model
             .kv_deviation(kv, seq, REPAIR_DEVIATION_LAYER, cached)

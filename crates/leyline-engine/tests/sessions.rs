@@ -137,6 +137,7 @@ fn reference_logits(
             context: &[],
             new_slots: &pos,
             logits: LogitsFor::None,
+            shifts: &[],
         }],
     )
     .unwrap();
@@ -174,6 +175,7 @@ fn reference_logits(
                 context: &seq_slots,
                 new_slots: &repl_slots,
                 logits: LogitsFor::None,
+                shifts: &[],
             }],
         )
         .unwrap();
@@ -192,6 +194,7 @@ fn reference_logits(
             context: &seq_slots,
             new_slots: &pslots,
             logits: LogitsFor::Last,
+            shifts: &[],
         }],
     )
     .unwrap()

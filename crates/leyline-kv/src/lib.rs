@@ -14,6 +14,7 @@ pub mod mem;
 pub mod radix;
 pub mod rope;
 pub mod rotate;
+pub mod shift;
 pub mod slots;
 pub mod splice;
 pub mod storage;

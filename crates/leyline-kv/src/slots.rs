@@ -253,6 +253,35 @@ impl SlotPool {
         Ok(self.meta[self.check(slot)?].position)
     }
 
+    /// The runs of `context` whose keys are encoded off their indices (lazy splices left
+    /// them there): [`crate::shift::key_shifts`] over this pool's positions.
+    ///
+    /// # Errors
+    /// Out-of-range slot.
+    pub fn key_shifts(&self, context: &[u32]) -> Result<Vec<crate::shift::KeyShift>> {
+        self.key_shifts_from(context, 0)
+    }
+
+    /// [`Self::key_shifts`] for queries sitting `base` before their own positions
+    /// ([`crate::shift::key_shifts_from`]).
+    ///
+    /// # Errors
+    /// Out-of-range slot.
+    pub fn key_shifts_from(
+        &self,
+        context: &[u32],
+        base: i64,
+    ) -> Result<Vec<crate::shift::KeyShift>> {
+        for &slot in context {
+            self.check(slot)?;
+        }
+        Ok(crate::shift::key_shifts_from(
+            context,
+            |s| self.meta[s as usize].position,
+            base,
+        ))
+    }
+
     /// Sets the slot's lineage.
     ///
     /// # Errors

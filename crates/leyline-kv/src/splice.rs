@@ -9,8 +9,10 @@
 //! operation with a rollback.
 
 mod apply;
+mod compact;
 
 pub use apply::{apply_splice, PrefillJob, SpliceError, SpliceTarget, Spliced};
+pub use compact::{compact, Compacted};
 
 use crate::error::{KvError, Result};
 use leyline_core::{DirectiveBatch, Mode, Pos};

@@ -7,6 +7,7 @@
 use leyline_core::{Directive, DirectiveBatch, Mode, SessionState, ValidationContext};
 use leyline_kv::radix::{Namespace, PrefixCache};
 use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
+use leyline_kv::shift::{KeyShift, RotationMode};
 use leyline_kv::slots::Lineage;
 use leyline_kv::splice::{apply_splice, SpliceError, SpliceTarget};
 use leyline_kv::{KvDtype, KvError, KvGeometry, KvStorage};
@@ -155,10 +156,21 @@ fn splice(
     dynamic_rope: bool,
     fail_at: Option<usize>,
 ) -> Result<leyline_kv::splice::Spliced, SpliceError<String>> {
+    splice_in(w, RotationMode::Eager, dynamic_rope, fail_at)
+}
+
+/// [`splice`] in either rotation mode.
+fn splice_in(
+    w: &mut World,
+    mode: RotationMode,
+    dynamic_rope: bool,
+    fail_at: Option<usize>,
+) -> Result<leyline_kv::splice::Spliced, SpliceError<String>> {
     let r = apply_splice(
         &mut w.cache,
         &mut w.kv,
         &rope(dynamic_rope),
+        mode,
         target(&w.seq),
         &two_edits(),
         prefill(fail_at),
@@ -173,18 +185,21 @@ fn splice(
 fn every_injected_failure_leaves_everything_as_it_was() {
     for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Bf16] {
         // Each replacement's prefill fails: rolled back, with the in-place rotation undone.
-        for fail_at in [0, 1] {
+        for (fail_at, mode) in [0, 1]
+            .into_iter()
+            .flat_map(|f| [(f, RotationMode::Eager), (f, RotationMode::Lazy)])
+        {
             let mut w = world(dtype, 64, 0);
             let before = snapshot(&w);
-            let r = splice(&mut w, false, Some(fail_at));
+            let r = splice_in(&mut w, mode, false, Some(fail_at));
             assert!(
                 matches!(r, Err(SpliceError::Prefill { index, .. }) if index == fail_at),
-                "{dtype:?} {fail_at}: {r:?}"
+                "{dtype:?} {mode} {fail_at}: {r:?}"
             );
             assert_eq!(
                 snapshot(&w),
                 before,
-                "{dtype:?}: failure in prefill {fail_at}"
+                "{dtype:?} {mode}: failure in prefill {fail_at}"
             );
             w.cache.check_invariants().unwrap();
         }
@@ -271,6 +286,7 @@ fn a_splice_that_moves_nothing_leaves_shared_slots_to_their_other_holders() {
         &mut w.cache,
         &mut w.kv,
         &rope(false),
+        RotationMode::Eager,
         target(&w.seq),
         &batch(vec![(1, 2, 1)]),
         prefill(None),
@@ -283,4 +299,63 @@ fn a_splice_that_moves_nothing_leaves_shared_slots_to_their_other_holders() {
         let want = if i < 6 { Lineage::SHARED } else { LINEAGE };
         assert_eq!(pool.lineage(s).unwrap(), want, "token {i}");
     }
+}
+
+/// A lazy splice writes no kept slot: the moved tokens keep their bytes and their encoded
+/// positions, shared ones are not copied, the replacements sit at their own positions, and
+/// a replacement's prefill reads the runs before it as shifted.
+#[test]
+fn a_lazy_splice_moves_nothing_and_hands_the_prefill_its_shifted_runs() {
+    let mut w = world(KvDtype::F32, 64, 0);
+    let old = w.seq.clone();
+    let bytes = |w: &World, s: u32| {
+        let mut k = vec![0.0; GEOM.k_width()];
+        let mut v = vec![0.0; GEOM.v_width];
+        w.kv.gather_k(1, &[s], &mut k).unwrap();
+        w.kv.gather_v(1, &[s], &mut v).unwrap();
+        (k, v)
+    };
+    let before: Vec<_> = old.iter().map(|&s| bytes(&w, s)).collect();
+    let mut seen: Vec<Vec<KeyShift>> = Vec::new();
+    let mut inner = prefill(None);
+    let done = apply_splice(
+        &mut w.cache,
+        &mut w.kv,
+        &rope(false),
+        RotationMode::Lazy,
+        target(&w.seq),
+        &two_edits(),
+        |kv, job| {
+            seen.push(job.shifts.to_vec());
+            inner(kv, job)
+        },
+    )
+    .unwrap();
+    assert_eq!((done.rotated, done.copied, done.prefilled), (0, 0, 5));
+    w.cache.check_invariants().unwrap();
+    // New order: 0 1 | three new | old 4..8 | two new | old 9..12.
+    let kept = [0, 1, 4, 5, 6, 7, 9, 10, 11];
+    let at = [0, 1, 5, 6, 7, 8, 11, 12, 13];
+    let pool = w.cache.pool();
+    for (&o, &n) in kept.iter().zip(&at) {
+        assert_eq!(done.slots[n], old[o], "token {o} keeps its slot");
+        assert_eq!(bytes(&w, old[o]), before[o], "token {o}: bytes");
+        assert_eq!(
+            pool.position(old[o]).unwrap(),
+            o as u32,
+            "token {o}: position"
+        );
+    }
+    for n in [2, 3, 4, 9, 10] {
+        assert_eq!(pool.position(done.slots[n]).unwrap(), n as u32);
+    }
+    let run = |a: usize, b: usize, offset: i64| KeyShift {
+        range: a..b,
+        offset,
+    };
+    assert_eq!(seen, vec![vec![], vec![run(5, 9, 1)]]);
+    assert_eq!(
+        pool.key_shifts(&done.slots).unwrap(),
+        vec![run(5, 9, 1), run(11, 14, 2)]
+    );
 }

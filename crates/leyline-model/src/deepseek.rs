@@ -445,6 +445,35 @@ impl DeepseekV2 {
         )))
     }
 
+    /// `pe: [rows, keys]` (query rows times `k_pe` rows) with the columns of each shifted
+    /// run recomputed from the queries turned back by the run's offset: lazy rotation's
+    /// `q_pe` path (the latent part has no position and is read as it is).
+    fn shifted_scores(
+        &self,
+        pe: Tensor,
+        q_pe: &Tensor,
+        k_pe: &[f32],
+        shifts: &[leyline_kv::shift::KeyShift],
+    ) -> Result<Tensor> {
+        let (rows, m) = pe.dims2()?;
+        let dr = self.cfg.qk_rope_head_dim;
+        let mut out = pe.flatten_all()?.to_vec1::<f32>()?;
+        let q = q_pe.flatten_all()?.to_vec1::<f32>()?;
+        let mut turned = q.clone();
+        for run in shifts {
+            let rot = Rotation::new(&self.info.rope, -run.offset);
+            turned.copy_from_slice(&q);
+            for (i, row) in turned.chunks_exact_mut(dr).enumerate() {
+                rot.apply_f32(row);
+                for j in run.range.clone() {
+                    let k = &k_pe[j * dr..(j + 1) * dr];
+                    out[i * m + j] = row.iter().zip(k).map(|(a, b)| a * b).sum();
+                }
+            }
+        }
+        Ok(Tensor::from_vec(out, (rows, m), &Device::Cpu)?)
+    }
+
     /// MLA over each sequence's context slots followed by its new slots, causally.
     /// `q` is `[n, heads * qk_head_dim]` (post-RoPE); returns `[n, heads * v_head_dim]`.
     fn attention(
@@ -477,6 +506,7 @@ impl DeepseekV2 {
             kv.gather_v(layer, &slots, &mut latent)?;
             kv.gather_k(layer, &slots, &mut k_pe)?;
             let latent = Tensor::from_vec(latent, (m, r), &Device::Cpu)?;
+            let k_pe_rows = (!s.shifts.is_empty()).then(|| k_pe.clone());
             let k_pe = Tensor::from_vec(k_pe, (m, dr), &Device::Cpu)?;
             // Decompress: per head [k_nope | v].
             let kvb = a
@@ -493,7 +523,11 @@ impl DeepseekV2 {
             let q_nope = qs.narrow(2, 0, dn)?.contiguous()?;
             let q_pe = qs.narrow(2, dn, dr)?.contiguous()?.reshape((h * t, dr))?;
             let nope = q_nope.matmul(&k_nope.t()?)?;
-            let pe = q_pe.matmul(&k_pe.t()?)?.reshape((h, t, m))?;
+            let mut pe = q_pe.matmul(&k_pe.t()?)?;
+            if let Some(k_pe) = k_pe_rows {
+                pe = self.shifted_scores(pe, &q_pe, &k_pe, s.shifts)?;
+            }
+            let pe = pe.reshape((h, t, m))?;
             let mut att = ((nope + pe)? * c.softmax_scale)?;
             if t > 1 {
                 let ctx = s.context.len();
@@ -561,6 +595,7 @@ mod tests {
             context: &[],
             new_slots: &pos,
             logits: LogitsFor::All,
+            shifts: &[],
         };
         m.forward(&mut kv, &[s]).unwrap().remove(0)
     }

@@ -68,6 +68,11 @@ pub struct ForwardSeq<'a> {
     pub new_slots: &'a [u32],
     /// Which logits to return.
     pub logits: LogitsFor,
+    /// Runs of `context` whose keys are encoded at positions other than their own (lazy
+    /// splices left them there), as [`leyline_kv::slots::SlotPool::key_shifts`] finds them;
+    /// empty when every key sits where it belongs. Attention reads such a run with the query
+    /// rotated back by the run's offset.
+    pub shifts: &'a [leyline_kv::shift::KeyShift],
 }
 
 /// A causal language model that runs over the slot pool.
@@ -216,6 +221,8 @@ pub fn check_batch(info: &ModelInfo, kv: &KvStorage, seqs: &[ForwardSeq<'_>]) ->
                 info.vocab_size
             )));
         }
+        leyline_kv::shift::check_shifts(s.shifts, s.context.len())
+            .map_err(|e| ModelError::Input(format!("sequence {i}: {e}")))?;
         let cap = kv.capacity();
         if let Some(&bad) = s
             .context

@@ -167,6 +167,7 @@ fn prefill(
             context: &slots[..a],
             new_slots: &slots[a..b],
             logits: LogitsFor::All,
+            shifts: &[],
         };
         out.extend(m.forward(kv, &[s]).unwrap().remove(0));
     }
@@ -278,6 +279,7 @@ fn batched_sequences_match_and_logits_selection() {
             context: &[],
             new_slots: parts[i],
             logits: wants[i],
+            shifts: &[],
         })
         .collect();
     let mut kv = pool(&f.model, KvDtype::F32);
@@ -300,6 +302,7 @@ fn batched_sequences_match_and_logits_selection() {
         context: parts[2],
         new_slots: &slots[299..],
         logits: LogitsFor::Last,
+        shifts: &[],
     };
     let one = f.model.forward(&mut kv, &[s]).unwrap().remove(0);
     let mut full = toks[2].clone();
@@ -534,6 +537,7 @@ fn bad_input_and_files_are_errors() {
         context: &[],
         new_slots: &[0],
         logits: LogitsFor::Last,
+        shifts: &[],
     };
     assert!(matches!(
         f.model.forward(&mut kv, &[s]),
@@ -614,6 +618,7 @@ fn the_deviation_pass_compares_the_compressed_cache() {
                 context: &b[..9],
                 new_slots: &scratch,
                 logits: LogitsFor::None,
+                shifts: &[],
             };
             m.kv_deviation(kv, seq, layer, cached)
         };

@@ -309,6 +309,7 @@ fn logits_match_transformers_at_every_position() {
             context: &[],
             new_slots: &pos,
             logits: LogitsFor::All,
+            shifts: &[],
         };
         let logits = m.forward(&mut kv, &[seq]).expect("forward").remove(0);
         assert_eq!(logits.len(), n * vocab);
@@ -401,6 +402,7 @@ fn decode_steps_in_one_mode(m: &Llama, vocab: usize) {
                     context: &slots[..done],
                     new_slots: &slots[done..done + take],
                     logits: LogitsFor::All,
+                    shifts: &[],
                 };
                 let rows = m.forward(&mut kv, &[seq]).expect("forward").remove(0);
                 if calls > 0 {

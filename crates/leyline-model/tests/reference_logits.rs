@@ -52,6 +52,7 @@ fn run_all(m: &Llama, tokens: &[u32], dtype: KvDtype) -> Vec<f32> {
         context: &[],
         new_slots: &pos,
         logits: LogitsFor::All,
+        shifts: &[],
     };
     m.forward(&mut kv, &[seq]).unwrap().remove(0)
 }
@@ -162,6 +163,7 @@ fn split_prefill_reads_the_cached_half() {
             context: &[],
             new_slots: &slots[..half],
             logits: LogitsFor::None,
+            shifts: &[],
         };
         assert!(m.forward(&mut kv, &[first]).unwrap()[0].is_empty());
         let second = ForwardSeq {
@@ -170,6 +172,7 @@ fn split_prefill_reads_the_cached_half() {
             context: &slots[..half],
             new_slots: &slots[half..],
             logits: LogitsFor::All,
+            shifts: &[],
         };
         let split = m.forward(&mut kv, &[second]).unwrap().remove(0);
         let max = split
@@ -207,6 +210,7 @@ fn batched_sequences_do_not_mix() {
                     context: &[],
                     new_slots: &pa,
                     logits: LogitsFor::All,
+                    shifts: &[],
                 },
                 ForwardSeq {
                     tokens: &b,
@@ -214,6 +218,7 @@ fn batched_sequences_do_not_mix() {
                     context: &[],
                     new_slots: &sb,
                     logits: LogitsFor::All,
+                    shifts: &[],
                 },
             ],
         )
@@ -309,6 +314,7 @@ fn decode_path_matches_transformers_in_small_interleaved_batches() {
                     context: &slots[*s],
                     new_slots: new,
                     logits: LogitsFor::All,
+                    shifts: &[],
                 })
                 .collect();
             assert!(seqs.iter().map(|s| s.tokens.len()).sum::<usize>() <= 16);

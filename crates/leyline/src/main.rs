@@ -86,6 +86,39 @@ pub struct ModelArgs {
     pub int8_decode: bool,
 }
 
+/// How AMORTIZE splices move the keys after an edit (`serve`, `verify`, `bench
+/// splice|replay`).
+#[derive(Args, Clone, Copy)]
+pub struct RotationArgs {
+    /// `eager`: rotate every downstream key in storage to its new position (copying slots
+    /// shared with the prefix cache or another conversation first). `lazy`: leave the keys
+    /// where they are and let attention rotate the query by each run's offset: a splice
+    /// copies and rotates nothing, and the original and the edited conversation share every
+    /// unchanged slot
+    #[arg(long, default_value_t = leyline_kv::shift::RotationMode::Eager)]
+    pub rotation: leyline_kv::shift::RotationMode,
+    /// With `--rotation lazy`: the most runs of distinct offset a conversation may hold after
+    /// a splice; one more and it is compacted (its keys rotated in storage, as eager does),
+    /// so attention never cuts its keys at more places (0: never compact)
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_MAX_SEGMENTS)]
+    pub max_segments: usize,
+}
+
+impl RotationArgs {
+    /// `cfg` with these settings.
+    pub fn apply(&self, cfg: leyline_engine::EngineConfig) -> leyline_engine::EngineConfig {
+        leyline_engine::EngineConfig {
+            rotation: self.rotation,
+            max_segments: if self.max_segments == 0 {
+                usize::MAX
+            } else {
+                self.max_segments
+            },
+            ..cfg
+        }
+    }
+}
+
 /// The compute threads of a measuring command (`verify`, `bench engine|splice|replay`).
 #[derive(Args, Clone, Copy)]
 pub struct ThreadsArgs {

@@ -91,6 +91,8 @@ pub struct ReplayArgs {
     pub plot_only: bool,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub rotation: crate::RotationArgs,
 }
 
 #[derive(Serialize)]
@@ -211,7 +213,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
                     } else {
                         leyline_core::Repair::NONE
                     },
-                    ..EngineConfig::new(kv_slots)
+                    ..a.rotation.apply(EngineConfig::new(kv_slots))
                 },
             };
             let out = drive::run(lm.model.clone(), &prepared, &params, &mut || bar.inc(1))

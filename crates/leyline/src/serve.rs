@@ -97,6 +97,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
+    rotation: crate::RotationArgs,
+    #[command(flatten)]
     threads: ServeThreadsArgs,
 }
 
@@ -129,7 +131,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             0
         },
         repair: a.repair,
-        ..leyline_engine::EngineConfig::new(slots)
+        ..a.rotation.apply(leyline_engine::EngineConfig::new(slots))
     };
     let name = a
         .served_model_name

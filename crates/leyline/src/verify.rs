@@ -88,6 +88,8 @@ pub struct VerifyArgs {
     pub json: bool,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub rotation: crate::RotationArgs,
 }
 
 /// Where the probes came from, for the report.
@@ -150,7 +152,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         .max(max_tokens + 2);
     let cfg = EngineConfig {
         kv_dtype: a.model.kv_dtype,
-        ..EngineConfig::new(slots)
+        ..a.rotation.apply(EngineConfig::new(slots))
     };
     let mut engine = Engine::new(Arc::clone(lm.model()), cfg)?;
     let bar = ProgressBar::new(probes.len() as u64);
@@ -441,6 +443,7 @@ fn model_keys(lm: &AnyModel, prompt: &[u32], n: usize) -> Result<Vec<f32>> {
             context: &[],
             new_slots: &slots,
             logits: LogitsFor::None,
+            shifts: &[],
         }],
     )?;
     let mut keys = vec![0f32; g.layers * n * g.k_width()];

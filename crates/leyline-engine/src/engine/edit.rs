@@ -25,8 +25,9 @@ use crate::error::{EngineError, Result};
 use crate::request::RequestId;
 use crate::session::{message_edits, EditReport, Session, SessionEdits, SessionId, SessionInfo};
 use leyline_core::{Directive, DirectiveBatch, Mode, Repair, SessionState, ValidationContext};
+use leyline_kv::shift::{segment_count, RotationMode};
 use leyline_kv::slots::Lineage;
-use leyline_kv::splice::{apply_splice, SpliceError, SpliceTarget, Spliced};
+use leyline_kv::splice::{apply_splice, compact, SpliceError, SpliceTarget, Spliced};
 use leyline_model::{ForwardSeq, LogitsFor};
 use std::ops::Range;
 use std::time::Instant;
@@ -461,11 +462,13 @@ impl Engine {
             scanned: 0,
             zeroed: 0,
             new_len: tokens.len(),
+            compacted: false,
         };
         let sess = self.session_mut(id)?;
         sess.tokens = tokens;
         sess.slots = spliced.slots;
         sess.clean_len = spliced.clean_len;
+        self.compact_if_needed(id, &info.rope, &mut report)?;
         let m = &self.metrics;
         m.add(&m.prefilled_tokens, n_repl as u64);
         m.add(&m.rotated_tokens, report.rotated as u64);
@@ -476,6 +479,34 @@ impl Engine {
         report.repaired = self.repair_session(id, &ranges)?;
         self.update_gauges();
         Ok((report, ranges))
+    }
+
+    /// After a lazy splice: compacts session `id` (its keys rotated to their own positions,
+    /// shared ones copied first) when it holds more shifted runs than the engine allows, so
+    /// that attention never cuts its keys at more than that many places.
+    fn compact_if_needed(
+        &mut self,
+        id: SessionId,
+        rope: &leyline_kv::rope::RopeSpec,
+        report: &mut EditReport,
+    ) -> Result<()> {
+        if self.cfg.rotation != RotationMode::Lazy {
+            return Ok(());
+        }
+        let slots = self.session(id)?.slots.clone();
+        let shifts = self.cache.pool().key_shifts(&slots)?;
+        if segment_count(&shifts, slots.len()) <= self.cfg.max_segments {
+            return Ok(());
+        }
+        let done = compact(&mut self.cache, &mut self.kv, rope, &slots)?;
+        self.note_evicted(done.evicted);
+        report.rotated += done.rotated;
+        report.copied += done.copied;
+        report.compacted = true;
+        let m = &self.metrics;
+        m.add(&m.rotated_tokens, done.rotated as u64);
+        self.session_mut(id)?.slots = done.slots;
+        Ok(())
     }
 
     /// One attempt at the KV layer's splice of session `id`, the model forward passed in.
@@ -502,6 +533,7 @@ impl Engine {
             &mut self.cache,
             &mut self.kv,
             rope,
+            self.cfg.rotation,
             target,
             batch,
             |kv, job| {
@@ -513,6 +545,7 @@ impl Engine {
                     context: job.context,
                     new_slots: job.slots,
                     logits: LogitsFor::None,
+                    shifts: job.shifts,
                 };
                 model.forward(kv, &[seq]).map(|_| ())
             },
@@ -551,6 +584,7 @@ impl Engine {
             scanned: 0,
             zeroed,
             new_len: target.len(),
+            compacted: false,
         };
         self.metrics
             .add(&self.metrics.directives_forget, report.directives as u64);
@@ -569,6 +603,8 @@ impl Engine {
         }
         let (lineage, clean_len) = (s.lineage, s.clean_len);
         let prev = s.slots.clone();
+        // The new slots sit at their own positions: only the held context can be shifted.
+        let shifts = self.cache.pool().key_shifts(&prev)?;
         let (slots, removed) = self.cache.alloc_evicting(tail.len())?;
         self.note_evicted(removed.freed.len());
         let chunk = self.cfg.prefill_chunk;
@@ -584,6 +620,7 @@ impl Engine {
                 context: &context,
                 new_slots: &slots[done..end],
                 logits: LogitsFor::None,
+                shifts: &shifts,
             };
             if let Err(e) = self.model.forward(&mut self.kv, &[seq]) {
                 self.scrub(&slots)?;
@@ -618,6 +655,7 @@ impl Engine {
             return Err(EngineError::InvalidRequest("no tokens to score".into()));
         }
         let context = self.session(id)?.slots.clone();
+        let shifts = self.cache.pool().key_shifts(&context)?;
         let start = context.len() as u32;
         let (scratch, removed) = self.cache.alloc_evicting(tokens.len())?;
         self.note_evicted(removed.freed.len());
@@ -628,6 +666,7 @@ impl Engine {
             context: &context,
             new_slots: &scratch,
             logits: LogitsFor::Last,
+            shifts: &shifts,
         };
         let out = self.model.forward(&mut self.kv, &[seq]);
         // Scratch KV read the session's context: it goes back zeroed.

@@ -11,8 +11,9 @@
 //! continues (its edits leave the conversation's last message as it was, as agent policies
 //! do: they edit older history); the one that leaves the least to prefill (replacements
 //! included) is taken if it beats the prefix tree. With edits the conversation is forked first: the fork holds its own reference on
-//! every slot, so the splice copies each downstream slot before rotating it and the
-//! original stays as it was, for other continuations of it. A spliced branch's KV carries
+//! every slot, so the splice copies each downstream slot before rotating it (or, under lazy
+//! rotation, leaves it where it is and shares it) and the original stays as it was, for
+//! other continuations of it. A spliced branch's KV carries
 //! the fork's lineage and never enters the shared tree, so only a continuation of that
 //! branch within the tenant ever reads it.
 

@@ -47,32 +47,58 @@ impl Engine {
     fn kv_deviation(&mut self, id: SessionId, scan: Range<usize>) -> Result<Vec<f32>> {
         let layer = REPAIR_DEVIATION_LAYER.min(self.kv.geometry().layers.saturating_sub(1));
         let mut out = Vec::with_capacity(scan.len());
-        for Range { start: a, end: b } in chunks(scan, self.cfg.prefill_chunk) {
-            let (scratch, removed) = self.cache.alloc_evicting(b - a)?;
-            self.note_evicted(removed.freed.len());
-            let s = self
-                .sessions
-                .get(&id)
-                .ok_or(EngineError::UnknownSession(id.0))?;
-            let positions: Vec<u32> = (a as u32..b as u32).collect();
-            // The context is the session's own slots: the layers before `layer` that the
-            // earlier scanned tokens feed do not depend on context at layer 0, and the pass
-            // reads no deeper than that.
-            let seq = ForwardSeq {
-                tokens: &s.tokens[a..b],
-                positions: &positions,
-                context: &s.slots[..a],
-                new_slots: &scratch,
-                logits: LogitsFor::None,
-            };
-            let got = self
-                .model
-                .kv_deviation(&mut self.kv, seq, layer, &s.slots[a..b]);
-            self.scrub(&scratch)?;
-            self.cache.pool_mut().release_all(&scratch)?;
-            out.extend(got?);
+        // Tokens a lazy splice left shifted are recomputed where their cached keys are
+        // encoded (so the two compare), one run of equal offset at a time, the context read
+        // relative to that offset.
+        let runs = self.offset_runs(id, scan)?;
+        for (run, offset) in runs {
+            for Range { start: a, end: b } in chunks(run, self.cfg.prefill_chunk) {
+                let (scratch, removed) = self.cache.alloc_evicting(b - a)?;
+                self.note_evicted(removed.freed.len());
+                let s = self
+                    .sessions
+                    .get(&id)
+                    .ok_or(EngineError::UnknownSession(id.0))?;
+                let shifts = self.cache.pool().key_shifts_from(&s.slots[..a], offset)?;
+                let positions: Vec<u32> = (a as i64 - offset..b as i64 - offset)
+                    .map(|p| p as u32)
+                    .collect();
+                // The context is the session's own slots: the layers before `layer` that the
+                // earlier scanned tokens feed do not depend on context at layer 0, and the pass
+                // reads no deeper than that.
+                let seq = ForwardSeq {
+                    tokens: &s.tokens[a..b],
+                    positions: &positions,
+                    context: &s.slots[..a],
+                    new_slots: &scratch,
+                    logits: LogitsFor::None,
+                    shifts: &shifts,
+                };
+                let got = self
+                    .model
+                    .kv_deviation(&mut self.kv, seq, layer, &s.slots[a..b]);
+                self.scrub(&scratch)?;
+                self.cache.pool_mut().release_all(&scratch)?;
+                out.extend(got?);
+            }
         }
         Ok(out)
+    }
+
+    /// `range` of session `id` cut into runs whose slots share one offset (true position
+    /// less encoded position; 0 unless a lazy splice moved them), in order.
+    fn offset_runs(&self, id: SessionId, range: Range<usize>) -> Result<Vec<(Range<usize>, i64)>> {
+        let s = self.session(id)?;
+        let pool = self.cache.pool();
+        let mut runs: Vec<(Range<usize>, i64)> = Vec::new();
+        for i in range {
+            let o = i as i64 - i64::from(pool.position(s.slots[i])?);
+            match runs.last_mut() {
+                Some((r, last)) if *last == o => r.end = i + 1,
+                _ => runs.push((i..i + 1, o)),
+            }
+        }
+        Ok(runs)
     }
 
     /// Recomputes the session's tokens in `ranges` (post-edit indices, sorted and disjoint)
@@ -93,12 +119,14 @@ impl Engine {
                     .get(&id)
                     .ok_or(EngineError::UnknownSession(id.0))?;
                 let positions: Vec<u32> = (a as u32..b as u32).collect();
+                let shifts = self.cache.pool().key_shifts(&s.slots[..a])?;
                 let seq = ForwardSeq {
                     tokens: &s.tokens[a..b],
                     positions: &positions,
                     context: &s.slots[..a],
                     new_slots: &s.slots[a..b],
                     logits: LogitsFor::None,
+                    shifts: &shifts,
                 };
                 if let Err(e) = self.model.forward(&mut self.kv, &[seq]) {
                     let sess = self.session_mut(id)?;
@@ -107,6 +135,11 @@ impl Engine {
                     let tail = sess.slots.split_off(a);
                     self.release_slots(&tail)?;
                     return Err(e.into());
+                }
+                // Recomputed where they belong: no longer shifted.
+                let pool = self.cache.pool_mut();
+                for (i, &slot) in s.slots[a..b].iter().enumerate() {
+                    pool.set_position(slot, (a + i) as u32)?;
                 }
             }
             repaired += r.len();

@@ -24,6 +24,7 @@ use crate::error::{KvError, Result};
 use crate::radix::PrefixCache;
 use crate::rope::{RopeSpec, Rotation};
 use crate::rotate::{shift_rows_with, shift_table, KernelPath};
+use crate::shift::{key_shifts, KeyShift, RotationMode};
 use crate::slots::Lineage;
 use crate::storage::{KRowsBackup, KvStorage};
 use leyline_core::DirectiveBatch;
@@ -50,9 +51,11 @@ pub struct PrefillJob<'a> {
     pub tokens: &'a [u32],
     /// Their positions in the edited sequence.
     pub positions: Range<usize>,
-    /// The slots before them in the edited sequence (already rotated to their new
-    /// positions): what they attend to.
+    /// The slots before them in the edited sequence: what they attend to. Eager: already
+    /// rotated to their new positions; lazy: where they were, read through `shifts`.
     pub context: &'a [u32],
+    /// The shifted runs of `context` (empty for an eager splice).
+    pub shifts: &'a [KeyShift],
     /// Fresh slots to write, one per token.
     pub slots: &'a [u32],
 }
@@ -94,6 +97,11 @@ pub enum SpliceError<E> {
 /// Applies the validated AMORTIZE `batch` to `target`: see the module docs for the order
 /// and the rollback. `prefill` computes one replacement's KV into its fresh slots.
 ///
+/// [`RotationMode::Lazy`] copies and rotates nothing: kept slots keep their bytes and their
+/// encoded positions (so every sequence sharing them still reads them as before), the
+/// replacements are encoded at their own positions, and the edited sequence reads the
+/// kept runs whose position moved through [`key_shifts`].
+///
 /// On success the caller replaces its slot list by [`Spliced::slots`] (its references on
 /// them are already in place, those on dropped slots already given back).
 ///
@@ -107,11 +115,12 @@ pub fn apply_splice<E>(
     cache: &mut PrefixCache,
     kv: &mut KvStorage,
     rope: &RopeSpec,
+    mode: RotationMode,
     target: SpliceTarget<'_>,
     batch: &DirectiveBatch,
     mut prefill: impl FnMut(&mut KvStorage, PrefillJob<'_>) -> std::result::Result<(), E>,
 ) -> std::result::Result<Spliced, SpliceError<E>> {
-    let mut txn = Txn::plan(cache, kv, rope, target, batch)?;
+    let mut txn = Txn::plan(cache, kv, rope, mode, target, batch)?;
     let directives = batch.directives();
     for (i, d) in directives.iter().enumerate() {
         let range = txn.plan.prefill[i].clone();
@@ -121,11 +130,19 @@ pub fn apply_splice<E>(
         // The segments before this replacement must sit at their new positions; a later
         // prefill can still fail, so keys rotated in place now are backed up.
         txn.rotate_before(kv, range.start, true);
+        let shifts = match mode {
+            RotationMode::Eager => Vec::new(),
+            RotationMode::Lazy => {
+                let before = &txn.plan.new_positions[..range.start];
+                key_shifts(before, |p| p)
+            }
+        };
         let job = PrefillJob {
             index: i,
             tokens: &d.replacement,
             positions: range.clone(),
             context: &txn.plan.new_slots[..range.start],
+            shifts: &shifts,
             slots: &txn.plan.new_slots[range.clone()],
         };
         if let Err(source) = prefill(kv, job) {
@@ -161,6 +178,7 @@ impl Txn {
         cache: &mut PrefixCache,
         kv: &mut KvStorage,
         rope: &RopeSpec,
+        mode: RotationMode,
         target: SpliceTarget<'_>,
         batch: &DirectiveBatch,
     ) -> Result<Self> {
@@ -210,9 +228,10 @@ impl Txn {
             replacement_slots: &repl_slots,
         };
         let mut cow_alloc: Result<Vec<u32>> = Ok(Vec::new());
+        let lazy = mode == RotationMode::Lazy;
         let planned = SplicePlan::with_cow(
             &req,
-            |x| shared.contains(&x),
+            |x| !lazy && shared.contains(&x),
             |n| match cache.alloc_evicting(n) {
                 Ok((v, removed)) => {
                     evicted += removed.freed.len();
@@ -228,7 +247,7 @@ impl Txn {
         if let Ok(copies) = &cow_alloc {
             fresh.extend_from_slice(copies);
         }
-        let plan = match (planned, cow_alloc) {
+        let mut plan = match (planned, cow_alloc) {
             (Ok(p), _) => p,
             (Err(e), alloc) => {
                 release_reversed(cache, &fresh);
@@ -236,10 +255,24 @@ impl Txn {
                 return Err(alloc.err().unwrap_or(e));
             }
         };
+        if lazy {
+            // Kept slots stay as they are encoded; replacements sit at their own index.
+            for s in &plan.segments {
+                for (k, i) in s.new_range.clone().enumerate() {
+                    plan.new_positions[i] = old_positions[s.old_range.start + k];
+                }
+            }
+            for r in &plan.prefill {
+                for i in r.clone() {
+                    plan.new_positions[i] = i as u32;
+                }
+            }
+            plan.to_rotate.clear();
+        }
         let rotations = plan
             .segments
             .iter()
-            .filter(|s| s.delta != 0 && !s.new_range.is_empty())
+            .filter(|s| !lazy && s.delta != 0 && !s.new_range.is_empty())
             .map(|s| (s.new_range.clone(), tables[&s.delta].clone()))
             .collect();
         // Every kernel call below is checked now, so the mutation cannot fail half-way.
@@ -350,16 +383,9 @@ impl Txn {
                 let _ = pool.revoke(dst);
             }
         }
-        let sources: Vec<u32> = plan.cow.iter().map(|&(src, _)| src).collect();
-        let mut freed = pool.release_all(&sources).unwrap_or_default();
-        freed.extend(pool.release_all(&plan.freed).unwrap_or_default());
-        // Zero on free: what this sequence alone held was session-private or forgotten.
-        for s in freed {
-            let private = !pool.lineage(s).is_ok_and(|l| l.is_shared());
-            if private || pool.is_revoked(s).unwrap_or(true) {
-                let _ = kv.zero_slot(s);
-            }
-        }
+        let mut dropped: Vec<u32> = plan.cow.iter().map(|&(src, _)| src).collect();
+        dropped.extend_from_slice(&plan.freed);
+        release_scrubbed(cache, kv, &dropped);
         Spliced {
             rotated: plan.to_rotate.len(),
             copied: plan.cow.len(),
@@ -367,6 +393,19 @@ impl Txn {
             slots: plan.new_slots,
             clean_len: self.clean_len,
             evicted: self.evicted,
+        }
+    }
+}
+
+/// Drops one reference on each of `slots`; those that come free holding session-private or
+/// forgotten KV are zeroed (what a sequence alone held was its own).
+pub(super) fn release_scrubbed(cache: &mut PrefixCache, kv: &mut KvStorage, slots: &[u32]) {
+    let pool = cache.pool_mut();
+    let freed = pool.release_all(slots).unwrap_or_default();
+    for s in freed {
+        let private = !pool.lineage(s).is_ok_and(|l| l.is_shared());
+        if private || pool.is_revoked(s).unwrap_or(true) {
+            let _ = kv.zero_slot(s);
         }
     }
 }

@@ -71,7 +71,7 @@ fn attend_with(
 ) {
     let shape = plan.shape;
     let (g, hd) = (shape.heads / shape.kv_heads, shape.head_dim);
-    let tasks = &plan.tasks;
+    let (tasks, rotations) = (&plan.tasks, &plan.rotations);
     {
         let mut pieces = Vec::with_capacity(tasks.len());
         let mut rest = plan.scratch.as_mut_slice();
@@ -95,6 +95,7 @@ fn attend_with(
                 let job = Job {
                     task,
                     q,
+                    rot: task.rot.map(|r| &rotations[r].1),
                     shape,
                     kw,
                     vw,

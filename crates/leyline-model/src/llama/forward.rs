@@ -71,7 +71,7 @@ impl Llama {
             kv_heads: kvh,
             head_dim: hd,
         };
-        let mut plan = attend::Plan::new(seqs, shape, pool.threads());
+        let mut plan = attend::Plan::new(seqs, shape, &self.cfg.rope, pool.threads());
         for (li, b) in self.blocks.iter().enumerate() {
             rms_norm(&x, &b.attn_norm_vals, eps, &mut xn);
             b.qkv.forward(&xn, n, &mut qkv)?;

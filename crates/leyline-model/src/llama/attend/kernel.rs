@@ -119,6 +119,8 @@ impl Load<u16> for FromF16 {
 pub(super) struct Job<'a> {
     pub(super) task: &'a Task<'a>,
     pub(super) q: Queries<'a>,
+    /// Turns the queries back by the offset of the task's shifted run.
+    pub(super) rot: Option<&'a leyline_kv::rope::Rotation>,
     pub(super) shape: Heads,
     pub(super) kw: usize,
     pub(super) vw: usize,
@@ -292,6 +294,7 @@ fn task<T: Copy, const W: usize>(
     let Job {
         task,
         q,
+        rot,
         shape,
         kw,
         vw,
@@ -325,6 +328,9 @@ fn task<T: Copy, const W: usize>(
             let src = task.toks[r / g].0 * q.stride + head * hd;
             for (d, &x) in dst.iter_mut().zip(&q.rows[src..src + hd]) {
                 *d = x * c;
+            }
+            if let Some(r) = rot {
+                r.apply_f32(dst);
             }
         } else {
             dst.fill(0.0);
@@ -383,7 +389,8 @@ fn task<T: Copy, const W: usize>(
         } else {
             isa.scores(qt, lanes, &krows, st, hd);
         }
-        if j0 + KB > diag {
+        // Blocks end short at the diagonal, and where a shifted run ends (no task spans two).
+        if j0 + KB > diag || nb < KB {
             for (jj, srow) in st.chunks_exact_mut(lanes).enumerate() {
                 let j = j0 + jj;
                 let hidden = if jj >= nb {

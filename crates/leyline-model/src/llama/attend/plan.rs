@@ -3,6 +3,8 @@
 //! prefix, and the merge of split tasks' partial sums into the output.
 
 use crate::ForwardSeq;
+use leyline_kv::rope::{RopeSpec, Rotation};
+use leyline_kv::shift::KeyShift;
 
 /// Keys per block.
 pub(super) const KB: usize = 64;
@@ -43,6 +45,9 @@ pub(super) struct Task<'a> {
     pub(super) merged: bool,
     /// Whether this is the task with the first keys of its rows (it finishes the merge).
     pub(super) first: bool,
+    /// For keys of a shifted run: which of [`Plan::rotations`] turns the queries back by
+    /// the run's offset. A task never spans two runs.
+    pub(super) rot: Option<usize>,
 }
 
 impl Task<'_> {
@@ -74,11 +79,20 @@ pub(crate) struct Plan<'a> {
     /// Task-major output: task i owns its rows' `head_dim` values, then each row's running
     /// max and sum. Every task writes all of its piece, so layers reuse it as it is.
     pub(super) scratch: Vec<f32>,
+    /// `R(-offset)` for each distinct offset of the batch's shifted runs.
+    pub(super) rotations: Vec<(i64, Rotation)>,
+    rope: &'a RopeSpec,
 }
 
 impl<'a> Plan<'a> {
-    /// The tasks for `seqs` on `threads` threads.
-    pub(crate) fn new(seqs: &'a [ForwardSeq<'a>], shape: Heads, threads: usize) -> Self {
+    /// The tasks for `seqs` on `threads` threads; `rope` turns queries back for the keys of
+    /// shifted runs ([`ForwardSeq::shifts`]).
+    pub(crate) fn new(
+        seqs: &'a [ForwardSeq<'a>],
+        shape: Heads,
+        rope: &'a RopeSpec,
+        threads: usize,
+    ) -> Self {
         let Heads {
             heads: h,
             kv_heads: kvh,
@@ -93,6 +107,8 @@ impl<'a> Plan<'a> {
             merge_rows: 0,
             max_rows: 0,
             scratch: Vec::new(),
+            rotations: Vec::new(),
+            rope,
         };
         let rows_at: Vec<usize> = seqs
             .iter()
@@ -118,6 +134,8 @@ impl<'a> Plan<'a> {
                     .min(len / MIN_SPLIT)
                     .max(1);
                 let cuts: Vec<usize> = (0..=parts).map(|p| p * len / parts / KB * KB).collect();
+                // Equal slots at equal indices: the members' shifts agree on the prefix.
+                let cuts = at_shifts(cuts, seqs[chunk[0]].shifts);
                 plan.push(&seqs[chunk[0]], len, &cuts, Merge::Leads, |kv_head| {
                     chunk
                         .iter()
@@ -136,18 +154,20 @@ impl<'a> Plan<'a> {
                     .map(|p| skip + p * (ctx - skip) / parts / KB * KB)
                     .collect();
                 cuts.push(ctx + 1);
+                let cuts = at_shifts(cuts, s.shifts);
                 plan.push(s, ctx, &cuts, Merge::Joins, |kv_head| {
                     vec![(row, base[i] + kv_head * g)]
                 });
                 continue;
             }
-            // Only context keys are split: every row sees all of them, so no part is empty.
+            // Only context keys are split (at shifted runs' ends too): every row sees all
+            // of them, so no part is empty.
             let parts = if units >= wanted {
                 1
             } else {
                 wanted.div_ceil(units).min(ctx / MIN_SPLIT).max(1)
             };
-            let merge = if parts > 1 {
+            let merge = if parts > 1 || !s.shifts.is_empty() {
                 Merge::Leads
             } else {
                 Merge::Alone
@@ -156,6 +176,7 @@ impl<'a> Plan<'a> {
                 let t1 = (t0 + QB).min(t);
                 let mut cuts: Vec<usize> = (0..parts).map(|p| p * ctx / parts / KB * KB).collect();
                 cuts.push(ctx + t1);
+                let cuts = at_shifts(cuts, s.shifts);
                 let at = plan.merge_rows;
                 plan.push(s, ctx + t0, &cuts, merge, |kv_head| {
                     (t0..t1)
@@ -191,6 +212,10 @@ impl<'a> Plan<'a> {
         merge: Merge,
         toks: impl Fn(usize) -> Vec<(usize, usize)>,
     ) {
+        let rots: Vec<Option<usize>> = cuts
+            .windows(2)
+            .map(|keys| self.rotation_at(seq.shifts, keys[0]))
+            .collect();
         for kv_head in 0..self.shape.kv_heads {
             let toks = toks(kv_head);
             for (p, keys) in cuts.windows(2).enumerate() {
@@ -203,10 +228,45 @@ impl<'a> Plan<'a> {
                     k1: keys[1],
                     merged: merge != Merge::Alone,
                     first: p == 0 && merge != Merge::Joins,
+                    rot: rots[p],
                 });
             }
         }
     }
+
+    /// The rotation for a task whose keys begin at context index `k0`, if a shifted run
+    /// holds it.
+    fn rotation_at(&mut self, shifts: &[KeyShift], k0: usize) -> Option<usize> {
+        let i = shifts.partition_point(|s| s.range.end <= k0);
+        let s = shifts.get(i).filter(|s| s.range.start <= k0)?;
+        if let Some(at) = self.rotations.iter().position(|r| r.0 == s.offset) {
+            return Some(at);
+        }
+        self.rotations
+            .push((s.offset, Rotation::new(self.rope, -s.offset)));
+        Some(self.rotations.len() - 1)
+    }
+}
+
+/// `cuts` (increasing key indices, the last one the end) with the shifted runs' ends inside
+/// them added, so that no stretch of keys between two cuts spans two runs.
+fn at_shifts(mut cuts: Vec<usize>, shifts: &[KeyShift]) -> Vec<usize> {
+    let (Some(&lo), Some(&hi)) = (cuts.first(), cuts.last()) else {
+        return cuts;
+    };
+    let inside = |&x: &usize| lo < x && x < hi;
+    let extra: Vec<usize> = shifts
+        .iter()
+        .flat_map(|s| [s.range.start, s.range.end])
+        .filter(inside)
+        .collect();
+    if extra.is_empty() {
+        return cuts;
+    }
+    cuts.extend(extra);
+    cuts.sort_unstable();
+    cuts.dedup();
+    cuts
 }
 
 /// Fewest context keys that sequences must share for [`shared_prefixes`] to group them.
@@ -228,6 +288,7 @@ pub(super) fn shared_prefixes(seqs: &[ForwardSeq<'_>]) -> Vec<(Vec<usize>, usize
         let mut members = vec![run[0]];
         for &i in &run[1..] {
             let common = common_prefix(lead, seqs[i].context);
+            let common = shifts_agree(seqs[run[0]].shifts, seqs[i].shifts, common);
             if common >= MIN_SHARED {
                 members.push(i);
                 len = len.min(common);
@@ -238,6 +299,29 @@ pub(super) fn shared_prefixes(seqs: &[ForwardSeq<'_>]) -> Vec<(Vec<usize>, usize
         }
     }
     groups
+}
+
+/// How many of the first `len` keys two contexts' shifts treat alike (`len` when the shifts
+/// come from the slots, as [`leyline_kv::shift::key_shifts`] finds them).
+fn shifts_agree(a: &[KeyShift], b: &[KeyShift], len: usize) -> usize {
+    let offset_at = |s: &[KeyShift], i: usize| {
+        s.iter()
+            .find(|r| r.range.contains(&i))
+            .map_or(0, |r| r.offset)
+    };
+    let mut edges: Vec<usize> = a
+        .iter()
+        .chain(b)
+        .flat_map(|r| [r.range.start, r.range.end])
+        .filter(|&x| x < len)
+        .collect();
+    edges.push(0);
+    edges.sort_unstable();
+    edges.dedup();
+    edges
+        .into_iter()
+        .find(|&i| offset_at(a, i) != offset_at(b, i))
+        .unwrap_or(len)
 }
 
 /// How many leading elements `a` and `b` share.

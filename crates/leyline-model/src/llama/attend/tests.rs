@@ -2,6 +2,8 @@ use super::plan::{common_prefix, shared_prefixes, QB};
 use super::*;
 use crate::{ForwardSeq, LogitsFor};
 use leyline_kv::cpu::Features;
+use leyline_kv::rope::{RopeSpec, RotaryLayout};
+use leyline_kv::shift::KeyShift;
 use leyline_kv::storage::{KvDtype, KvGeometry};
 
 struct Rng(u64);
@@ -14,11 +16,31 @@ impl Rng {
     }
 }
 
-/// Scalar f64 attention over the values the pool actually stores.
+const THETA: f64 = 10_000.0;
+
+/// `R(angle)` applied in f64 to one head row of plain RoPE (base [`THETA`], all dims).
+fn rotate_f64(x: &mut [f64], angle: f64, layout: RotaryLayout) {
+    let hd = x.len();
+    let h = hd / 2;
+    for i in 0..h {
+        let (s, c) = (angle * THETA.powf(-(2.0 * i as f64) / hd as f64)).sin_cos();
+        let (a, b) = match layout {
+            RotaryLayout::Interleaved => (2 * i, 2 * i + 1),
+            RotaryLayout::Neox => (i, i + h),
+        };
+        let (x0, x1) = (x[a], x[b]);
+        x[a] = x0 * c - x1 * s;
+        x[b] = x0 * s + x1 * c;
+    }
+}
+
+/// Scalar f64 attention over the values the pool actually stores; the keys of a sequence's
+/// shifted runs are first rotated forward by the run's offset (what an eager splice stores).
 fn reference(
     kv: &KvStorage,
     layer: usize,
     shape: Heads,
+    layout: RotaryLayout,
     q: &[f32],
     seqs: &[ForwardSeq<'_>],
 ) -> Vec<f64> {
@@ -37,6 +59,15 @@ fn reference(
         let mut vs = vec![0f32; slots.len() * kvh * hd];
         kv.gather_k(layer, &slots, &mut ks).unwrap();
         kv.gather_v(layer, &slots, &mut vs).unwrap();
+        let mut ks: Vec<f64> = ks.iter().map(|&x| x as f64).collect();
+        for sh in s.shifts {
+            for j in sh.range.clone() {
+                for kh in 0..kvh {
+                    let row = &mut ks[j * kvh * hd + kh * hd..][..hd];
+                    rotate_f64(row, sh.offset as f64, layout);
+                }
+            }
+        }
         for i in 0..s.tokens.len() {
             let visible = s.context.len() + i + 1;
             for head in 0..h {
@@ -45,10 +76,7 @@ fn reference(
                 let sc: Vec<f64> = (0..visible)
                     .map(|j| {
                         let kr = &ks[j * kvh * hd + kh * hd..][..hd];
-                        qr.iter()
-                            .zip(kr)
-                            .map(|(&a, &b)| a as f64 * b as f64)
-                            .sum::<f64>()
+                        qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b).sum::<f64>()
                             / (hd as f64).sqrt()
                     })
                     .collect();
@@ -77,6 +105,19 @@ fn check(dtype: KvDtype, shape: Heads, plan: &[(usize, usize)], threads: usize) 
 /// [`check`] for sequences `(context, new tokens, shared)` whose contexts begin with the
 /// first `shared` slots of one common run, as the prefix tree hands them out.
 fn check_shared(dtype: KvDtype, shape: Heads, plan: &[(usize, usize, usize)], threads: usize) {
+    let none = vec![Vec::new(); plan.len()];
+    check_shifted(dtype, shape, plan, &none, RotaryLayout::Neox, threads);
+}
+
+/// [`check_shared`] with each sequence's shifted runs.
+fn check_shifted(
+    dtype: KvDtype,
+    shape: Heads,
+    plan: &[(usize, usize, usize)],
+    shifts: &[Vec<KeyShift>],
+    layout: RotaryLayout,
+    threads: usize,
+) {
     let Heads {
         heads: h,
         kv_heads: kvh,
@@ -127,18 +168,21 @@ fn check_shared(dtype: KvDtype, shape: Heads, plan: &[(usize, usize, usize)], th
     let seqs: Vec<ForwardSeq<'_>> = parts
         .iter()
         .zip(&toks)
-        .map(|((ctx, new), tk)| ForwardSeq {
+        .zip(shifts)
+        .map(|(((ctx, new), tk), sh)| ForwardSeq {
             tokens: tk,
             positions: tk,
             context: ctx,
             new_slots: new,
             logits: LogitsFor::None,
+            shifts: sh,
         })
         .collect();
     let n: usize = plan.iter().map(|(_, t, _)| t).sum();
     let q: Vec<f32> = (0..n * h * hd).map(|_| rng.next() * 2.0).collect();
     let pool = SpinPool::new(threads);
-    let want = reference(&kv, layer, shape, &q, &seqs);
+    let want = reference(&kv, layer, shape, layout, &q, &seqs);
+    let rope = RopeSpec::plain(THETA, hd, layout);
     // Rows wider than the queries (as in the fused Q/K/V buffer), padding unread.
     let stride = h * hd + 5;
     let padded: Vec<f32> = q
@@ -152,7 +196,7 @@ fn check_shared(dtype: KvDtype, shape: Heads, plan: &[(usize, usize, usize)], th
             stride,
         };
         // The plan serves every layer: a stale output of layer 0 must not leak into layer 1.
-        let mut work = Plan::new(&seqs, shape, pool.threads());
+        let mut work = Plan::new(&seqs, shape, &rope, pool.threads());
         attend_with(isa, &pool, &kv, 0, q, &mut work, &mut out);
         attend_with(isa, &pool, &kv, layer, q, &mut work, &mut out);
         let (mut num, mut den) = (0f64, 0f64);
@@ -163,7 +207,8 @@ fn check_shared(dtype: KvDtype, shape: Heads, plan: &[(usize, usize, usize)], th
         let rel = (num / den).sqrt();
         assert!(
             rel < 2e-6,
-            "{isa:?} {dtype:?} hd={hd} plan={plan:?}: rel-L2 {rel:e} against the f64 reference"
+            "{isa:?} {dtype:?} hd={hd} plan={plan:?} shifts={shifts:?}: rel-L2 {rel:e} \
+             against the f64 reference"
         );
     }
 }
@@ -256,6 +301,7 @@ fn decodes_that_share_a_prefix_match_the_reference() {
             context: v,
             new_slots: &[9999],
             logits: LogitsFor::None,
+            shifts: &[],
         }
     }
     // Grouping: the shared length is what all members share, cut to whole key blocks.
@@ -318,4 +364,93 @@ fn matches_a_scalar_f64_reference() {
             check(KvDtype::F32, shape, plan, 2);
         }
     }
+}
+
+/// Lazy rotation: keys of shifted runs, read with the query turned back by the run's offset,
+/// give the attention of keys rotated forward (the f64 reference rotates the keys).
+#[test]
+fn shifted_runs_match_rotated_keys() {
+    let run = |a: usize, b: usize, offset: i64| KeyShift {
+        range: a..b,
+        offset,
+    };
+    // (context, new tokens, shared), and each sequence's runs.
+    type Case = (Vec<(usize, usize, usize)>, Vec<Vec<KeyShift>>);
+    let cases: Vec<Case> = vec![
+        // A prefill after one splice: the run reaches the end of the context.
+        (vec![(200, 40, 0)], vec![vec![run(70, 200, -13)]]),
+        // Decodes: several runs, one beginning at key 0, adjacent runs of other offsets,
+        // and a context split over tasks.
+        (
+            vec![(1500, 1, 0), (90, 1, 0)],
+            vec![
+                vec![run(0, 5, 3), run(5, 300, -7), run(700, 1499, 250)],
+                vec![run(10, 11, 1)],
+            ],
+        ),
+        // Decodes that share a prefix holding runs, and a run after it.
+        (
+            vec![(600, 1, 400), (900, 1, 400), (420, 1, 400)],
+            vec![
+                vec![run(100, 380, -2), run(500, 600, 4)],
+                vec![run(100, 380, -2)],
+                vec![run(100, 380, -2), run(400, 420, 9)],
+            ],
+        ),
+        // Several blocks of query tokens, the runs cutting blocks of keys anywhere.
+        (
+            vec![(333, 2 * QB + 5, 0)],
+            vec![vec![
+                run(1, 2, 100_000),
+                run(63, 129, -40),
+                run(200, 333, 17),
+            ]],
+        ),
+    ];
+    let shape = Heads {
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    for (plan, shifts) in &cases {
+        for layout in [RotaryLayout::Neox, RotaryLayout::Interleaved] {
+            for threads in [1, 2] {
+                check_shifted(KvDtype::F32, shape, plan, shifts, layout, threads);
+            }
+        }
+        check_shifted(KvDtype::Bf16, shape, plan, shifts, RotaryLayout::Neox, 2);
+    }
+    // MHA and a group of 8 (the direct-score path).
+    for (heads, kv_heads) in [(4, 4), (8, 1)] {
+        let shape = Heads {
+            heads,
+            kv_heads,
+            head_dim: 64,
+        };
+        let (plan, shifts) = &cases[1];
+        check_shifted(KvDtype::F32, shape, plan, shifts, RotaryLayout::Neox, 2);
+    }
+}
+
+/// Decodes whose shared slots carry different shifts (which slots from one pool cannot)
+/// are not grouped past the first difference.
+#[test]
+fn shared_prefixes_stop_where_shifts_differ() {
+    let a: Vec<u32> = (0..700).collect();
+    let one = [KeyShift {
+        range: 300..700,
+        offset: 2,
+    }];
+    let seq = |sh| ForwardSeq {
+        tokens: &[0],
+        positions: &[0],
+        context: &a,
+        new_slots: &[9999],
+        logits: LogitsFor::None,
+        shifts: sh,
+    };
+    let seqs = [seq(&one), seq(&[]), seq(&one)];
+    assert_eq!(shared_prefixes(&seqs), vec![(vec![0, 1, 2], 256)]);
+    let seqs = [seq(&one), seq(&one)];
+    assert_eq!(shared_prefixes(&seqs), vec![(vec![0, 1], 640)]);
 }

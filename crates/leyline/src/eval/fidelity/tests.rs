@@ -230,6 +230,7 @@ fn outcome(full: (u32, f32), amortize: u32, forget: u32) -> ProbeOutcome {
             scanned: 0,
             zeroed: 0,
             new_len: 0,
+            compacted: false,
         },
         kl_forget: 0.0,
         repairs: Vec::new(),
