@@ -1,6 +1,8 @@
 //! `leyline bench splice`: latency of an AMORTIZE splice (a tool output replaced by a stub,
-//! downstream keys rotated) against FORGET's re-prefill of the same edit, for several
-//! downstream lengths, on the in-process engine.
+//! downstream keys rotated, or left in place with `--rotation lazy`) against FORGET's
+//! re-prefill of the same edit, for several downstream lengths, on the in-process engine;
+//! optionally the speed of a turn after the splice (`--decode`), whose context holds one
+//! shifted run per edit under lazy rotation (`--edits`).
 
 use crate::eval::fidelity::{session_with, PROBE_STUB};
 use crate::eval::stats::median;
@@ -8,8 +10,11 @@ use crate::{load_model, ModelArgs, ThreadsArgs};
 use anyhow::{bail, Result};
 use clap::Args;
 use leyline_core::{Directive, Mode};
-use leyline_engine::{EditReport, Engine, EngineConfig};
-use std::sync::Arc;
+use leyline_engine::{
+    EditReport, Engine, EngineConfig, Event, Request, SessionEdits, SessionId, SessionRequest,
+};
+use std::ops::ControlFlow;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Options of `bench splice`.
@@ -30,6 +35,22 @@ pub struct SpliceArgs {
     /// Repetitions of each arm; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
+    /// Edits in the batch: the stub, plus one single-token deletion at each of `edits - 1`
+    /// evenly spaced places downstream (under lazy rotation the context then holds `edits`
+    /// shifted runs after the prefix).
+    #[arg(long, default_value_t = 1)]
+    pub edits: usize,
+    /// After each AMORTIZE splice, a turn of `--turn-prompt` new prompt tokens and this many
+    /// generated ones in the spliced session; reports its prefill and decode speed (0: no
+    /// turn).
+    #[arg(long, default_value_t = 0)]
+    pub decode: usize,
+    /// New prompt tokens of the turn after the splice (`--decode`).
+    #[arg(long, default_value_t = 256)]
+    pub turn_prompt: usize,
+    /// Skip the FORGET arm (its re-prefill of long contexts takes minutes).
+    #[arg(long)]
+    pub no_forget: bool,
     #[command(flatten)]
     pub pool: ThreadsArgs,
     /// Print one JSON object instead of a table.
@@ -37,6 +58,8 @@ pub struct SpliceArgs {
     pub json: bool,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub rotation: crate::RotationArgs,
 }
 
 const SYSTEM: &str = "You are a careful assistant for an airline. Follow the policy, confirm \
@@ -60,7 +83,12 @@ struct Row {
     amortize_ms: Vec<f64>,
     forget_ms: Vec<f64>,
     amortize: EditReport,
-    forget: EditReport,
+    forget: Option<EditReport>,
+    /// Runs of distinct offset in the spliced context.
+    segments: usize,
+    /// Per repetition with `--decode`: the turn's prefill and decode tokens per second.
+    turn_prefill: Vec<f64>,
+    turn_decode: Vec<f64>,
 }
 
 impl Row {
@@ -89,15 +117,27 @@ pub fn run(a: SpliceArgs) -> Result<()> {
     let slots = a.model.kv_slots.unwrap_or(2 * longest + 1024);
     let cfg = EngineConfig {
         kv_dtype: a.model.kv_dtype,
-        ..EngineConfig::new(slots)
+        ..a.rotation.apply(EngineConfig::new(slots))
     };
     let mut engine = Engine::new(Arc::clone(&lm.model), cfg)?;
     let prefix = tokens(&lm, SYSTEM, a.prefix)?;
     let span = tokens(&lm, TOOL, a.span)?;
     let stub = tokens(&lm, PROBE_STUB, a.stub)?;
     let later = tokens(&lm, LATER, *a.downstream.iter().max().unwrap_or(&0))?;
+    let extra = tokens(&lm, LATER, a.turn_prompt.max(1))?;
     let (start, end) = (a.prefix, a.prefix + a.span);
-    let edit = |mode| Directive::new(start, end, stub.clone(), mode);
+    if a.edits == 0 {
+        bail!("--edits must be at least 1");
+    }
+    // The stub, then single-token deletions spread over `d` downstream tokens.
+    let edits = |mode, d: usize| {
+        let mut v = vec![Directive::new(start, end, stub.clone(), mode)];
+        for k in 1..a.edits {
+            let at = end + k * d / a.edits;
+            v.push(Directive::new(at, at + 1, Vec::new(), mode));
+        }
+        v
+    };
 
     let mut rows = Vec::new();
     for &d in &a.downstream {
@@ -110,28 +150,40 @@ pub fn run(a: SpliceArgs) -> Result<()> {
         );
         // The first build prefills everything; later AMORTIZE builds reuse the tree's copy
         // (the splice copies shared slots before it rotates them, so the tree stays clean).
+        if d < a.edits {
+            bail!("{d} downstream tokens cannot hold {} edits", a.edits);
+        }
         let mut amortize_ms = Vec::new();
         let mut amortize = None;
+        let (mut segments, mut turn_prefill, mut turn_decode) = (0, Vec::new(), Vec::new());
         for _ in 0..a.repeat {
             let s = session_with(&mut engine, &ctx)?;
             let t = Instant::now();
-            let r = engine.apply_directives(s, vec![edit(Mode::Amortize)])?;
+            let r = engine.apply_directives(s, edits(Mode::Amortize, d))?;
             amortize_ms.push(t.elapsed().as_secs_f64() * 1e3);
             amortize = Some(r);
+            let slots = engine.session_info(s)?.slots;
+            let shifts = engine.cache().pool().key_shifts(&slots)?;
+            segments = leyline_kv::shift::segment_count(&shifts, slots.len());
+            if a.decode > 0 {
+                let (p, g) = turn(&mut engine, s, &extra, a.decode)?;
+                turn_prefill.push(p);
+                turn_decode.push(g);
+            }
             engine.delete_session(s)?;
         }
         // FORGET purges the tree past the edit: each build re-prefills it, untimed.
         let mut forget_ms = Vec::new();
         let mut forget = None;
-        for _ in 0..a.repeat {
+        for _ in 0..if a.no_forget { 0 } else { a.repeat } {
             let s = session_with(&mut engine, &ctx)?;
             let t = Instant::now();
-            let r = engine.apply_directives(s, vec![edit(Mode::Forget)])?;
+            let r = engine.apply_directives(s, edits(Mode::Forget, d))?;
             forget_ms.push(t.elapsed().as_secs_f64() * 1e3);
             forget = Some(r);
             engine.delete_session(s)?;
         }
-        let (Some(amortize), Some(forget)) = (amortize, forget) else {
+        let Some(amortize) = amortize else {
             bail!("no repetition ran");
         };
         rows.push(Row {
@@ -140,10 +192,46 @@ pub fn run(a: SpliceArgs) -> Result<()> {
             forget_ms,
             amortize,
             forget,
+            segments,
+            turn_prefill,
+            turn_decode,
         });
     }
     print(&a, &lm, &rows);
     Ok(())
+}
+
+/// A turn in session `id`: its tokens then `extra`, and `n` generated tokens (no stop
+/// tokens); the prefill's and the decode's tokens per second.
+fn turn(engine: &mut Engine, id: SessionId, extra: &[u32], n: usize) -> Result<(f64, f64)> {
+    let mut prompt = engine.session_info(id)?.tokens;
+    prompt.extend_from_slice(extra);
+    let times = Arc::new(Mutex::new(Vec::<Instant>::new()));
+    let t = Arc::clone(&times);
+    let sink = Box::new(move |ev| {
+        if let Event::Token(_) = ev {
+            if let Ok(mut v) = t.lock() {
+                v.push(Instant::now());
+            }
+        }
+        ControlFlow::Continue(())
+    });
+    let t0 = Instant::now();
+    engine.submit(Request::greedy(prompt, n, sink).in_session(SessionRequest {
+        id,
+        mode: Mode::Amortize,
+        edits: SessionEdits::Tokens,
+    }));
+    engine.run_to_completion()?;
+    let v = times
+        .lock()
+        .map_err(|_| anyhow::anyhow!("token times poisoned"))?;
+    let (Some(first), Some(last)) = (v.first(), v.last()) else {
+        bail!("the turn after the splice generated nothing");
+    };
+    let prefill = extra.len() as f64 / (*first - t0).as_secs_f64();
+    let decode = (v.len() - 1) as f64 / (*last - *first).as_secs_f64();
+    Ok((prefill, decode))
 }
 
 fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
@@ -162,8 +250,13 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
                     "forget_ms_all": r.forget_ms,
                     "rotated": r.amortize.rotated,
                     "copied": r.amortize.copied,
+                    "compacted": r.amortize.compacted,
+                    "segments": r.segments,
                     "amortize_prefilled": r.amortize.prefilled,
-                    "forget_prefilled": r.forget.prefilled,
+                    "forget_prefilled": r.forget.map(|f| f.prefilled),
+                    "turn_prefill_tok_s": median(&r.turn_prefill),
+                    "turn_decode_tok_s": median(&r.turn_decode),
+                    "turn_decode_tok_s_all": r.turn_decode,
                 })
             })
             .collect();
@@ -176,6 +269,8 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
                 "prefix": a.prefix,
                 "span": a.span,
                 "stub": a.stub,
+                "edits": a.edits,
+                "rotation": a.rotation.rotation.to_string(),
                 "repeat": a.repeat,
                 "rows": rows,
             })
@@ -183,21 +278,36 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
         return;
     }
     println!(
-        "{name}, kv {}, {} threads: {} prefix tokens, a {}-token span replaced by {} tokens; medians of {}\n",
-        a.model.kv_dtype, a.pool.threads, a.prefix, a.span, a.stub, a.repeat
+        "{name}, kv {}, {} threads, {} rotation: {} prefix tokens, a {}-token span replaced by {} \
+         tokens, {} edits; medians of {}\n",
+        a.model.kv_dtype,
+        a.pool.threads,
+        a.rotation.rotation,
+        a.prefix,
+        a.span,
+        a.stub,
+        a.edits,
+        a.repeat
     );
-    println!("| downstream tokens | AMORTIZE splice ms | FORGET re-prefill ms | ratio | rotated | copied | prefilled A / F |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| downstream tokens | AMORTIZE splice ms | FORGET re-prefill ms | ratio | rotated | copied | segments | prefilled A / F | turn prefill / decode tok/s |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let opt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
     for r in rows {
         let (am, fm) = r.medians();
         println!(
-            "| {} | {am:.1} | {fm:.1} | {:.4} | {} | {} | {} / {} |",
+            "| {} | {am:.1} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
             r.downstream,
-            am / fm,
+            opt(r.forget.map(|_| fm)),
+            r.forget
+                .map_or("-".to_string(), |_| format!("{:.4}", am / fm)),
             r.amortize.rotated,
             r.amortize.copied,
+            r.segments,
             r.amortize.prefilled,
-            r.forget.prefilled
+            r.forget
+                .map_or("-".to_string(), |f| f.prefilled.to_string()),
+            opt(median(&r.turn_prefill)),
+            opt(median(&r.turn_decode)),
         );
     }
 }

@@ -119,6 +119,8 @@ struct Drift {
     splices: usize,
     storage: KvDtype,
     rotation: &'static str,
+    /// Times the stored keys were rewritten: every splice (eager), or each compaction (lazy).
+    rewrites: usize,
     rel_l2: f64,
 }
 
@@ -462,12 +464,24 @@ fn drift(lm: &AnyModel, prompt: &[u32], a: &VerifyArgs) -> Result<Vec<Drift>> {
     let keys = model_keys(lm, prompt, a.drift_tokens)?;
     let cases = [
         (KvDtype::F32, RotationMath::F32),
+        (KvDtype::F16, RotationMath::F32),
         (KvDtype::Bf16, RotationMath::F32),
         (KvDtype::Bf16, RotationMath::Storage),
     ];
     let mut out = Vec::new();
     for &n in &a.drift_splices {
-        let deltas = splice_deltas(n, 0x5EED, a.drift_max_delta);
+        let mut deltas = splice_deltas(n, 0x5EED, a.drift_max_delta);
+        if a.rotation.rotation == leyline_kv::shift::RotationMode::Lazy {
+            // Lazy splices leave the keys alone; a compaction rotates them once by what the
+            // splices since the last one added up to. Each of these splices adds one run, so
+            // a compaction follows every `max_segments - 1` of them (0: never).
+            let every = a.rotation.max_segments.saturating_sub(1);
+            deltas = if every == 0 {
+                Vec::new()
+            } else {
+                deltas.chunks_exact(every).map(|c| c.iter().sum()).collect()
+            };
+        }
         for (storage, math) in cases {
             let rel_l2 = chained_shift_drift(
                 &keys,
@@ -486,6 +500,7 @@ fn drift(lm: &AnyModel, prompt: &[u32], a: &VerifyArgs) -> Result<Vec<Drift>> {
                 splices: n,
                 storage,
                 rotation,
+                rewrites: deltas.len(),
                 rel_l2,
             });
         }
@@ -555,6 +570,7 @@ fn print_json(
                 "splices": d.splices,
                 "storage": d.storage.name(),
                 "rotation": d.rotation,
+                "rewrites": d.rewrites,
                 "rel_l2": d.rel_l2,
             })
         })
@@ -728,12 +744,28 @@ fn print_tables(
         info.geometry.k_head_dim,
         a.drift_max_delta
     );
-    println!("| splices | storage | rotation math | rel-L2 |");
-    println!("|---|---|---|---|");
+    println!(
+        "{} rotation{}\n",
+        a.rotation.rotation,
+        match a.rotation.rotation {
+            leyline_kv::shift::RotationMode::Eager =>
+                ": every splice rewrites the keys".to_string(),
+            leyline_kv::shift::RotationMode::Lazy if a.rotation.max_segments == 0 =>
+                ", compaction off: the keys are never rewritten".to_string(),
+            leyline_kv::shift::RotationMode::Lazy => format!(
+                ": only compactions rewrite the keys (one per {} single-edit splices at \
+                 --max-segments {})",
+                a.rotation.max_segments.saturating_sub(1),
+                a.rotation.max_segments
+            ),
+        }
+    );
+    println!("| splices | key rewrites | storage | rotation math | rel-L2 |");
+    println!("|---|---|---|---|---|");
     for d in drift {
         println!(
-            "| {} | {} | {} | {:.3e} |",
-            d.splices, d.storage, d.rotation, d.rel_l2
+            "| {} | {} | {} | {} | {:.3e} |",
+            d.splices, d.rewrites, d.storage, d.rotation, d.rel_l2
         );
     }
 }
