@@ -359,3 +359,46 @@ fn a_lazy_splice_moves_nothing_and_hands_the_prefill_its_shifted_runs() {
         vec![run(5, 9, 1), run(11, 14, 2)]
     );
 }
+
+/// Compaction after a lazy splice gives the bytes and positions an eager splice gives: the
+/// shifted runs are rotated by their offsets (the shared ones as copies, so the tree's
+/// slots keep their bytes), and nothing is shifted afterwards.
+#[test]
+fn compaction_after_a_lazy_splice_equals_the_eager_splice() {
+    let keys = |w: &World, slots: &[u32]| {
+        let mut out = Vec::new();
+        for l in 0..GEOM.layers {
+            let mut k = vec![0.0; slots.len() * GEOM.k_width()];
+            w.kv.gather_k(l, slots, &mut k).unwrap();
+            out.extend(k.iter().map(|x| x.to_bits()));
+        }
+        out
+    };
+    let mut eager = world(KvDtype::F32, 64, 0);
+    let want = splice_in(&mut eager, RotationMode::Eager, false, None).unwrap();
+    let mut lazy = world(KvDtype::F32, 64, 0);
+    let tree_slots = lazy.seq[..6].to_vec();
+    let tree_before = keys(&lazy, &tree_slots);
+    splice_in(&mut lazy, RotationMode::Lazy, false, None).unwrap();
+    let done = leyline_kv::splice::compact(&mut lazy.cache, &mut lazy.kv, &rope(false), &lazy.seq)
+        .unwrap();
+    lazy.seq = done.slots.clone();
+    // Tokens 4 and 5 are the tree's too: copied; 6, 7 and 9..12 rotated in place.
+    assert_eq!((done.rotated, done.copied), (7, 2));
+    assert_eq!(keys(&lazy, &lazy.seq), keys(&eager, &want.slots));
+    assert_eq!(
+        keys(&lazy, &tree_slots),
+        tree_before,
+        "the tree's slots were written"
+    );
+    let pool = lazy.cache.pool();
+    assert!(pool.key_shifts(&lazy.seq).unwrap().is_empty());
+    for (i, &s) in lazy.seq.iter().enumerate() {
+        assert_eq!(pool.position(s).unwrap(), i as u32);
+    }
+    lazy.cache.check_invariants().unwrap();
+    // Compacting what is not shifted does nothing.
+    let again = leyline_kv::splice::compact(&mut lazy.cache, &mut lazy.kv, &rope(false), &lazy.seq)
+        .unwrap();
+    assert_eq!((again.rotated, again.copied), (0, 0));
+}

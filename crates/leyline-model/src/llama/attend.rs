@@ -95,7 +95,7 @@ fn attend_with(
                 let job = Job {
                     task,
                     q,
-                    rot: task.rot.map(|r| &rotations[r].1),
+                    rotations,
                     shape,
                     kw,
                     vw,

@@ -119,8 +119,8 @@ impl Load<u16> for FromF16 {
 pub(super) struct Job<'a> {
     pub(super) task: &'a Task<'a>,
     pub(super) q: Queries<'a>,
-    /// Turns the queries back by the offset of the task's shifted run.
-    pub(super) rot: Option<&'a leyline_kv::rope::Rotation>,
+    /// The batch's `R(-offset)` per shifted run's offset ([`Task::pieces`] name them).
+    pub(super) rotations: &'a [(i64, leyline_kv::rope::Rotation)],
     pub(super) shape: Heads,
     pub(super) kw: usize,
     pub(super) vw: usize,
@@ -294,7 +294,7 @@ fn task<T: Copy, const W: usize>(
     let Job {
         task,
         q,
-        rot,
+        rotations,
         shape,
         kw,
         vw,
@@ -321,28 +321,32 @@ fn task<T: Copy, const W: usize>(
     // With a register block's rows or fewer, dot products straight from the key rows are
     // cheaper than the transposed product, whose lanes would be mostly padding.
     let direct = padded == RB;
-    for r in 0..lanes {
-        let dst = &mut qb[r * hd..(r + 1) * hd];
-        if r < rows {
-            let head = task.kv_head * g + r % g;
-            let src = task.toks[r / g].0 * q.stride + head * hd;
-            for (d, &x) in dst.iter_mut().zip(&q.rows[src..src + hd]) {
-                *d = x * c;
-            }
-            if let Some(r) = rot {
-                r.apply_f32(dst);
-            }
-        } else {
-            dst.fill(0.0);
-        }
-    }
-    if !direct {
-        for (d, col) in qt.chunks_exact_mut(lanes).take(hd).enumerate() {
-            for (x, row) in col.iter_mut().zip(qb.chunks_exact(hd)) {
-                *x = row[d];
+    // The queries, scaled, turned back by a shifted run's offset, and transposed for the
+    // wide product; loaded again wherever the task's keys enter a run of another offset.
+    let load = |rot: Option<usize>, qb: &mut [f32], qt: &mut [f32]| {
+        for r in 0..lanes {
+            let dst = &mut qb[r * hd..(r + 1) * hd];
+            if r < rows {
+                let head = task.kv_head * g + r % g;
+                let src = task.toks[r / g].0 * q.stride + head * hd;
+                for (d, &x) in dst.iter_mut().zip(&q.rows[src..src + hd]) {
+                    *d = x * c;
+                }
+                if let Some(i) = rot {
+                    rotations[i].1.apply_f32(dst);
+                }
+            } else {
+                dst.fill(0.0);
             }
         }
-    }
+        if !direct {
+            for (d, col) in qt.chunks_exact_mut(lanes).take(hd).enumerate() {
+                for (x, row) in col.iter_mut().zip(qb.chunks_exact(hd)) {
+                    *x = row[d];
+                }
+            }
+        }
+    };
     m[..lanes].fill(f32::NEG_INFINITY);
     l[..lanes].fill(0.0);
     o[..padded * hd].fill(0.0);
@@ -360,56 +364,66 @@ fn task<T: Copy, const W: usize>(
     // Keys from here on are masked for some rows: row `r` sees key `j` iff
     // `j < diag + r / g + 1`.
     let diag = task.diag;
-    for j0 in (task.k0..task.k1).step_by(KB) {
-        let nb = KB.min(task.k1 - j0);
-        // The next block's rows sit at scattered slots, which hardware prefetchers do not
-        // follow: ask for them while this block computes.
-        for j in j0 + KB..(j0 + 2 * KB).min(task.k1) {
-            let s = slot(j);
-            prefetch(&k[s * kw + off..s * kw + off + hd]);
-            prefetch(&v[s * vw + off..s * vw + off + hd]);
+    let mut from = task.k0;
+    let mut loaded = None;
+    for (i, &(until, rot)) in task.pieces.iter().enumerate() {
+        if i == 0 || rot != loaded {
+            load(rot, qb, qt);
+            loaded = rot;
         }
-        let slots: [usize; KB] = std::array::from_fn(|jj| if jj < nb { slot(j0 + jj) } else { 0 });
-        if kf.is_none() {
-            for (jj, &s) in slots[..nb].iter().enumerate() {
-                let (kr, vr) = (&k[s * kw + off..][..hd], &v[s * vw + off..][..hd]);
-                for (d, &x) in kb[jj * hd..(jj + 1) * hd].iter_mut().zip(kr) {
-                    *d = ld.f32(x);
-                }
-                for (d, &x) in vb[jj * hd..(jj + 1) * hd].iter_mut().zip(vr) {
-                    *d = ld.f32(x);
-                }
+        for j0 in (from..until).step_by(KB) {
+            let nb = KB.min(until - j0);
+            // The next block's rows sit at scattered slots, which hardware prefetchers do not
+            // follow: ask for them while this block computes.
+            for j in j0 + KB..(j0 + 2 * KB).min(task.k1) {
+                let s = slot(j);
+                prefetch(&k[s * kw + off..s * kw + off + hd]);
+                prefetch(&v[s * vw + off..s * vw + off + hd]);
             }
-        }
-        let zero = &zero[..hd];
-        let krows = block_rows(kf, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
-        let vrows = block_rows(vf, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
-        if direct {
-            isa.scores_direct(qb, rows, lanes, &krows, nb, st, hd);
-        } else {
-            isa.scores(qt, lanes, &krows, st, hd);
-        }
-        // Blocks end short at the diagonal, and where a shifted run ends (no task spans two).
-        if j0 + KB > diag || nb < KB {
-            for (jj, srow) in st.chunks_exact_mut(lanes).enumerate() {
-                let j = j0 + jj;
-                let hidden = if jj >= nb {
-                    lanes
-                } else {
-                    (j.saturating_sub(diag) * g).min(lanes)
-                };
-                srow[..hidden].fill(f32::NEG_INFINITY);
-            }
-        }
-        softmax_block(st, lanes, m, l, corr);
-        for (r, &cr) in corr[..padded].iter().enumerate() {
-            if cr != 1.0 {
-                for x in &mut o[r * hd..(r + 1) * hd] {
-                    *x *= cr;
+            let slots: [usize; KB] =
+                std::array::from_fn(|jj| if jj < nb { slot(j0 + jj) } else { 0 });
+            if kf.is_none() {
+                for (jj, &s) in slots[..nb].iter().enumerate() {
+                    let (kr, vr) = (&k[s * kw + off..][..hd], &v[s * vw + off..][..hd]);
+                    for (d, &x) in kb[jj * hd..(jj + 1) * hd].iter_mut().zip(kr) {
+                        *d = ld.f32(x);
+                    }
+                    for (d, &x) in vb[jj * hd..(jj + 1) * hd].iter_mut().zip(vr) {
+                        *d = ld.f32(x);
+                    }
                 }
             }
+            let zero = &zero[..hd];
+            let krows = block_rows(kf, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
+            let vrows = block_rows(vf, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
+            if direct {
+                isa.scores_direct(qb, rows, lanes, &krows, nb, st, hd);
+            } else {
+                isa.scores(qt, lanes, &krows, st, hd);
+            }
+            // Blocks end short at the diagonal, and where a shifted run ends.
+            if j0 + KB > diag || nb < KB {
+                for (jj, srow) in st.chunks_exact_mut(lanes).enumerate() {
+                    let j = j0 + jj;
+                    let hidden = if jj >= nb {
+                        lanes
+                    } else {
+                        (j.saturating_sub(diag) * g).min(lanes)
+                    };
+                    srow[..hidden].fill(f32::NEG_INFINITY);
+                }
+            }
+            softmax_block(st, lanes, m, l, corr);
+            for (r, &cr) in corr[..padded].iter().enumerate() {
+                if cr != 1.0 {
+                    for x in &mut o[r * hd..(r + 1) * hd] {
+                        *x *= cr;
+                    }
+                }
+            }
+            values::<W>(st, lanes, &vrows, o, padded, hd, nb);
         }
-        values::<W>(st, lanes, &vrows, o, padded, hd, nb);
+        from = until;
     }
     for r in 0..rows {
         let inv = 1.0 / l[r];

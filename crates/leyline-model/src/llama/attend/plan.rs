@@ -45,9 +45,11 @@ pub(super) struct Task<'a> {
     pub(super) merged: bool,
     /// Whether this is the task with the first keys of its rows (it finishes the merge).
     pub(super) first: bool,
-    /// For keys of a shifted run: which of [`Plan::rotations`] turns the queries back by
-    /// the run's offset. A task never spans two runs.
-    pub(super) rot: Option<usize>,
+    /// The task's keys as consecutive pieces of one offset each: a piece ends at `.0`, and
+    /// `.1` names the [`Plan::rotations`] entry that turns the queries back by its run's
+    /// offset (`None`: keys at their own positions). The kernel switches the queries'
+    /// rotation between pieces, so a task may span any number of runs.
+    pub(super) pieces: Vec<(usize, Option<usize>)>,
 }
 
 impl Task<'_> {
@@ -135,7 +137,6 @@ impl<'a> Plan<'a> {
                     .max(1);
                 let cuts: Vec<usize> = (0..=parts).map(|p| p * len / parts / KB * KB).collect();
                 // Equal slots at equal indices: the members' shifts agree on the prefix.
-                let cuts = at_shifts(cuts, seqs[chunk[0]].shifts);
                 plan.push(&seqs[chunk[0]], len, &cuts, Merge::Leads, |kv_head| {
                     chunk
                         .iter()
@@ -154,20 +155,18 @@ impl<'a> Plan<'a> {
                     .map(|p| skip + p * (ctx - skip) / parts / KB * KB)
                     .collect();
                 cuts.push(ctx + 1);
-                let cuts = at_shifts(cuts, s.shifts);
                 plan.push(s, ctx, &cuts, Merge::Joins, |kv_head| {
                     vec![(row, base[i] + kv_head * g)]
                 });
                 continue;
             }
-            // Only context keys are split (at shifted runs' ends too): every row sees all
-            // of them, so no part is empty.
+            // Only context keys are split: every row sees all of them, so no part is empty.
             let parts = if units >= wanted {
                 1
             } else {
                 wanted.div_ceil(units).min(ctx / MIN_SPLIT).max(1)
             };
-            let merge = if parts > 1 || !s.shifts.is_empty() {
+            let merge = if parts > 1 {
                 Merge::Leads
             } else {
                 Merge::Alone
@@ -176,7 +175,6 @@ impl<'a> Plan<'a> {
                 let t1 = (t0 + QB).min(t);
                 let mut cuts: Vec<usize> = (0..parts).map(|p| p * ctx / parts / KB * KB).collect();
                 cuts.push(ctx + t1);
-                let cuts = at_shifts(cuts, s.shifts);
                 let at = plan.merge_rows;
                 plan.push(s, ctx + t0, &cuts, merge, |kv_head| {
                     (t0..t1)
@@ -212,9 +210,9 @@ impl<'a> Plan<'a> {
         merge: Merge,
         toks: impl Fn(usize) -> Vec<(usize, usize)>,
     ) {
-        let rots: Vec<Option<usize>> = cuts
+        let pieces: Vec<Vec<(usize, Option<usize>)>> = cuts
             .windows(2)
-            .map(|keys| self.rotation_at(seq.shifts, keys[0]))
+            .map(|keys| self.pieces(seq.shifts, keys[0], keys[1]))
             .collect();
         for kv_head in 0..self.shape.kv_heads {
             let toks = toks(kv_head);
@@ -228,45 +226,40 @@ impl<'a> Plan<'a> {
                     k1: keys[1],
                     merged: merge != Merge::Alone,
                     first: p == 0 && merge != Merge::Joins,
-                    rot: rots[p],
+                    pieces: pieces[p].clone(),
                 });
             }
         }
     }
 
-    /// The rotation for a task whose keys begin at context index `k0`, if a shifted run
-    /// holds it.
-    fn rotation_at(&mut self, shifts: &[KeyShift], k0: usize) -> Option<usize> {
-        let i = shifts.partition_point(|s| s.range.end <= k0);
-        let s = shifts.get(i).filter(|s| s.range.start <= k0)?;
-        if let Some(at) = self.rotations.iter().position(|r| r.0 == s.offset) {
-            return Some(at);
+    /// Keys `k0..k1` as pieces of one offset each ([`Task::pieces`]).
+    fn pieces(&mut self, shifts: &[KeyShift], k0: usize, k1: usize) -> Vec<(usize, Option<usize>)> {
+        let mut out = Vec::new();
+        let mut at = k0;
+        while at < k1 {
+            let i = shifts.partition_point(|s| s.range.end <= at);
+            let (end, rot) = match shifts.get(i) {
+                Some(s) if s.range.start <= at => {
+                    (s.range.end.min(k1), Some(self.rotation(s.offset)))
+                }
+                Some(s) => (s.range.start.min(k1), None),
+                None => (k1, None),
+            };
+            out.push((end, rot));
+            at = end;
+        }
+        out
+    }
+
+    /// The index in [`Self::rotations`] of `R(-offset)`, added on first use.
+    fn rotation(&mut self, offset: i64) -> usize {
+        if let Some(at) = self.rotations.iter().position(|r| r.0 == offset) {
+            return at;
         }
         self.rotations
-            .push((s.offset, Rotation::new(self.rope, -s.offset)));
-        Some(self.rotations.len() - 1)
+            .push((offset, Rotation::new(self.rope, -offset)));
+        self.rotations.len() - 1
     }
-}
-
-/// `cuts` (increasing key indices, the last one the end) with the shifted runs' ends inside
-/// them added, so that no stretch of keys between two cuts spans two runs.
-fn at_shifts(mut cuts: Vec<usize>, shifts: &[KeyShift]) -> Vec<usize> {
-    let (Some(&lo), Some(&hi)) = (cuts.first(), cuts.last()) else {
-        return cuts;
-    };
-    let inside = |&x: &usize| lo < x && x < hi;
-    let extra: Vec<usize> = shifts
-        .iter()
-        .flat_map(|s| [s.range.start, s.range.end])
-        .filter(inside)
-        .collect();
-    if extra.is_empty() {
-        return cuts;
-    }
-    cuts.extend(extra);
-    cuts.sort_unstable();
-    cuts.dedup();
-    cuts
 }
 
 /// Fewest context keys that sequences must share for [`shared_prefixes`] to group them.
