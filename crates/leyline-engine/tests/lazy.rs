@@ -5,9 +5,9 @@
 
 mod common;
 
-use common::{encode, lm, request};
+use common::{encode, lm, request, session_with};
 use leyline_core::{Directive, Mode};
-use leyline_engine::{Engine, EngineConfig, SessionEdits, SessionId, SessionRequest};
+use leyline_engine::{Engine, EngineConfig, SessionEdits, SessionRequest};
 use leyline_kv::shift::RotationMode;
 use leyline_kv::KvDtype;
 use leyline_model::CausalLm;
@@ -59,27 +59,6 @@ fn context() -> Vec<u32> {
     }
     text.push_str("<|im_start|>user\nSo which one do I take?<|im_end|>\n<|im_start|>assistant\n");
     encode(&text)
-}
-
-/// A session of `e` holding exactly `ctx` (a turn caches it and one generated token, which
-/// a deletion at the end then drops).
-fn session_with(e: &mut Engine, ctx: &[u32]) -> SessionId {
-    let id = e.create_session();
-    let (req, out) = request(ctx.to_vec(), 1);
-    e.submit(req.in_session(SessionRequest {
-        id,
-        mode: Mode::Amortize,
-        edits: SessionEdits::Tokens,
-    }));
-    e.run_to_completion().unwrap();
-    assert!(out.lock().unwrap().failed.is_none());
-    let n = e.session_info(id).unwrap().tokens.len();
-    if n > ctx.len() {
-        let cut = vec![Directive::new(ctx.len(), n, vec![], Mode::Amortize)];
-        e.apply_directives(id, cut).unwrap();
-    }
-    assert_eq!(e.session_info(id).unwrap().tokens, ctx);
-    id
 }
 
 struct Rng(u64);

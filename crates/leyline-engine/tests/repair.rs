@@ -5,11 +5,9 @@
 
 mod common;
 
-use common::{encode, lm, request};
+use common::{encode, lm, request, session_with};
 use leyline_core::{Directive, Mode, Repair, RepairRule};
-use leyline_engine::{
-    Engine, EngineConfig, SessionEdits, SessionId, SessionRequest, REPAIR_DEVIATION_LAYER,
-};
+use leyline_engine::{Engine, EngineConfig, SessionId, REPAIR_DEVIATION_LAYER};
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::{ForwardSeq, LogitsFor};
 use std::sync::Arc;
@@ -43,27 +41,6 @@ fn context() -> (Vec<u32>, usize, usize, Vec<u32>) {
     let (start, end) = (head.len(), head.len() + tool.len());
     let ctx = [head, tool, tail].concat();
     (ctx, start, end, encode("[evicted: older tool output]"))
-}
-
-/// A session of `e` holding exactly `ctx`: a turn caches it and one generated token, which
-/// a deletion at the end then drops.
-fn session_with(e: &mut Engine, ctx: &[u32]) -> SessionId {
-    let id = e.create_session();
-    let (req, out) = request(ctx.to_vec(), 1);
-    e.submit(req.in_session(SessionRequest {
-        id,
-        mode: Mode::Amortize,
-        edits: SessionEdits::Tokens,
-    }));
-    e.run_to_completion().unwrap();
-    assert!(out.lock().unwrap().failed.is_none());
-    let n = e.session_info(id).unwrap().tokens.len();
-    if n > ctx.len() {
-        let cut = vec![Directive::new(ctx.len(), n, vec![], Mode::Amortize)];
-        e.apply_directives(id, cut).unwrap();
-    }
-    assert_eq!(e.session_info(id).unwrap().tokens, ctx);
-    id
 }
 
 /// Per token of the session: a checksum of its key and value rows in every layer.

@@ -2,7 +2,10 @@
 //! that record what their sink receives.
 #![allow(dead_code)] // each test crate uses a subset
 
-use leyline_engine::{Engine, Event, FinishReason, Request, Usage};
+use leyline_core::{Directive, Mode};
+use leyline_engine::{
+    Engine, Event, FinishReason, Request, SessionEdits, SessionId, SessionRequest, Usage,
+};
 use leyline_model::LoadedModel;
 use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -59,4 +62,25 @@ pub fn submit_all(e: &mut Engine, prompts: &[Vec<u32>], max_tokens: usize) -> Ve
             out
         })
         .collect()
+}
+
+/// A session of `e` holding exactly `ctx`: a turn caches it and one generated token, which
+/// a deletion at the end then drops.
+pub fn session_with(e: &mut Engine, ctx: &[u32]) -> SessionId {
+    let id = e.create_session();
+    let (req, out) = request(ctx.to_vec(), 1);
+    e.submit(req.in_session(SessionRequest {
+        id,
+        mode: Mode::Amortize,
+        edits: SessionEdits::Tokens,
+    }));
+    e.run_to_completion().unwrap();
+    assert!(out.lock().unwrap().failed.is_none());
+    let n = e.session_info(id).unwrap().tokens.len();
+    if n > ctx.len() {
+        let cut = vec![Directive::new(ctx.len(), n, vec![], Mode::Amortize)];
+        e.apply_directives(id, cut).unwrap();
+    }
+    assert_eq!(e.session_info(id).unwrap().tokens, ctx);
+    id
 }

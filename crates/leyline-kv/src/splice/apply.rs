@@ -321,7 +321,6 @@ impl Txn {
             // Slots were checked against the storage in `plan`.
             let _ = kv.copy_slots(&self.plan.cow);
         }
-        let g = kv.geometry();
         while let Some((range, rot)) = self.rotations.get(self.rotated) {
             if range.start >= end {
                 break;
@@ -339,17 +338,8 @@ impl Txn {
                     }
                 }
             }
-            for layer in 0..g.layers {
-                // Shapes, path and slots were checked in `plan`: this cannot fail.
-                let _ = shift_rows_with(
-                    kv.k_rows_mut(layer),
-                    g.k_heads,
-                    g.k_head_dim,
-                    slots,
-                    rot,
-                    self.path,
-                );
-            }
+            // Shapes, path and slots were checked in `plan`.
+            rotate_checked(kv, slots, rot, self.path);
             self.rotated += 1;
         }
     }
@@ -394,6 +384,22 @@ impl Txn {
             clean_len: self.clean_len,
             evicted: self.evicted,
         }
+    }
+}
+
+/// Rotates the keys of `slots` in every layer by `rot`; the caller has checked the slots,
+/// the table's shape and the path (a zero-slot [`shift_rows_with`] call), so nothing fails.
+pub(super) fn rotate_checked(kv: &mut KvStorage, slots: &[u32], rot: &Rotation, path: KernelPath) {
+    let g = kv.geometry();
+    for layer in 0..g.layers {
+        let _ = shift_rows_with(
+            kv.k_rows_mut(layer),
+            g.k_heads,
+            g.k_head_dim,
+            slots,
+            rot,
+            path,
+        );
     }
 }
 

@@ -84,16 +84,7 @@ pub fn compact(
     }
     for (run, rot) in runs.iter().zip(&tables) {
         let moved = &out.slots[run.range.clone()];
-        for layer in 0..g.layers {
-            let _ = shift_rows_with(
-                kv.k_rows_mut(layer),
-                g.k_heads,
-                g.k_head_dim,
-                moved,
-                rot,
-                path,
-            );
-        }
+        super::apply::rotate_checked(kv, moved, rot, path);
         out.rotated += moved.len();
     }
     let pool = cache.pool_mut();
