@@ -584,11 +584,15 @@ impl Engine {
             positions.push((from as u32..to as u32).collect());
             new_slots.push(take);
         }
-        // Contexts a lazy splice left shifted are read through their runs.
-        let shifts = plan
-            .iter()
-            .map(|&(i, from, _)| self.cache.pool().key_shifts(&self.running[i].slots[..from]))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+        // Contexts a lazy splice left shifted are read through their runs; under eager
+        // rotation every key sits at its position, so the per-step scan is skipped.
+        let shifts = match self.cfg.rotation {
+            RotationMode::Eager => vec![Vec::new(); plan.len()],
+            RotationMode::Lazy => plan
+                .iter()
+                .map(|&(i, from, _)| self.cache.pool().key_shifts(&self.running[i].slots[..from]))
+                .collect::<std::result::Result<Vec<_>, _>>()?,
+        };
         let logits = {
             let seqs: Vec<ForwardSeq<'_>> = plan
                 .iter()
