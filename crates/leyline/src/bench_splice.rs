@@ -13,6 +13,7 @@ use leyline_core::{Directive, Mode};
 use leyline_engine::{
     EditReport, Engine, EngineConfig, Event, Request, SessionEdits, SessionId, SessionRequest,
 };
+use leyline_kv::shift::RotationMode;
 use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -51,6 +52,12 @@ pub struct SpliceArgs {
     /// Skip the FORGET arm (its re-prefill of long contexts takes minutes).
     #[arg(long)]
     pub no_forget: bool,
+    /// Run both rotation modes in this one process, eager then lazy in every repetition (two
+    /// engines over one model; `--rotation` is ignored, `--max-segments` applies to lazy),
+    /// and report lazy / eager ratios per repetition pair: their median and range. Slow
+    /// drift of the machine's speed then cancels out of the ratios.
+    #[arg(long)]
+    pub ab: bool,
     #[command(flatten)]
     pub pool: ThreadsArgs,
     /// Print one JSON object instead of a table.
@@ -79,6 +86,7 @@ fn tokens(lm: &leyline_model::LoadedModel, text: &str, n: usize) -> Result<Vec<u
 }
 
 struct Row {
+    rotation: RotationMode,
     downstream: usize,
     amortize_ms: Vec<f64>,
     forget_ms: Vec<f64>,
@@ -115,11 +123,22 @@ pub fn run(a: SpliceArgs) -> Result<()> {
     }
     // The tree's copy plus the session's rotated copy of the longest context.
     let slots = a.model.kv_slots.unwrap_or(2 * longest + 1024);
-    let cfg = EngineConfig {
-        kv_dtype: a.model.kv_dtype,
-        ..a.rotation.apply(EngineConfig::new(slots))
+    let modes = if a.ab {
+        vec![RotationMode::Eager, RotationMode::Lazy]
+    } else {
+        vec![a.rotation.rotation]
     };
-    let mut engine = Engine::new(Arc::clone(&lm.model), cfg)?;
+    let mut engines = Vec::new();
+    for &rotation in &modes {
+        let cfg = EngineConfig {
+            kv_dtype: a.model.kv_dtype,
+            ..a.rotation.apply(EngineConfig::new(slots))
+        };
+        engines.push(Engine::new(
+            Arc::clone(&lm.model),
+            EngineConfig { rotation, ..cfg },
+        )?);
+    }
     let prefix = tokens(&lm, SYSTEM, a.prefix)?;
     let span = tokens(&lm, TOOL, a.span)?;
     let stub = tokens(&lm, PROBE_STUB, a.stub)?;
@@ -148,57 +167,86 @@ pub fn run(a: SpliceArgs) -> Result<()> {
             "bench splice: {d} downstream tokens ({} in context)",
             ctx.len()
         );
-        // The first build prefills everything; later AMORTIZE builds reuse the tree's copy
-        // (the splice copies shared slots before it rotates them, so the tree stays clean).
         if d < a.edits {
             bail!("{d} downstream tokens cannot hold {} edits", a.edits);
         }
-        let mut amortize_ms = Vec::new();
-        let mut amortize = None;
-        let (mut segments, mut turn_prefill, mut turn_decode) = (0, Vec::new(), Vec::new());
+        let mut reps: Vec<Vec<Rep>> = modes.iter().map(|_| Vec::new()).collect();
+        // The first build prefills everything; later AMORTIZE builds reuse the tree's copy
+        // (eager splices copy shared slots before they rotate them, so the tree stays clean).
         for _ in 0..a.repeat {
-            let s = session_with(&mut engine, &ctx)?;
-            let t = Instant::now();
-            let r = engine.apply_directives(s, edits(Mode::Amortize, d))?;
-            amortize_ms.push(t.elapsed().as_secs_f64() * 1e3);
-            amortize = Some(r);
-            let slots = engine.session_info(s)?.slots;
-            let shifts = engine.cache().pool().key_shifts(&slots)?;
-            segments = leyline_kv::shift::segment_count(&shifts, slots.len());
-            if a.decode > 0 {
-                let (p, g) = turn(&mut engine, s, &extra, a.decode)?;
-                turn_prefill.push(p);
-                turn_decode.push(g);
+            for (engine, reps) in engines.iter_mut().zip(&mut reps) {
+                let s = session_with(engine, &ctx)?;
+                let t = Instant::now();
+                let report = engine.apply_directives(s, edits(Mode::Amortize, d))?;
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                let slots = engine.session_info(s)?.slots;
+                let shifts = engine.cache().pool().key_shifts(&slots)?;
+                let segments = leyline_kv::shift::segment_count(&shifts, slots.len());
+                let turn = if a.decode > 0 {
+                    Some(turn(engine, s, &extra, a.decode)?)
+                } else {
+                    None
+                };
+                engine.delete_session(s)?;
+                reps.push(Rep {
+                    ms,
+                    report,
+                    segments,
+                    turn,
+                });
             }
-            engine.delete_session(s)?;
         }
-        // FORGET purges the tree past the edit: each build re-prefills it, untimed.
-        let mut forget_ms = Vec::new();
-        let mut forget = None;
-        for _ in 0..if a.no_forget { 0 } else { a.repeat } {
-            let s = session_with(&mut engine, &ctx)?;
-            let t = Instant::now();
-            let r = engine.apply_directives(s, edits(Mode::Forget, d))?;
-            forget_ms.push(t.elapsed().as_secs_f64() * 1e3);
-            forget = Some(r);
-            engine.delete_session(s)?;
+        for ((engine, reps), &rotation) in engines.iter_mut().zip(reps).zip(&modes) {
+            // FORGET purges the tree past the edit: each build re-prefills it, untimed.
+            let mut forget_ms = Vec::new();
+            let mut forget = None;
+            for _ in 0..if a.no_forget { 0 } else { a.repeat } {
+                let s = session_with(engine, &ctx)?;
+                let t = Instant::now();
+                let r = engine.apply_directives(s, edits(Mode::Forget, d))?;
+                forget_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                forget = Some(r);
+                engine.delete_session(s)?;
+            }
+            let Some(last) = reps.last() else {
+                bail!("no repetition ran");
+            };
+            rows.push(Row {
+                rotation,
+                downstream: d,
+                amortize_ms: reps.iter().map(|r| r.ms).collect(),
+                forget_ms,
+                amortize: last.report,
+                forget,
+                segments: last.segments,
+                turn_prefill: reps.iter().filter_map(|r| r.turn.map(|t| t.0)).collect(),
+                turn_decode: reps.iter().filter_map(|r| r.turn.map(|t| t.1)).collect(),
+            });
         }
-        let Some(amortize) = amortize else {
-            bail!("no repetition ran");
-        };
-        rows.push(Row {
-            downstream: d,
-            amortize_ms,
-            forget_ms,
-            amortize,
-            forget,
-            segments,
-            turn_prefill,
-            turn_decode,
-        });
     }
     print(&a, &lm, &rows);
     Ok(())
+}
+
+/// One AMORTIZE repetition: the splice's time and report, the runs it left, and the turn
+/// after it (prefill and decode tokens per second).
+struct Rep {
+    ms: f64,
+    report: EditReport,
+    segments: usize,
+    turn: Option<(f64, f64)>,
+}
+
+/// Per repetition pair of an `--ab` run: `lazy / eager` of one figure.
+fn pair_ratios(eager: &[f64], lazy: &[f64]) -> Vec<f64> {
+    eager.iter().zip(lazy).map(|(e, l)| l / e).collect()
+}
+
+/// Median, least and largest of `v` as JSON (nulls when empty).
+fn spread(v: &[f64]) -> serde_json::Value {
+    let min = v.iter().copied().reduce(f64::min);
+    let max = v.iter().copied().reduce(f64::max);
+    serde_json::json!({ "median": median(v), "min": min, "max": max })
 }
 
 /// A turn in session `id`: its tokens then `extra`, and `n` generated tokens (no stop
@@ -234,14 +282,54 @@ fn turn(engine: &mut Engine, id: SessionId, extra: &[u32], n: usize) -> Result<(
     Ok((prefill, decode))
 }
 
+/// Per downstream length of an `--ab` run (rows eager then lazy): the lazy / eager ratios
+/// of the splice's time and the turn's speeds, per repetition pair.
+fn ab_pairs(rows: &[Row]) -> Vec<(usize, [Vec<f64>; 3])> {
+    rows.chunks_exact(2)
+        .filter(|p| p[0].rotation == RotationMode::Eager && p[1].rotation == RotationMode::Lazy)
+        .map(|p| {
+            let (e, l) = (&p[0], &p[1]);
+            (
+                e.downstream,
+                [
+                    pair_ratios(&e.amortize_ms, &l.amortize_ms),
+                    pair_ratios(&e.turn_prefill, &l.turn_prefill),
+                    pair_ratios(&e.turn_decode, &l.turn_decode),
+                ],
+            )
+        })
+        .collect()
+}
+
+/// [`ab_pairs`] as JSON.
+fn ab_rows(rows: &[Row]) -> Vec<serde_json::Value> {
+    ab_pairs(rows)
+        .iter()
+        .map(|(d, [splice, prefill, decode])| {
+            serde_json::json!({
+                "downstream": d,
+                "splice_ms": spread(splice),
+                "turn_prefill_tok_s": spread(prefill),
+                "turn_decode_tok_s": spread(decode),
+            })
+        })
+        .collect()
+}
+
 fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
     let name = &lm.model.info().name;
+    let rotations = if a.ab {
+        "eager,lazy".to_string()
+    } else {
+        a.rotation.rotation.to_string()
+    };
     if a.json {
-        let rows: Vec<serde_json::Value> = rows
+        let json_rows: Vec<serde_json::Value> = rows
             .iter()
             .map(|r| {
                 let (am, fm) = r.medians();
                 serde_json::json!({
+                    "rotation": r.rotation.to_string(),
                     "downstream": r.downstream,
                     "amortize_ms": am,
                     "forget_ms": fm,
@@ -270,9 +358,10 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
                 "span": a.span,
                 "stub": a.stub,
                 "edits": a.edits,
-                "rotation": a.rotation.rotation.to_string(),
+                "rotation": rotations,
                 "repeat": a.repeat,
-                "rows": rows,
+                "rows": json_rows,
+                "ab": ab_rows(rows),
             })
         );
         return;
@@ -280,22 +369,16 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
     println!(
         "{name}, kv {}, {} threads, {} rotation: {} prefix tokens, a {}-token span replaced by {} \
          tokens, {} edits; medians of {}\n",
-        a.model.kv_dtype,
-        a.pool.threads,
-        a.rotation.rotation,
-        a.prefix,
-        a.span,
-        a.stub,
-        a.edits,
-        a.repeat
+        a.model.kv_dtype, a.pool.threads, rotations, a.prefix, a.span, a.stub, a.edits, a.repeat
     );
-    println!("| downstream tokens | AMORTIZE splice ms | FORGET re-prefill ms | ratio | rotated | copied | segments | prefilled A / F | turn prefill / decode tok/s |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| rotation | downstream tokens | AMORTIZE splice ms | FORGET re-prefill ms | ratio | rotated | copied | segments | prefilled A / F | turn prefill / decode tok/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let opt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
     for r in rows {
         let (am, fm) = r.medians();
         println!(
-            "| {} | {am:.1} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
+            "| {} | {} | {am:.1} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
+            r.rotation,
             r.downstream,
             opt(r.forget.map(|_| fm)),
             r.forget
@@ -309,5 +392,27 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
             opt(median(&r.turn_prefill)),
             opt(median(&r.turn_decode)),
         );
+    }
+    let pairs = ab_pairs(rows);
+    if !pairs.is_empty() {
+        println!("\nlazy / eager per repetition pair, median (range):\n");
+        println!("| downstream tokens | splice ms | turn prefill tok/s | turn decode tok/s |");
+        println!("|---|---|---|---|");
+        let cell = |v: &[f64]| match median(v) {
+            Some(m) => {
+                let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                format!("{m:.3} ({lo:.3}-{hi:.3})")
+            }
+            None => "-".to_string(),
+        };
+        for (d, [splice, prefill, decode]) in &pairs {
+            println!(
+                "| {d} | {} | {} | {} |",
+                cell(splice),
+                cell(prefill),
+                cell(decode)
+            );
+        }
     }
 }

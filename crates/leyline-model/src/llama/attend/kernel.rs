@@ -2,11 +2,14 @@
 //! set: the per-thread buffers, the online softmax over key blocks, the value sums, and
 //! [`Isa`], which picks the score products of `portable.rs`, `avx2.rs` or `avx512.rs`.
 
-use super::plan::{Heads, Task, KB, RB};
+use super::plan::{block_pieces, direct, offset_of, Heads, Task, KB, RB};
 use super::portable::{dot, scores_portable};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
 use crate::fastmath::exp2;
+
+// `turned` marks a block's keys in a u64.
+const _: () = assert!(KB <= 64);
 
 /// Head-dim lanes per value accumulator row in the portable kernel; the x86 kernels use
 /// as many as their registers hold (see [`task_for`]).
@@ -318,9 +321,7 @@ fn task<T: Copy, const W: usize>(
         l,
         corr,
     } = buf;
-    // With a register block's rows or fewer, dot products straight from the key rows are
-    // cheaper than the transposed product, whose lanes would be mostly padding.
-    let direct = padded == RB;
+    let direct = direct(rows);
     // The queries, scaled, turned back by a shifted run's offset, and transposed for the
     // wide product; loaded again wherever the task's keys enter a run of another offset.
     let load = |rot: Option<usize>, qb: &mut [f32], qt: &mut [f32]| {
@@ -364,66 +365,91 @@ fn task<T: Copy, const W: usize>(
     // Keys from here on are masked for some rows: row `r` sees key `j` iff
     // `j < diag + r / g + 1`.
     let diag = task.diag;
-    let mut from = task.k0;
-    let mut loaded = None;
-    for (i, &(until, rot)) in task.pieces.iter().enumerate() {
-        if i == 0 || rot != loaded {
-            load(rot, qb, qt);
-            loaded = rot;
+    let (mut first, mut loads) = (0, task.loads.iter().peekable());
+    let mut rot = None;
+    let mut j0 = task.k0;
+    while j0 < task.k1 {
+        if let Some(&(_, r)) = loads.next_if(|l| l.0 == j0) {
+            load(r, qb, qt);
+            rot = r;
         }
-        for j0 in (from..until).step_by(KB) {
-            let nb = KB.min(until - j0);
-            // The next block's rows sit at scattered slots, which hardware prefetchers do not
-            // follow: ask for them while this block computes.
-            for j in j0 + KB..(j0 + 2 * KB).min(task.k1) {
-                let s = slot(j);
-                prefetch(&k[s * kw + off..s * kw + off + hd]);
-                prefetch(&v[s * vw + off..s * vw + off + hd]);
-            }
-            let slots: [usize; KB] =
-                std::array::from_fn(|jj| if jj < nb { slot(j0 + jj) } else { 0 });
-            if kf.is_none() {
-                for (jj, &s) in slots[..nb].iter().enumerate() {
-                    let (kr, vr) = (&k[s * kw + off..][..hd], &v[s * vw + off..][..hd]);
-                    for (d, &x) in kb[jj * hd..(jj + 1) * hd].iter_mut().zip(kr) {
-                        *d = ld.f32(x);
-                    }
-                    for (d, &x) in vb[jj * hd..(jj + 1) * hd].iter_mut().zip(vr) {
-                        *d = ld.f32(x);
-                    }
+        let nb = KB.min(loads.peek().map_or(task.k1, |l| l.0) - j0);
+        while task.pieces[first].0 <= j0 {
+            first += 1;
+        }
+        let (last, _) = block_pieces(&task.pieces, first, j0, j0 + nb);
+        // The next block's rows sit at scattered slots, which hardware prefetchers do not
+        // follow: ask for them while this block computes.
+        for j in j0 + KB..(j0 + 2 * KB).min(task.k1) {
+            let s = slot(j);
+            prefetch(&k[s * kw + off..s * kw + off + hd]);
+            prefetch(&v[s * vw + off..s * vw + off + hd]);
+        }
+        let slots: [usize; KB] = std::array::from_fn(|jj| if jj < nb { slot(j0 + jj) } else { 0 });
+        if kf.is_none() {
+            for (jj, &s) in slots[..nb].iter().enumerate() {
+                let (kr, vr) = (&k[s * kw + off..][..hd], &v[s * vw + off..][..hd]);
+                for (d, &x) in kb[jj * hd..(jj + 1) * hd].iter_mut().zip(kr) {
+                    *d = ld.f32(x);
+                }
+                for (d, &x) in vb[jj * hd..(jj + 1) * hd].iter_mut().zip(vr) {
+                    *d = ld.f32(x);
                 }
             }
-            let zero = &zero[..hd];
-            let krows = block_rows(kf, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
-            let vrows = block_rows(vf, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
-            if direct {
-                isa.scores_direct(qb, rows, lanes, &krows, nb, st, hd);
+        }
+        // Keys of other offsets than the queries' turn by the difference, in the f32 copy
+        // (f32 storage: copied first); `turned` marks them.
+        let mut turned = 0u64;
+        let target = offset_of(rotations, rot);
+        for p in first..=last {
+            let d = target - offset_of(rotations, task.pieces[p].1);
+            if d == 0 {
+                continue;
+            }
+            let r = &rotations[rotations
+                .iter()
+                .position(|r| r.0 == d)
+                .expect("the plan made every turn a block needs")]
+            .1;
+            let start = if p == 0 {
+                task.k0
             } else {
-                isa.scores(qt, lanes, &krows, st, hd);
-            }
-            // Blocks end short at the diagonal, and where a shifted run ends.
-            if j0 + KB > diag || nb < KB {
-                for (jj, srow) in st.chunks_exact_mut(lanes).enumerate() {
-                    let j = j0 + jj;
-                    let hidden = if jj >= nb {
-                        lanes
-                    } else {
-                        (j.saturating_sub(diag) * g).min(lanes)
-                    };
-                    srow[..hidden].fill(f32::NEG_INFINITY);
+                task.pieces[p - 1].0
+            };
+            for jj in start.max(j0) - j0..task.pieces[p].0.min(j0 + nb) - j0 {
+                let row = &mut kb[jj * hd..(jj + 1) * hd];
+                if let Some(f) = kf {
+                    row.copy_from_slice(&f[slots[jj] * kw + off..][..hd]);
                 }
+                r.apply_f32(row);
+                turned |= 1 << jj;
             }
-            softmax_block(st, lanes, m, l, corr);
-            for (r, &cr) in corr[..padded].iter().enumerate() {
-                if cr != 1.0 {
-                    for x in &mut o[r * hd..(r + 1) * hd] {
-                        *x *= cr;
-                    }
-                }
-            }
-            values::<W>(st, lanes, &vrows, o, padded, hd, nb);
         }
-        from = until;
+        let zero = &zero[..hd];
+        let krows = block_rows(kf, turned, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
+        let vrows = block_rows(vf, 0, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
+        if direct {
+            isa.scores_direct(qb, rows, lanes, &krows, nb, st, hd);
+        } else {
+            isa.scores(qt, lanes, &krows, st, hd);
+        }
+        // Rows past a short block's `nb` keys are not read from here on.
+        if j0 + nb > diag {
+            for (jj, srow) in st.chunks_exact_mut(lanes).take(nb).enumerate() {
+                let hidden = ((j0 + jj).saturating_sub(diag) * g).min(lanes);
+                srow[..hidden].fill(f32::NEG_INFINITY);
+            }
+        }
+        softmax_block(st, lanes, nb, m, l, corr);
+        for (r, &cr) in corr[..padded].iter().enumerate() {
+            if cr != 1.0 {
+                for x in &mut o[r * hd..(r + 1) * hd] {
+                    *x *= cr;
+                }
+            }
+        }
+        values::<W>(st, lanes, &vrows, o, padded, hd, nb);
+        j0 += nb;
     }
     for r in 0..rows {
         let inv = 1.0 / l[r];
@@ -439,10 +465,12 @@ fn task<T: Copy, const W: usize>(
 }
 
 /// A key block's rows for one kv head: in place in `rows` (at `at(jj)`) when the storage is
-/// f32, else the converted rows of `conv`; `zero` past the block's `nb` keys.
+/// f32 and bit `jj` of `copied` is clear, else the converted rows of `conv`; `zero` past the
+/// block's `nb` keys.
 #[inline(always)]
 fn block_rows<'a>(
     rows: Option<&'a [f32]>,
+    copied: u64,
     at: impl Fn(usize) -> usize,
     conv: &'a [f32],
     zero: &'a [f32],
@@ -451,27 +479,34 @@ fn block_rows<'a>(
 ) -> [&'a [f32]; KB] {
     std::array::from_fn(|jj| match (jj < nb, rows) {
         (false, _) => zero,
-        (true, Some(f)) => &f[at(jj)..at(jj) + hd],
-        (true, None) => &conv[jj * hd..(jj + 1) * hd],
+        (true, Some(f)) if copied & (1 << jj) == 0 => &f[at(jj)..at(jj) + hd],
+        (true, _) => &conv[jj * hd..(jj + 1) * hd],
     })
 }
 
-/// One block's online softmax, 16 query rows at a time: updates each row's running max `m`
-/// and sum `l`, turns the scores `st` into `2^(s - m)`, and leaves in `corr` the factor by
-/// which the row's earlier value sums must be scaled.
+/// One block's online softmax over its first `nb` keys, 16 query rows at a time: updates
+/// each row's running max `m` and sum `l`, turns the scores `st` into `2^(s - m)`, and
+/// leaves in `corr` the factor by which the row's earlier value sums must be scaled.
 #[inline(always)]
-fn softmax_block(st: &mut [f32], lanes: usize, m: &mut [f32], l: &mut [f32], corr: &mut [f32]) {
+fn softmax_block(
+    st: &mut [f32],
+    lanes: usize,
+    nb: usize,
+    m: &mut [f32],
+    l: &mut [f32],
+    corr: &mut [f32],
+) {
     for c0 in (0..lanes).step_by(16) {
         let at = |jj: usize| jj * lanes + c0;
         let mut mx: [f32; 16] = m[c0..c0 + 16].try_into().expect("16 lanes");
-        for jj in 0..KB {
+        for jj in 0..nb {
             let s: &[f32; 16] = st[at(jj)..at(jj) + 16].try_into().expect("16 lanes");
             for (a, &x) in mx.iter_mut().zip(s) {
                 *a = a.max(x);
             }
         }
         let mut sum = [0f32; 16];
-        for jj in 0..KB {
+        for jj in 0..nb {
             let s: &mut [f32; 16] = (&mut st[at(jj)..at(jj) + 16]).try_into().expect("16 lanes");
             for ((x, a), &mr) in s.iter_mut().zip(&mut sum).zip(&mx) {
                 *x = exp2(*x - mr);

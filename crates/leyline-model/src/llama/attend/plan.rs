@@ -12,6 +12,13 @@ pub(super) const KB: usize = 64;
 pub(super) const QB: usize = 64;
 /// Query rows per register block.
 pub(super) const RB: usize = 4;
+/// Whether a task of `rows` query rows takes dot products straight from the key rows: with
+/// one register block of rows or fewer, the transposed product's lanes would be mostly
+/// padding. The direct product costs what a block's keys cost, so its blocks may end short.
+pub(super) fn direct(rows: usize) -> bool {
+    rows <= RB
+}
+
 /// Fewest context keys a split task covers.
 const MIN_SPLIT: usize = 4 * KB;
 /// Tasks per thread below which the context is split.
@@ -47,9 +54,13 @@ pub(super) struct Task<'a> {
     pub(super) first: bool,
     /// The task's keys as consecutive pieces of one offset each: a piece ends at `.0`, and
     /// `.1` names the [`Plan::rotations`] entry that turns the queries back by its run's
-    /// offset (`None`: keys at their own positions). The kernel switches the queries'
-    /// rotation between pieces, so a task may span any number of runs.
+    /// offset (`None`: keys at their own positions).
     pub(super) pieces: Vec<(usize, Option<usize>)>,
+    /// Where the queries are turned (again): from key `.0` on they are turned back by the
+    /// offset of rotation `.1`, and a key block's keys of other offsets are turned to it by
+    /// the difference. A key block ends at the next entry; see [`Plan::pieces`] for where
+    /// they are.
+    pub(super) loads: Vec<(usize, Option<usize>)>,
 }
 
 impl Task<'_> {
@@ -210,9 +221,10 @@ impl<'a> Plan<'a> {
         merge: Merge,
         toks: impl Fn(usize) -> Vec<(usize, usize)>,
     ) {
-        let pieces: Vec<Vec<(usize, Option<usize>)>> = cuts
+        let rows = toks(0).len() * (self.shape.heads / self.shape.kv_heads);
+        let pieces: Vec<_> = cuts
             .windows(2)
-            .map(|keys| self.pieces(seq.shifts, keys[0], keys[1]))
+            .map(|keys| self.pieces(seq.shifts, keys[0], keys[1], rows))
             .collect();
         for kv_head in 0..self.shape.kv_heads {
             let toks = toks(kv_head);
@@ -226,14 +238,30 @@ impl<'a> Plan<'a> {
                     k1: keys[1],
                     merged: merge != Merge::Alone,
                     first: p == 0 && merge != Merge::Joins,
-                    pieces: pieces[p].clone(),
+                    pieces: pieces[p].0.clone(),
+                    loads: pieces[p].1.clone(),
                 });
             }
         }
     }
 
-    /// Keys `k0..k1` as pieces of one offset each ([`Task::pieces`]).
-    fn pieces(&mut self, shifts: &[KeyShift], k0: usize, k1: usize) -> Vec<(usize, Option<usize>)> {
+    /// Keys `k0..k1` as pieces of one offset each ([`Task::pieces`]), and where a task of
+    /// `rows` query rows turns its queries ([`Task::loads`]).
+    ///
+    /// With the direct product ([`direct`]) a short block costs only its keys: the queries
+    /// are turned at every piece, and blocks end there. The transposed product computes
+    /// whole blocks, so its blocks stay [`KB`] keys across pieces: turning the queries costs
+    /// about `rows` vector rotations and a transpose, turning a key one, so a block switches
+    /// the queries to the offset of its largest piece only when that piece holds at least
+    /// `rows` keys, and otherwise turns the other offsets' keys.
+    #[allow(clippy::type_complexity)]
+    fn pieces(
+        &mut self,
+        shifts: &[KeyShift],
+        k0: usize,
+        k1: usize,
+        rows: usize,
+    ) -> (Vec<(usize, Option<usize>)>, Vec<(usize, Option<usize>)>) {
         let mut out = Vec::new();
         let mut at = k0;
         while at < k1 {
@@ -248,7 +276,44 @@ impl<'a> Plan<'a> {
             out.push((end, rot));
             at = end;
         }
-        out
+        if direct(rows) {
+            let starts = std::iter::once(k0).chain(out.iter().map(|p| p.0));
+            let loads = starts.zip(out.iter().map(|p| p.1)).collect();
+            return (out, loads);
+        }
+        let mut loads: Vec<(usize, Option<usize>)> = Vec::new();
+        let mut first = 0;
+        for j0 in (k0..k1).step_by(KB) {
+            let j1 = (j0 + KB).min(k1);
+            while out[first].0 <= j0 {
+                first += 1;
+            }
+            let (last, major) = block_pieces(&out, first, j0, j1);
+            let want = out[major].1;
+            let start = if major == 0 { k0 } else { out[major - 1].0 };
+            let switch = match loads.last() {
+                None => true,
+                Some(&(_, rot)) => {
+                    self.offset(rot) != self.offset(want) && out[major].0 - start >= rows
+                }
+            };
+            if switch {
+                loads.push((j0, want));
+            }
+            let target = self.offset(loads.last().map_or(want, |l| l.1));
+            for &(_, rot) in &out[first..=last] {
+                let d = target - self.offset(rot);
+                if d != 0 {
+                    self.rotation(d);
+                }
+            }
+        }
+        (out, loads)
+    }
+
+    /// The offset of a piece's run ([`Task::pieces`]).
+    pub(super) fn offset(&self, rot: Option<usize>) -> i64 {
+        offset_of(&self.rotations, rot)
     }
 
     /// The index in [`Self::rotations`] of `R(-offset)`, added on first use.
@@ -260,6 +325,34 @@ impl<'a> Plan<'a> {
             .push((offset, Rotation::new(self.rope, -offset)));
         self.rotations.len() - 1
     }
+}
+
+/// The offset of the run a piece's rotation entry turns back (0 for `None`).
+pub(super) fn offset_of(rotations: &[(i64, Rotation)], rot: Option<usize>) -> i64 {
+    rot.map_or(0, |i| rotations[i].0)
+}
+
+/// For the key block `j0..j1`, which starts inside piece `first`: the last piece it reaches,
+/// and the piece that holds most of its keys (the earliest of equals).
+pub(super) fn block_pieces(
+    pieces: &[(usize, Option<usize>)],
+    first: usize,
+    j0: usize,
+    j1: usize,
+) -> (usize, usize) {
+    let (mut major, mut most) = (first, 0);
+    let mut at = j0;
+    for (p, &(end, _)) in pieces.iter().enumerate().skip(first) {
+        let end = end.min(j1);
+        if end - at > most {
+            (major, most) = (p, end - at);
+        }
+        if end == j1 {
+            return (p, major);
+        }
+        at = end;
+    }
+    (pieces.len() - 1, major)
 }
 
 /// Fewest context keys that sequences must share for [`shared_prefixes`] to group them.

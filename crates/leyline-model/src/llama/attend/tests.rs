@@ -406,6 +406,15 @@ fn shifted_runs_match_rotated_keys() {
                 run(200, 333, 17),
             ]],
         ),
+        // Many short runs of alternating offsets: several in every key block, so a block's
+        // keys turn to the offset of its largest piece.
+        (
+            vec![(290, 70, 0)],
+            vec![(0..29)
+                .filter(|i| i % 3 != 2)
+                .map(|i| run(10 * i, 10 * i + 7 + i % 3, (i as i64 - 14) * 37))
+                .collect()],
+        ),
     ];
     let shape = Heads {
         heads: 6,
