@@ -14,7 +14,10 @@
 #   [TRACES=FILE] [ARMS="prefix implicit ..."] scripts/bench_http_arms.sh [SESSIONS] [TURNS] [OUT] [CONCURRENCY] [MODEL]
 #
 # A trajectory whose prompt outgrows the model's context is cut there (replay_http.py counts
-# the sessions cut); ARMS picks arms by label (default: all six).
+# the sessions cut); ARMS picks arms by label (default: all six); SERVE_ARGS adds flags to
+# `leyline serve` (e.g. "--rotation lazy"), KV_SLOTS sets its pool. Each arm's JSON summary
+# holds the KV the server held at its end (resident_kv_bytes, from /metrics): with a pool
+# too large to evict from, what the replay's conversations and cached prefixes take.
 #
 # Needs python3 and a release build of leyline. Run it on a quiet machine.
 set -euo pipefail
@@ -36,8 +39,9 @@ arm() {
     local label=$1
     shift
     [[ " ${ARMS:-$label} " == *" $label "* ]] || return 0
-    "$leyline" serve --model "${model:-smollm2-135m}" --addr "127.0.0.1:$port" --kv-slots $((conc * 8192 + 4096)) \
-        > "$out/$label.server.log" 2>&1 &
+    # shellcheck disable=SC2086 # SERVE_ARGS is a list of flags
+    "$leyline" serve --model "${model:-smollm2-135m}" --addr "127.0.0.1:$port" --kv-slots "${KV_SLOTS:-$((conc * 8192 + 4096))}" \
+        ${SERVE_ARGS:-} > "$out/$label.server.log" 2>&1 &
     pid=$!
     trap 'kill "$pid" 2>/dev/null || true' EXIT
     wait_up "$out/$label.server.log"

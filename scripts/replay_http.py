@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import urllib.request
 
 STUB = "[evicted: older tool output]"  # leyline-policy's DEFAULT_STUB
 
@@ -347,6 +348,25 @@ def summary(records, wall):
     }
 
 
+def resident_kv(url):
+    """The KV the server holds now, from its /metrics gauges (slots in use times bytes per
+    slot); empty when the server does not report them."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    g = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("leyline_pool_used_slots", "leyline_pool_slot_bytes"):
+            g[name[len("leyline_"):]] = int(float(value))
+    if len(g) < 2:
+        return {}
+    return {"pool_used_slots": g["pool_used_slots"],
+            "resident_kv_bytes": g["pool_used_slots"] * g["pool_slot_bytes"]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
@@ -413,7 +433,10 @@ def main():
         sys.exit("requests failed:\n" + "\n".join(errors))
     s = summary(records, wall)
     s.update(label=args.label, arm=args.arm, concurrency=args.concurrency,
-             sessions_cut=len(cuts), turns_dropped=sum(cuts))
+             sessions_cut=len(cuts), turns_dropped=sum(cuts), **resident_kv(args.url))
+    if s.get("resident_kv_bytes") is not None:
+        print(f"{args.label}: resident KV at the end: {s['pool_used_slots']} slots, "
+              f"{s['resident_kv_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
     if cuts:
         print(f"{args.label}: {len(cuts)} sessions cut at the context length, "
               f"{sum(cuts)} turns dropped", file=sys.stderr)

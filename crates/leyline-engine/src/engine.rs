@@ -295,6 +295,8 @@ impl Engine {
         let cache = PrefixCache::new(cfg.kv_slots)?;
         let metrics = Arc::new(Metrics::default());
         metrics.set(&metrics.pool_capacity_slots, cfg.kv_slots as u64);
+        let slot_bytes = model.info().geometry.bytes_per_slot(cfg.kv_dtype);
+        metrics.set(&metrics.pool_slot_bytes, slot_bytes as u64);
         Ok(Self {
             model,
             model_id: 0,

@@ -72,6 +72,8 @@ metrics! {
     batched_decode_seqs,
     /// Largest number of sequences in one forward call.
     max_batch_seqs,
+    /// Lazy-rotation compactions put off because their copies did not fit in the pool.
+    compactions_deferred,
     /// Gauge: requests waiting for admission.
     queue_depth,
     /// Gauge: requests running.
@@ -82,6 +84,9 @@ metrics! {
     pool_used_slots,
     /// Gauge: pool capacity in slots.
     pool_capacity_slots,
+    /// Gauge: bytes of KV one slot holds over all layers (times `pool_used_slots`: the
+    /// resident KV).
+    pool_slot_bytes,
 }
 
 impl Metrics {

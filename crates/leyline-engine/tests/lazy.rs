@@ -264,3 +264,60 @@ fn a_lazy_splice_shares_the_trees_slots_and_leaves_them_as_they_were() {
     assert_eq!(out.lock().unwrap().tokens, first);
     e.check_no_leaks().unwrap();
 }
+
+/// A compaction whose copies do not fit the pool is put off, not failed: the splice stands,
+/// no idle session is shed for it, and a later splice compacts once there is room.
+#[test]
+fn a_compaction_without_room_waits_for_a_later_splice() {
+    let a = context();
+    // Another conversation, longer than `a`: once it is gone, `a`'s copies fit.
+    let turn = "<|im_start|>user\nWill it snow in Zermatt tomorrow morning, and how cold will \
+                it be at the station?<|im_end|>\n<|im_start|>assistant\nLight snow after \
+                six, minus four at the station.<|im_end|>\n";
+    let b = encode(&turn.repeat(a.len() / encode(turn).len() + 2));
+    assert!(b.len() > a.len());
+    // Room for both contexts and a little more: copying `a`'s shared keys does not fit.
+    let cfg = EngineConfig {
+        prefill_chunk: 256,
+        kv_dtype: KvDtype::F32,
+        rotation: RotationMode::Lazy,
+        max_segments: 1,
+        ..EngineConfig::new(a.len() + b.len() + 48)
+    };
+    let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+    // A plain request leaves `a` in the prefix tree, so the session shares its slots.
+    let (req, out) = request(a.clone(), 1);
+    e.submit(req);
+    e.run_to_completion().unwrap();
+    assert!(out.lock().unwrap().failed.is_none());
+    let id = session_with(&mut e, &a);
+    let other = session_with(&mut e, &b);
+    let cut = |at: usize| {
+        vec![Directive::new(
+            at,
+            at + 20,
+            encode(" (cut)"),
+            Mode::Amortize,
+        )]
+    };
+    let runs = |e: &Engine| {
+        let slots = e.session_info(id).unwrap().slots;
+        let shifts = e.cache().pool().key_shifts(&slots).unwrap();
+        leyline_kv::shift::segment_count(&shifts, slots.len())
+    };
+    let r = e.apply_directives(id, cut(40)).unwrap();
+    assert!(!r.compacted, "the copies cannot fit, yet it compacted");
+    assert!(runs(&e) > 1, "the splice left no shifted run");
+    assert_eq!(e.metrics().snapshot().compactions_deferred, 1);
+    assert_eq!(
+        e.session_info(other).unwrap().tokens,
+        b,
+        "an idle session lost its KV to a compaction"
+    );
+    assert_eq!(e.session_info(other).unwrap().slots.len(), b.len());
+    e.delete_session(other).unwrap();
+    let r = e.apply_directives(id, cut(100)).unwrap();
+    assert!(r.compacted, "room was made, yet the runs stayed");
+    assert_eq!(runs(&e), 1);
+    e.check_no_leaks().unwrap();
+}

@@ -7,12 +7,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Engine values that are gauges; every other engine value is a counter.
-const GAUGES: [&str; 6] = [
+const GAUGES: [&str; 7] = [
     "queue_depth",
     "running",
     "conversations",
     "pool_used_slots",
     "pool_capacity_slots",
+    "pool_slot_bytes",
     "max_batch_seqs",
 ];
 

@@ -483,7 +483,12 @@ impl Engine {
 
     /// After a lazy splice: compacts session `id` (its keys rotated to their own positions,
     /// shared ones copied first) when it holds more shifted runs than the engine allows, so
-    /// that attention never cuts its keys at more than that many places.
+    /// that attention does not cut its keys at more places.
+    ///
+    /// Compaction only bounds attention's work: the splice is done and exact either way. So
+    /// when the copies do not fit after evicting unlocked prefix-cache entries, no idle
+    /// session loses its KV for it; the session keeps its runs, and a later splice tries
+    /// again.
     fn compact_if_needed(
         &mut self,
         id: SessionId,
@@ -498,7 +503,13 @@ impl Engine {
         if segment_count(&shifts, slots.len()) <= self.cfg.max_segments {
             return Ok(());
         }
-        let done = compact(&mut self.cache, &mut self.kv, rope, &slots)?;
+        let done = match compact(&mut self.cache, &mut self.kv, rope, &slots) {
+            Err(leyline_kv::KvError::PoolExhausted { .. }) => {
+                self.metrics.add(&self.metrics.compactions_deferred, 1);
+                return Ok(());
+            }
+            r => r?,
+        };
         self.note_evicted(done.evicted);
         report.rotated += done.rotated;
         report.copied += done.copied;
