@@ -74,6 +74,9 @@ pub struct EditReport {
     pub zeroed: usize,
     /// Session length after the edit.
     pub new_len: usize,
+    /// Microseconds an AMORTIZE splice spent in the model's forward of its replacements
+    /// (what is left of its time is bookkeeping, rotation and copies); 0 for FORGET.
+    pub prefill_us: u64,
     /// Whether a lazy splice left more shifted runs than
     /// [`crate::EngineConfig::max_segments`], so that the session was compacted (its keys
     /// rotated to their positions, counted in `rotated` and `copied`).
@@ -90,6 +93,7 @@ impl EditReport {
             rotated: 0,
             copied: 0,
             prefilled: 0,
+            prefill_us: 0,
             repaired: 0,
             scanned: 0,
             zeroed: 0,

@@ -21,8 +21,8 @@ pub enum Piece {
     Done {
         /// OpenAI's finish reason: `stop` or `length`.
         finish_reason: &'static str,
-        /// Counts and timings.
-        usage: Usage,
+        /// Counts and timings (boxed: the other variants are small).
+        usage: Box<Usage>,
         /// Prompt plus generated tokens with KV in the cache.
         tokens: Vec<u32>,
         /// The stop string that ended the text, if one did.
@@ -179,7 +179,7 @@ pub fn request(
                 }
                 let _ = tx.send(Piece::Done {
                     finish_reason,
-                    usage,
+                    usage: Box::new(usage),
                     tokens,
                     stop_sequence: matcher.matched().map(str::to_string),
                 });

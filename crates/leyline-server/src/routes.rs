@@ -654,7 +654,7 @@ fn stream(
                     if ok && ctx.include_usage {
                         let mut u = ctx.chunk(None, false, None);
                         u.choices.clear();
-                        u.usage = UsageField::Some(WireUsage::from(&usage));
+                        u.usage = UsageField::Some(WireUsage::from(&*usage));
                         u.leyline = Some(leyline);
                         ok = send(event(&u)).await;
                     }

@@ -325,7 +325,7 @@ pub(crate) async fn collect_text(
                 return Ok(Collected {
                     text,
                     finish_reason,
-                    usage,
+                    usage: *usage,
                     stop_sequence,
                 })
             }

@@ -89,6 +89,9 @@ struct Row {
     rotation: RotationMode,
     downstream: usize,
     amortize_ms: Vec<f64>,
+    /// Per repetition: the splice's time less its replacements' forward
+    /// ([`EditReport::prefill_us`]).
+    beyond_prefill_ms: Vec<f64>,
     forget_ms: Vec<f64>,
     amortize: EditReport,
     forget: Option<EditReport>,
@@ -215,6 +218,10 @@ pub fn run(a: SpliceArgs) -> Result<()> {
                 rotation,
                 downstream: d,
                 amortize_ms: reps.iter().map(|r| r.ms).collect(),
+                beyond_prefill_ms: reps
+                    .iter()
+                    .map(|r| r.ms - r.report.prefill_us as f64 / 1e3)
+                    .collect(),
                 forget_ms,
                 amortize: last.report,
                 forget,
@@ -335,6 +342,7 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
                     "forget_ms": fm,
                     "ratio": am / fm,
                     "amortize_ms_all": r.amortize_ms,
+                    "beyond_prefill_ms": median(&r.beyond_prefill_ms),
                     "forget_ms_all": r.forget_ms,
                     "rotated": r.amortize.rotated,
                     "copied": r.amortize.copied,
@@ -371,15 +379,16 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
          tokens, {} edits; medians of {}\n",
         a.model.kv_dtype, a.pool.threads, rotations, a.prefix, a.span, a.stub, a.edits, a.repeat
     );
-    println!("| rotation | downstream tokens | AMORTIZE splice ms | FORGET re-prefill ms | ratio | rotated | copied | segments | prefilled A / F | turn prefill / decode tok/s |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| rotation | downstream tokens | AMORTIZE splice ms | of it beyond the stub's forward | FORGET re-prefill ms | ratio | rotated | copied | segments | prefilled A / F | turn prefill / decode tok/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let opt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
     for r in rows {
         let (am, fm) = r.medians();
         println!(
-            "| {} | {} | {am:.1} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
+            "| {} | {} | {am:.1} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
             r.rotation,
             r.downstream,
+            opt(median(&r.beyond_prefill_ms)),
             opt(r.forget.map(|_| fm)),
             r.forget
                 .map_or("-".to_string(), |_| format!("{:.4}", am / fm)),

@@ -430,8 +430,9 @@ impl Engine {
         let info = self.model.info().clone();
         info.rope.ensure_shiftable()?;
         let n_repl: usize = batch.directives().iter().map(|d| d.replacement.len()).sum();
+        let mut forward = std::time::Duration::ZERO;
         let spliced = loop {
-            match self.try_splice(id, batch, &info.rope) {
+            match self.try_splice(id, batch, &info.rope, &mut forward) {
                 // A refused splice changed nothing: idle sessions' KV goes, as for prefill.
                 Err(SpliceError::Kv(
                     e @ (leyline_kv::KvError::PoolExhausted { .. }
@@ -458,6 +459,7 @@ impl Engine {
             rotated: spliced.rotated,
             copied: spliced.copied,
             prefilled: spliced.prefilled,
+            prefill_us: forward.as_micros() as u64,
             repaired: 0,
             scanned: 0,
             zeroed: 0,
@@ -520,12 +522,14 @@ impl Engine {
         Ok(())
     }
 
-    /// One attempt at the KV layer's splice of session `id`, the model forward passed in.
+    /// One attempt at the KV layer's splice of session `id`, the model forward passed in;
+    /// adds the forward's time to `forward`.
     fn try_splice(
         &mut self,
         id: SessionId,
         batch: &DirectiveBatch,
         rope: &leyline_kv::rope::RopeSpec,
+        forward: &mut std::time::Duration,
     ) -> std::result::Result<Spliced, SpliceError<leyline_model::ModelError>> {
         let s = self
             .sessions
@@ -558,7 +562,10 @@ impl Engine {
                     logits: LogitsFor::None,
                     shifts: job.shifts,
                 };
-                model.forward(kv, &[seq]).map(|_| ())
+                let t = std::time::Instant::now();
+                let done = model.forward(kv, &[seq]).map(|_| ());
+                *forward += t.elapsed();
+                done
             },
         )
     }
@@ -591,6 +598,7 @@ impl Engine {
             rotated: 0,
             copied: 0,
             prefilled: 0,
+            prefill_us: 0,
             repaired: 0,
             scanned: 0,
             zeroed,

@@ -226,6 +226,7 @@ fn outcome(full: (u32, f32), amortize: u32, forget: u32) -> ProbeOutcome {
             rotated: 0,
             copied: 0,
             prefilled: 0,
+            prefill_us: 0,
             repaired: 0,
             scanned: 0,
             zeroed: 0,
