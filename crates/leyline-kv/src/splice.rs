@@ -140,6 +140,28 @@ fn bad(msg: String) -> KvError {
     KvError::SpliceInput(msg)
 }
 
+/// The first slot that `slots` yields a second time. A bit per slot id when the ids are
+/// dense enough (a pool's are), which at tens of thousands of slots is several times
+/// cheaper than hashing each one; a hash set otherwise.
+fn first_repeat(slots: impl Iterator<Item = u32> + Clone) -> Option<u32> {
+    let (n, max) = slots
+        .clone()
+        .fold((0usize, 0u32), |(n, m), s| (n + 1, m.max(s)));
+    if (max as usize) < 64 * n + 4096 {
+        let mut bits = vec![0u64; max as usize / 64 + 1];
+        for s in slots {
+            let (w, b) = (s as usize / 64, 1u64 << (s % 64));
+            if bits[w] & b != 0 {
+                return Some(s);
+            }
+            bits[w] |= b;
+        }
+        return None;
+    }
+    let mut seen = HashSet::with_capacity(n);
+    slots.into_iter().find(|&s| !seen.insert(s))
+}
+
 fn plan_metadata(req: &SpliceRequest<'_>) -> Result<SplicePlan> {
     let batch = req.batch;
     if batch.mode() == Some(Mode::Forget) {
@@ -170,17 +192,15 @@ fn plan_metadata(req: &SpliceRequest<'_>) -> Result<SplicePlan> {
             )));
         }
     }
-    let mut seen = HashSet::with_capacity(n + 8);
-    for &s in req
+    let all = req
         .old_slots
         .iter()
         .chain(req.replacement_slots.iter().flatten())
-    {
-        if !seen.insert(s) {
-            return Err(bad(format!(
-                "slot {s} appears twice in the sequence or its replacements"
-            )));
-        }
+        .copied();
+    if let Some(s) = first_repeat(all) {
+        return Err(bad(format!(
+            "slot {s} appears twice in the sequence or its replacements"
+        )));
     }
 
     let segments = batch.segments();
@@ -234,6 +254,21 @@ fn plan_metadata(req: &SpliceRequest<'_>) -> Result<SplicePlan> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn first_repeat_finds_the_second_occurrence_dense_or_sparse() {
+        for ids in [
+            vec![3u32, 9, 0, 64, 65],
+            vec![7, 1 << 30, 12, 4_000_000_000],
+        ] {
+            assert_eq!(first_repeat(ids.iter().copied()), None, "{ids:?}");
+            let mut rep = ids.clone();
+            rep.insert(3, ids[1]);
+            rep.push(ids[0]);
+            assert_eq!(first_repeat(rep.iter().copied()), Some(ids[1]), "{rep:?}");
+        }
+        assert_eq!(first_repeat(std::iter::empty()), None);
+    }
     use leyline_core::{Directive, SessionState, ValidationContext};
     use proptest::prelude::*;
 

@@ -205,12 +205,18 @@ impl Txn {
             .iter()
             .map(|&x| pool.position(x))
             .collect::<Result<Vec<_>>>()?;
-        let shared: HashSet<u32> = target
-            .slots
-            .iter()
-            .copied()
-            .filter(|&x| pool.refcount(x).map_or(true, |r| r > 1))
-            .collect();
+        let lazy = mode == RotationMode::Lazy;
+        // Only an eager splice copies what others hold; a lazy one moves no kept slot.
+        let shared: HashSet<u32> = if lazy {
+            HashSet::new()
+        } else {
+            target
+                .slots
+                .iter()
+                .copied()
+                .filter(|&x| pool.refcount(x).map_or(true, |r| r > 1))
+                .collect()
+        };
 
         let n_repl: usize = batch.directives().iter().map(|d| d.replacement.len()).sum();
         let (mut fresh, removed) = cache.alloc_evicting(n_repl)?;
@@ -228,7 +234,6 @@ impl Txn {
             replacement_slots: &repl_slots,
         };
         let mut cow_alloc: Result<Vec<u32>> = Ok(Vec::new());
-        let lazy = mode == RotationMode::Lazy;
         let planned = SplicePlan::with_cow(
             &req,
             |x| !lazy && shared.contains(&x),
