@@ -126,6 +126,7 @@ fn chain(
     probe: &[u32],
     cap: usize,
     max_segments: usize,
+    bound: f32,
 ) -> usize {
     let ctx = ctx.to_vec();
     let mut eager = engine_with(model, RotationMode::Eager, usize::MAX);
@@ -167,8 +168,8 @@ fn chain(
             );
             worst = worst.max(d);
             assert!(
-                d < 1e-4,
-                "after {step} splices: {d} between lazy and eager logits"
+                d < bound,
+                "after {step} splices: {d} between lazy and eager logits (bound {bound:e})"
             );
         }
     }
@@ -194,16 +195,52 @@ fn chain(
     compactions
 }
 
+/// The f32 floor of SmolLM2's logits on `ctx`: how far two exact eager computations of the
+/// same context are apart when only their prefill chunks differ (so their sums round in
+/// other orders).
+fn f32_floor(model: &Arc<dyn CausalLm>, ctx: &[u32], probe: &[u32]) -> f32 {
+    let logits = |chunk: usize| {
+        let cfg = EngineConfig {
+            prefill_chunk: chunk,
+            kv_dtype: KvDtype::F32,
+            ..EngineConfig::new(8192)
+        };
+        let mut e = Engine::new(Arc::clone(model), cfg).unwrap();
+        let id = session_with(&mut e, ctx);
+        e.peek_logits(id, probe).unwrap()
+    };
+    let base = logits(256);
+    [17, 33, 64, 100]
+        .into_iter()
+        .map(|c| max_diff(&base, &logits(c)))
+        .fold(0f32, f32::max)
+}
+
+/// SmolLM2's logits are tens in size, and two eager runs that only chunk their prefill
+/// differently are already 2e-5 to 5e-5 apart; the 1e-5 is under that floor, so
+/// lazy against eager is held to twice the floor measured here (and the MLA checkpoints,
+/// whose logits are small, to 1e-5).
 #[test]
 fn lazy_and_eager_chains_give_the_same_logits() {
     let (ctx, probe) = (context(), encode(" The"));
     let m = &lm().model;
+    let floor = f32_floor(m, &ctx, &probe);
+    eprintln!("f32 floor of the logits (eager, prefill chunks 256 vs 17/33/64/100): {floor:e}");
+    assert!(floor > 0.0, "prefill chunking changed no rounding");
+    let bound = 2.0 * floor;
     assert_eq!(
-        chain(m, &ctx, &probe, 700, usize::MAX),
+        chain(m, &ctx, &probe, 700, usize::MAX, bound),
         0,
         "compaction is off"
     );
-    let n = chain(m, &ctx, &probe, 700, EngineConfig::new(8192).max_segments);
+    let n = chain(
+        m,
+        &ctx,
+        &probe,
+        700,
+        EngineConfig::new(8192).max_segments,
+        bound,
+    );
     assert!(n > 0, "100 splices never passed the segment limit");
 }
 
@@ -215,8 +252,8 @@ fn mla_lazy_and_eager_chains_give_the_same_logits() {
         let m = mla(name);
         let vocab = m.info().vocab_size;
         let ctx: Vec<u32> = (0..240).map(|_| rng.below(vocab) as u32).collect();
-        assert_eq!(chain(&m, &ctx, &[7], 300, usize::MAX), 0, "{name}");
-        let n = chain(&m, &ctx, &[7], 300, 8);
+        assert_eq!(chain(&m, &ctx, &[7], 300, usize::MAX, 1e-5), 0, "{name}");
+        let n = chain(&m, &ctx, &[7], 300, 8, 1e-5);
         assert!(n > 0, "{name}: 100 splices never passed 8 segments");
     }
 }
