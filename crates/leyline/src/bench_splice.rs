@@ -38,7 +38,8 @@ pub struct SpliceArgs {
     pub repeat: usize,
     /// Edits in the batch: the stub, plus one single-token deletion at each of `edits - 1`
     /// evenly spaced places downstream (under lazy rotation the context then holds `edits`
-    /// shifted runs after the prefix).
+    /// shifted runs after the prefix). 0: no edit, so `--decode`'s turn runs on the context
+    /// as it was prefilled (with `--ab`: lazy rotation's cost on sequences it never spliced).
     #[arg(long, default_value_t = 1)]
     pub edits: usize,
     /// After each AMORTIZE splice, a turn of `--turn-prompt` new prompt tokens and this many
@@ -148,11 +149,14 @@ pub fn run(a: SpliceArgs) -> Result<()> {
     let later = tokens(&lm, LATER, *a.downstream.iter().max().unwrap_or(&0))?;
     let extra = tokens(&lm, LATER, a.turn_prompt.max(1))?;
     let (start, end) = (a.prefix, a.prefix + a.span);
-    if a.edits == 0 {
-        bail!("--edits must be at least 1");
+    if a.edits == 0 && a.decode == 0 {
+        bail!("--edits 0 times nothing: give it a turn to time (--decode N)");
     }
     // The stub, then single-token deletions spread over `d` downstream tokens.
     let edits = |mode, d: usize| {
+        if a.edits == 0 {
+            return Vec::new();
+        }
         let mut v = vec![Directive::new(start, end, stub.clone(), mode)];
         for k in 1..a.edits {
             let at = end + k * d / a.edits;
