@@ -312,7 +312,7 @@ impl<'a> Plan<'a> {
     }
 
     /// The offset of a piece's run ([`Task::pieces`]).
-    pub(super) fn offset(&self, rot: Option<usize>) -> i64 {
+    fn offset(&self, rot: Option<usize>) -> i64 {
         offset_of(&self.rotations, rot)
     }
 
