@@ -255,9 +255,18 @@ fn pair_ratios(eager: &[f64], lazy: &[f64]) -> Vec<f64> {
 
 /// Median, least and largest of `v` as JSON (nulls when empty).
 fn spread(v: &[f64]) -> serde_json::Value {
-    let min = v.iter().copied().reduce(f64::min);
-    let max = v.iter().copied().reduce(f64::max);
-    serde_json::json!({ "median": median(v), "min": min, "max": max })
+    let (m, lo, hi) = median_range(v).map_or((None, None, None), |(m, lo, hi)| {
+        (Some(m), Some(lo), Some(hi))
+    });
+    serde_json::json!({ "median": m, "min": lo, "max": hi })
+}
+
+/// Median, least and largest of `v`; `None` when empty.
+fn median_range(v: &[f64]) -> Option<(f64, f64, f64)> {
+    let m = median(v)?;
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    Some((m, lo, hi))
 }
 
 /// A turn in session `id`: its tokens then `extra`, and `n` generated tokens (no stop
@@ -411,13 +420,10 @@ fn print(a: &SpliceArgs, lm: &leyline_model::LoadedModel, rows: &[Row]) {
         println!("\nlazy / eager per repetition pair, median (range):\n");
         println!("| downstream tokens | splice ms | turn prefill tok/s | turn decode tok/s |");
         println!("|---|---|---|---|");
-        let cell = |v: &[f64]| match median(v) {
-            Some(m) => {
-                let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
-                let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let cell = |v: &[f64]| {
+            median_range(v).map_or("-".to_string(), |(m, lo, hi)| {
                 format!("{m:.3} ({lo:.3}-{hi:.3})")
-            }
-            None => "-".to_string(),
+            })
         };
         for (d, [splice, prefill, decode]) in &pairs {
             println!(
