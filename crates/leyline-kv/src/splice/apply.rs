@@ -323,8 +323,9 @@ impl Txn {
     /// yet rotated that starts before `end`, backing up the owned rows first if `undoable`.
     fn rotate_before(&mut self, kv: &mut KvStorage, end: usize, undoable: bool) {
         if self.rotated == 0 && !self.plan.cow.is_empty() {
-            // Slots were checked against the storage in `plan`.
-            let _ = kv.copy_slots(&self.plan.cow);
+            // A failure here would leave the splice half applied; `plan` checked every slot.
+            kv.copy_slots(&self.plan.cow)
+                .expect("copy-on-write slots checked against the storage in `plan`");
         }
         while let Some((range, rot)) = self.rotations.get(self.rotated) {
             if range.start >= end {

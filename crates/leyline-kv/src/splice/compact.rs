@@ -78,7 +78,8 @@ pub fn compact(
     out.evicted = removed.freed.len();
     // Storage from here on; every slot and table was checked.
     let pairs: Vec<(u32, u32)> = shared.iter().map(|&i| slots[i]).zip(fresh).collect();
-    let _ = kv.copy_slots(&pairs);
+    kv.copy_slots(&pairs)
+        .expect("sources checked above, copies allocated from this storage's pool");
     for (&i, &(_, dst)) in shared.iter().zip(&pairs) {
         out.slots[i] = dst;
     }
