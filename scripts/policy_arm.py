@@ -310,7 +310,8 @@ def wilson(k, n, z=1.96):
     d = 1 + z * z / n
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return c - h, c + h
+    # Clamped: at k = 0 or k = n rounding can put the bound a hair outside [0, 1] (printed -0.0).
+    return max(0.0, c - h), min(1.0, c + h)
 
 
 def mcnemar(b, c):

@@ -93,6 +93,13 @@ class Statistics(unittest.TestCase):
         self.assertAlmostEqual(lo, 0.2553, places=4)
         self.assertAlmostEqual(hi, 0.3662, places=4)
 
+    def test_wilson_bounds_stay_in_the_unit_interval(self):
+        for n in range(1, 60):
+            for k in (0, n):
+                lo, hi = pa.wilson(k, n)
+                self.assertTrue(0.0 <= lo <= hi <= 1.0, (k, n, lo, hi))
+                self.assertFalse(f"{lo * 100:.1f}".startswith("-"), (k, n, lo))
+
     def test_mcnemar_exact(self):
         # Two-sided exact binomial with 1 vs 6 discordant pairs: 2 * 8/128.
         self.assertAlmostEqual(pa.mcnemar(1, 6), 0.125)
