@@ -255,10 +255,8 @@ fn pair_ratios(eager: &[f64], lazy: &[f64]) -> Vec<f64> {
 
 /// Median, least and largest of `v` as JSON (nulls when empty).
 fn spread(v: &[f64]) -> serde_json::Value {
-    let (m, lo, hi) = median_range(v).map_or((None, None, None), |(m, lo, hi)| {
-        (Some(m), Some(lo), Some(hi))
-    });
-    serde_json::json!({ "median": m, "min": lo, "max": hi })
+    let r = median_range(v);
+    serde_json::json!({ "median": r.map(|x| x.0), "min": r.map(|x| x.1), "max": r.map(|x| x.2) })
 }
 
 /// Median, least and largest of `v`; `None` when empty.
