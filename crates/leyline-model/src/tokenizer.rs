@@ -33,6 +33,20 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 /// Split regex of llama.cpp's `qwen2` pre-tokenizer.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Control-token texts that end a turn or a text in the common chat formats. A model may end a
+/// reply with any of them, not only with the file's EOS (Qwen2.5 also ends with
+/// `<|endoftext|>`; its Hugging Face generation config lists both).
+const END_OF_GENERATION_TEXTS: [&str; 8] = [
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
+];
+
 /// Which added tokens (control tokens such as `<|im_start|>`, and user-defined ones such as
 /// Qwen's `<tool_call>`) may be read from a piece of text as their ids; the others' text is
 /// tokenized as ordinary text.
@@ -62,6 +76,8 @@ pub struct Tokenizer {
     special: Vec<bool>,
     bos: Option<u32>,
     eos: Option<u32>,
+    /// Ids that end a generation: see [`Tokenizer::stop_ids`].
+    stop: Vec<u32>,
     add_bos: bool,
     add_eos: bool,
 }
@@ -189,6 +205,18 @@ impl Tokenizer {
                 }
             }
         }
+        let mut stop: Vec<u32> = Vec::new();
+        for key in ["eos", "eot", "eom"] {
+            let id = md_opt_u32(md, &format!("tokenizer.ggml.{key}_token_id"))?;
+            stop.extend(id.filter(|&id| (id as usize) < n));
+        }
+        stop.extend(
+            (0..n)
+                .filter(|&id| special[id] && END_OF_GENERATION_TEXTS.contains(&tokens[id].as_str()))
+                .map(|id| id as u32),
+        );
+        let mut seen = std::collections::HashSet::new();
+        stop.retain(|id| seen.insert(*id));
         let add_bos = md_opt_bool(md, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
         let add_eos = md_opt_bool(md, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
         Ok(Self {
@@ -200,6 +228,7 @@ impl Tokenizer {
             special,
             bos,
             eos,
+            stop,
             add_bos,
             add_eos,
         })
@@ -325,6 +354,13 @@ impl Tokenizer {
     /// The end-of-sequence id, if the file names one (SmolLM2: `<|im_end|>`).
     pub fn eos_id(&self) -> Option<u32> {
         self.eos
+    }
+
+    /// The ids at which a generation stops: EOS, the file's end-of-turn and end-of-message ids,
+    /// and every control token whose text ends a turn or a text in a common chat format
+    /// (`<|im_end|>`, `<|endoftext|>`, `<|eot_id|>`, ...), EOS first, each once.
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stop
     }
 
     /// Whether `encode(.., true)` prepends BOS.

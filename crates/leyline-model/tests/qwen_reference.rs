@@ -134,6 +134,14 @@ fn tokenizer_gives_the_reference_ids() {
     );
     assert_eq!(tok.eos_id(), tok.token_id("<|im_end|>"));
     assert!(tok.is_special(151_644), "<|im_start|> is a control token");
+    // Qwen2.5's generation config ends a reply at `<|im_end|>` or `<|endoftext|>`; the model
+    // does end some with the latter, and a generation that ran on past it opened a new turn.
+    let stop = tok.stop_ids();
+    assert_eq!(stop.first().copied(), tok.eos_id(), "EOS first");
+    let end_of_text = tok.token_id("<|endoftext|>").expect("<|endoftext|>");
+    assert!(stop.contains(&end_of_text), "stop ids {stop:?}");
+    let im_start = tok.token_id("<|im_start|>").expect("<|im_start|>");
+    assert!(!stop.contains(&im_start), "stop ids {stop:?}");
 }
 
 #[test]

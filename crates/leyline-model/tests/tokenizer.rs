@@ -87,6 +87,12 @@ fn special_tokens_and_sizes() {
     assert_eq!(tok.token_str(1), Some("<|im_start|>"));
     assert_eq!(tok.token_id("<|im_end|>"), Some(2));
     assert_eq!(tok.token_str(49152), None);
+    // A generation stops at EOS and at `<|endoftext|>`, never at a turn's opening.
+    assert_eq!(tok.stop_ids().first().copied(), tok.eos_id());
+    assert!(tok
+        .stop_ids()
+        .contains(&tok.token_id("<|endoftext|>").expect("endoftext")));
+    assert!(!tok.stop_ids().contains(&1));
 }
 
 #[test]

@@ -117,13 +117,7 @@ impl AppState {
             .filter_map(|id| tokenizer.token_bytes(id).map(<[u8]>::len))
             .max()
             .unwrap_or(1);
-        let mut stop_tokens: Vec<u32> = tokenizer.eos_id().into_iter().collect();
-        if let Some(t) = tokenizer
-            .token_id("<|im_end|>")
-            .filter(|t| !stop_tokens.contains(t))
-        {
-            stop_tokens.push(t);
-        }
+        let stop_tokens = tokenizer.stop_ids().to_vec();
         let admission = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
         let rendering = Arc::new(Semaphore::new(config.max_rendering.max(1)));
         let created = std::time::SystemTime::now()

@@ -335,7 +335,7 @@ pub fn storage_for(lm: &LoadedModel, args: &ModelArgs) -> Result<KvStorage> {
     Ok(KvStorage::new(info.geometry, args.kv_dtype, slots)?)
 }
 
-fn params(s: &SamplingArgs, lm: &LoadedModel, extra_stops: &[u32]) -> Result<GenerateParams> {
+fn params(s: &SamplingArgs, lm: &LoadedModel) -> Result<GenerateParams> {
     let sampling = SamplingParams {
         temperature: s.temperature,
         top_p: s.top_p,
@@ -345,12 +345,10 @@ fn params(s: &SamplingArgs, lm: &LoadedModel, extra_stops: &[u32]) -> Result<Gen
     if let Err(e) = sampling.validate() {
         bail!(e);
     }
-    let mut stop_tokens: Vec<u32> = lm.tokenizer.eos_id().into_iter().collect();
-    stop_tokens.extend_from_slice(extra_stops);
     Ok(GenerateParams {
         max_tokens: s.max_tokens,
         sampling,
-        stop_tokens,
+        stop_tokens: lm.tokenizer.stop_ids().to_vec(),
         ..Default::default()
     })
 }
@@ -366,7 +364,7 @@ fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt encodes to no tokens");
     }
     let mut kv = storage_for(&lm, &a.model)?;
-    let params = params(&a.sampling, &lm, &[])?;
+    let params = params(&a.sampling, &lm)?;
     let stats = stream(&lm, &mut kv, &prompt, &params)?;
     println!();
     if a.stats {
@@ -421,8 +419,7 @@ fn chat(a: ChatArgs) -> Result<()> {
             lm.path.display()
         )
     })?;
-    let im_end: Vec<u32> = lm.tokenizer.token_id("<|im_end|>").into_iter().collect();
-    let params = params(&a.sampling, &lm, &im_end)?;
+    let params = params(&a.sampling, &lm)?;
     let mut messages = Vec::new();
     if let Some(s) = &a.system {
         messages.push(ChatMessage::new("system", s.clone()));

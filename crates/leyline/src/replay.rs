@@ -165,8 +165,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         prepared.cut_sessions,
         prepared.cut_turns
     );
-    let mut stop_tokens: Vec<u32> = lm.tokenizer.eos_id().into_iter().collect();
-    stop_tokens.extend(lm.tokenizer.token_id("<|im_end|>"));
+    let stop_tokens = lm.tokenizer.stop_ids().to_vec();
     let cap = EngineConfig::slots_for_memory(
         lm.model.as_ref(),
         a.model.kv_dtype,
