@@ -6,7 +6,8 @@ with the official `openai` client. One task is one buggy program: a scratch copy
 layout holding only that program (and `node.py`), its test, `load_testdata.py`, `conftest.py` and
 its JSON cases; never the correct programs. The model works through four tools, called in its
 chat template's tool format: `read_file` (with line numbers), `run_tests` (pytest, slow tests
-skipped, a per-test timeout, output trimmed), `replace_lines` and `submit`. A task is solved when
+skipped, a per-test timeout, short tracebacks, output trimmed), `replace_lines` (refused when
+it would leave a syntax error) and `submit`. A task is solved when
 its tests pass at submit. A reply with a tool call the server could not parse, or with none, is
 answered with an error message, as debug-gym does. A task ends at submit, at the turn limit, at
 the context limit or at the wall-clock cap.
@@ -38,6 +39,12 @@ import sys
 import tempfile
 import time
 import uuid
+
+# The harness configuration (prompts, tools, limits, arms) fixed for the benchmark. Each record
+# carries it, and `run` will not add to a file of another one. 1: the pilot (17 runs; the
+# server then ran on past `<|endoftext|>`). 2: edits that break the syntax are refused,
+# pytest's short tracebacks, 256 tokens per reply.
+HARNESS = 2
 
 ARMS = {
     "none": {"session": False, "edits": None},
@@ -141,7 +148,8 @@ class Workspace:
 
     def run_tests(self):
         """Returns (passed, trimmed output)."""
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=3",
+        cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider",
+               "--maxfail=3",
                f"--timeout={self.args.test_timeout}", f"python_testcases/test_{self.name}.py"]
         try:
             r = subprocess.run(cmd, cwd=self.dir, capture_output=True, text=True,
@@ -161,8 +169,16 @@ class Workspace:
         if new is None:
             raise ValueError("text must be a string")
         lines[start - 1: end] = new
+        source = "\n".join(lines) + "\n"
+        # As SWE-agent's edit guard does: an edit that breaks the syntax is refused, so one
+        # bad edit cannot leave a program the model can no longer read its way back from.
+        try:
+            compile(source, path, "exec")
+        except SyntaxError as e:
+            raise ValueError(f"the edit was not applied: it leaves a syntax error ({e.msg}, "
+                             f"line {e.lineno}); the file is unchanged") from None
         with open(full, "w") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write(source)
         return f"replaced lines {start}-{end} with {len(new)} line(s)"
 
     def close(self):
@@ -201,7 +217,8 @@ def run_task(client, args, arm, seed, name):
                                     f"and fix the defective line of python_programs/{name}.py. "
                                     "Call one tool per reply; begin by reading the program."},
     ]
-    rec = {"arm": arm, "seed": seed, "task": name, "solved": False, "end": "turn_limit",
+    rec = {"harness": HARNESS, "arm": arm, "seed": seed, "task": name, "solved": False,
+           "end": "turn_limit",
            "turns": 0, "tool_calls": 0, "malformed": 0, "prompt_tokens": 0,
            "cached_tokens": 0, "prefilled_tokens": 0, "completion_tokens": 0}
     leyline = {"mode": "amortize" if spec["session"] else "prefix"}
@@ -285,6 +302,9 @@ def run(args):
             for line in f:
                 if line.strip():
                     r = json.loads(line)
+                    if r.get("harness", 1) != HARNESS:
+                        sys.exit(f"{args.out} holds runs of harness configuration "
+                                 f"{r.get('harness', 1)}, this is {HARNESS}; use another --out")
                     done.add((r["arm"], r["seed"], r["task"]))
     names = args.tasks.split(",") if args.tasks else tasks_in(args.quixbugs)
     unknown = sorted(set(names) - set(tasks_in(args.quixbugs)))
@@ -410,7 +430,8 @@ def main():
     r.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2],
                    help="0 is greedy; others sample at temperature 0.7 with that seed")
     r.add_argument("--max-turns", type=int, default=20)
-    r.add_argument("--max-tokens", type=int, default=512, help="per reply")
+    r.add_argument("--max-tokens", type=int, default=256,
+                   help="per reply (a tool call takes under 100)")
     r.add_argument("--task-cap", type=float, default=900.0, help="wall-clock seconds per task")
     r.add_argument("--test-timeout", type=float, default=10.0,
                    help="seconds per test (the correct levenshtein takes about 1 s)")

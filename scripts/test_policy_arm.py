@@ -61,6 +61,34 @@ class Workspace(unittest.TestCase):
         finally:
             ws.close()
 
+    def test_an_edit_that_breaks_the_syntax_is_refused(self):
+        ws = pa.Workspace(ROOT, "gcd", ARGS)
+        try:
+            before = ws.read_file("python_programs/gcd.py")
+            # The pilot's failure: a function's first lines replaced by indented body lines.
+            out, _, _ = pa.call_tool(ws, "replace_lines", json.dumps(
+                {"path": "python_programs/gcd.py", "start": 1, "end": 2,
+                 "text": "        return a"}))
+            self.assertTrue(out.startswith("Error: the edit was not applied"), out)
+            self.assertIn("line 1", out)
+            self.assertEqual(ws.read_file("python_programs/gcd.py"), before)
+        finally:
+            ws.close()
+
+    def test_a_run_file_of_another_harness_configuration_is_refused(self):
+        d = tempfile.mkdtemp()
+        try:
+            out = os.path.join(d, "runs.jsonl")
+            with open(out, "w") as f:  # a pilot record: no "harness" field
+                f.write(json.dumps({"arm": "none", "seed": 0, "task": "gcd"}) + "\n")
+            args = types.SimpleNamespace(url="http://127.0.0.1:9", api_key=None, task_cap=1.0,
+                                         out=out, tasks="gcd", quixbugs=ROOT)
+            with self.assertRaises(SystemExit) as e:
+                pa.run(args)
+            self.assertIn("harness configuration 1", str(e.exception))
+        finally:
+            shutil.rmtree(d)
+
     def test_a_program_that_loops_forever_is_cut_by_the_timeouts(self):
         ws = pa.Workspace(ROOT, "bitcount", ARGS)
         try:
