@@ -68,6 +68,7 @@ async fn handle(
         max_tokens: Some(req.max_tokens),
         temperature: req.temperature,
         top_p: req.top_p,
+        top_k: req.top_k,
         stop: req.stop_sequences.clone().map(StopSpec::Many),
         stream: req.stream,
         session_id: extra.session_id,
@@ -76,7 +77,7 @@ async fn handle(
         header_mode,
         ..Default::default()
     };
-    let mut gen = fields.validate().map_err(|e| match e {
+    let gen = fields.validate().map_err(|e| match e {
         // The OpenAI name of the field is `stop`; here it is `stop_sequences`.
         ServerError::InvalidRequest {
             message,
@@ -89,10 +90,6 @@ async fn handle(
         },
         e => e,
     })?;
-    if let Some(k) = req.top_k {
-        gen.sampling.top_k = usize::try_from(k)
-            .map_err(|_| ServerError::invalid("top_k", format!("top_k must be >= 0, got {k}")))?;
-    }
     crate::submit::session_header(&st, &headers, &mut fields)?;
     let mut chat = anthropic::to_chat(&req)?;
     let applied = match &req.context_management {

@@ -126,6 +126,10 @@ pub struct GenerationFields {
     /// Nucleus mass in (0, 1]; default 1.
     #[serde(default)]
     pub top_p: Option<f64>,
+    /// Keep only the `top_k` most likely tokens (an extension, as vLLM's and llama.cpp's
+    /// servers take it); 0 or -1 (vLLM's spelling) turns it off, the default.
+    #[serde(default)]
+    pub top_k: Option<i64>,
     /// Sampler seed; random when absent.
     #[serde(default)]
     pub seed: Option<i64>,
@@ -230,6 +234,15 @@ impl GenerationFields {
                 format!("top_p must be in (0, 1], got {top_p}"),
             ));
         }
+        let top_k = match self.top_k {
+            None | Some(-1) => 0,
+            Some(k) => usize::try_from(k).map_err(|_| {
+                ServerError::invalid(
+                    "top_k",
+                    format!("top_k must be >= 0 (or -1 for off), got {k}"),
+                )
+            })?,
+        };
         match self.n {
             None | Some(1) => {}
             Some(n) => {
@@ -291,7 +304,7 @@ impl GenerationFields {
             sampling: SamplingParams {
                 temperature: temperature as f32,
                 top_p: top_p as f32,
-                top_k: 0,
+                top_k,
                 seed,
             },
             stop,

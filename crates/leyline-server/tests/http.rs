@@ -78,6 +78,7 @@ fn bad_requests_get_4xx_with_a_clear_message_and_the_server_keeps_serving() {
     for (field, value) in [
         ("temperature", json!(9.0)),
         ("top_p", json!(0)),
+        ("top_k", json!(-3)),
         ("n", json!(3)),
         ("max_tokens", json!(1_000_000)),
     ] {
@@ -145,6 +146,32 @@ fn chat_completion_has_the_openai_shape_and_a_repeat_hits_the_cache() {
         again["choices"][0]["message"]["content"],
         c["message"]["content"]
     );
+}
+
+#[test]
+fn top_k_is_honoured_on_the_openai_routes() {
+    // top_k 1 leaves only the most likely token, so even temperature 2 decodes greedily;
+    // a server that dropped the field would sample 16 tokens at temperature 2.
+    let prompt = "List the first ten prime numbers.";
+    let greedy = post("/v1/chat/completions", &chat_body(prompt, 16, false));
+    assert_eq!(greedy.status, 200, "{}", greedy.body);
+    let mut hot = chat_body(prompt, 16, false);
+    hot["temperature"] = json!(2.0);
+    hot["top_k"] = json!(1);
+    for seed in [1, 2, 3] {
+        hot["seed"] = json!(seed);
+        let r = post("/v1/chat/completions", &hot);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(
+            r.json()["choices"][0]["message"]["content"],
+            greedy.json()["choices"][0]["message"]["content"],
+            "seed {seed}"
+        );
+    }
+    // -1 is vLLM's spelling of off.
+    hot["top_k"] = json!(-1);
+    let r = post("/v1/chat/completions", &hot);
+    assert_eq!(r.status, 200, "{}", r.body);
 }
 
 #[test]
