@@ -29,6 +29,7 @@ difference.
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -43,8 +44,17 @@ import uuid
 # The harness configuration (prompts, tools, limits, arms) fixed for the benchmark. Each record
 # carries it, and `run` will not add to a file of another one. 1: the pilot (17 runs; the
 # server then ran on past `<|endoftext|>`). 2: edits that break the syntax are refused,
-# pytest's short tracebacks, 256 tokens per reply.
-HARNESS = 2
+# pytest's short tracebacks, 256 tokens per reply. 3: sampled runs draw each turn with its own
+# seed (2 sent the task's seed on every turn, so every turn replayed one random stream and
+# the runs at seed 1 never made a tool call) and use the model card's top_p 0.8 and top_k 20;
+# greedy runs are unchanged, so configuration 2's greedy records count as 3's.
+HARNESS = 3
+GREEDY_SAME_SINCE = 2
+
+# Sampled runs: Qwen2.5's published generation settings (its repetition penalty of 1.05 is
+# left out: the server refuses penalties rather than approximating them).
+SAMPLING = {"temperature": 0.7, "top_p": 0.8}
+SAMPLING_TOP_K = 20
 
 ARMS = {
     "none": {"session": False, "edits": None},
@@ -207,6 +217,19 @@ def call_tool(ws, name, raw_args):
         return f"Error: {e}", False, False
 
 
+def turn_seed(seed, task, turn):
+    """The sampler seed of one turn: a function of (seed, task, turn) and not of the arm, so
+    the arms of a task draw the same random numbers (paired), while turns and tasks differ."""
+    h = hashlib.sha256(f"{seed}/{task}/{turn}".encode()).digest()
+    return int.from_bytes(h[:8], "little") >> 1  # a non-negative i64
+
+
+def compatible(rec):
+    """Whether a record of a run file was made under this harness configuration."""
+    h = rec.get("harness", 1)
+    return h == HARNESS or (rec.get("seed") == 0 and GREEDY_SAME_SINCE <= h <= HARNESS)
+
+
 def run_task(client, args, arm, seed, name):
     spec = ARMS[arm]
     ws = Workspace(args.quixbugs, name, args)
@@ -231,12 +254,17 @@ def run_task(client, args, arm, seed, name):
             if time.perf_counter() - t0 > args.task_cap:
                 rec["end"] = "wall_clock"
                 break
-            kw = {"temperature": 0.0} if seed == 0 else {"temperature": 0.7, "seed": seed}
+            body = {"leyline": leyline}
+            if seed == 0:
+                kw = {"temperature": 0.0}
+            else:
+                kw = {**SAMPLING, "seed": turn_seed(seed, name, rec["turns"])}
+                body["top_k"] = SAMPLING_TOP_K
             try:
                 r = client.chat.completions.create(
                     model=args.model, messages=messages, tools=TOOLS,
                     max_tokens=args.max_tokens, extra_headers=headers,
-                    extra_body={"leyline": leyline}, **kw)
+                    extra_body=body, **kw)
             except Exception as e:  # the openai client's 400 for a prompt over the context
                 if "context" in str(e).lower() and getattr(e, "status_code", None) == 400:
                     rec["end"] = "context_limit"
@@ -302,7 +330,7 @@ def run(args):
             for line in f:
                 if line.strip():
                     r = json.loads(line)
-                    if r.get("harness", 1) != HARNESS:
+                    if not compatible(r):
                         sys.exit(f"{args.out} holds runs of harness configuration "
                                  f"{r.get('harness', 1)}, this is {HARNESS}; use another --out")
                     done.add((r["arm"], r["seed"], r["task"]))
@@ -428,7 +456,8 @@ def main():
                    default=["none", "truncate", "truncate_reprefill"],
                    help=f"comma-separated, of {list(ARMS)}")
     r.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2],
-                   help="0 is greedy; others sample at temperature 0.7 with that seed")
+                   help="0 is greedy; others sample (temperature 0.7, top_p 0.8, top_k 20) "
+                        "with per-turn seeds derived from that seed")
     r.add_argument("--max-turns", type=int, default=20)
     r.add_argument("--max-tokens", type=int, default=256,
                    help="per reply (a tool call takes under 100)")

@@ -89,6 +89,19 @@ class Workspace(unittest.TestCase):
         finally:
             shutil.rmtree(d)
 
+    def test_greedy_runs_of_configuration_2_count_and_its_sampled_runs_do_not(self):
+        self.assertTrue(pa.compatible({"harness": pa.HARNESS, "seed": 1}))
+        self.assertTrue(pa.compatible({"harness": 2, "seed": 0}))
+        self.assertFalse(pa.compatible({"harness": 2, "seed": 1}))
+        self.assertFalse(pa.compatible({"seed": 0}))  # the pilot
+
+    def test_each_turn_samples_with_its_own_seed_shared_by_the_arms(self):
+        seeds = {pa.turn_seed(1, t, n) for t in ("gcd", "hanoi") for n in range(20)}
+        self.assertEqual(len(seeds), 40)
+        self.assertNotIn(pa.turn_seed(2, "gcd", 0), seeds)
+        self.assertEqual(pa.turn_seed(1, "gcd", 3), pa.turn_seed(1, "gcd", 3))
+        self.assertTrue(all(0 <= s < 2**63 for s in seeds))
+
     def test_a_program_that_loops_forever_is_cut_by_the_timeouts(self):
         ws = pa.Workspace(ROOT, "bitcount", ARGS)
         try:
