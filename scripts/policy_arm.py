@@ -35,6 +35,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -321,6 +322,9 @@ def run_task(client, args, arm, seed, name):
 
 def run(args):
     from openai import OpenAI  # the official client, as an agent harness uses it
+
+    # SIGTERM as an exit, so the running task's `finally` removes its scratch copy.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     client = OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key or "unused",
                     max_retries=1, timeout=args.task_cap)

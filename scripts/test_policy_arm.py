@@ -5,8 +5,12 @@ Run: python3 -m unittest scripts/test_policy_arm.py (crates/leyline/tests/policy
 import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 import types
 import unittest
 
@@ -101,6 +105,34 @@ class Workspace(unittest.TestCase):
         self.assertNotIn(pa.turn_seed(2, "gcd", 0), seeds)
         self.assertEqual(pa.turn_seed(1, "gcd", 3), pa.turn_seed(1, "gcd", 3))
         self.assertTrue(all(0 <= s < 2**63 for s in seeds))
+
+    def test_a_runner_stopped_by_sigterm_removes_its_scratch_task(self):
+        # A server that takes the connection and never answers holds the runner mid-task.
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        tmp = tempfile.mkdtemp()
+        try:
+            p = subprocess.Popen(
+                [sys.executable, os.path.abspath(pa.__file__), "run", "--model", "m",
+                 "--url", f"http://127.0.0.1:{srv.getsockname()[1]}", "--quixbugs", ROOT,
+                 "--tasks", "gcd", "--seeds", "0", "--out", os.path.join(tmp, "runs.jsonl")],
+                env={**os.environ, "TMPDIR": tmp},
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            scratch = []
+            for _ in range(300):
+                scratch = [d for d in os.listdir(tmp) if d.startswith("quixbugs-")]
+                if scratch:
+                    break
+                time.sleep(0.05)
+            self.assertTrue(scratch, "the runner never made its scratch task")
+            time.sleep(0.5)
+            p.send_signal(signal.SIGTERM)
+            self.assertEqual(p.wait(timeout=30), 143)
+            self.assertEqual([d for d in os.listdir(tmp) if d.startswith("quixbugs-")], [])
+        finally:
+            srv.close()
+            shutil.rmtree(tmp)
 
     def test_a_program_that_loops_forever_is_cut_by_the_timeouts(self):
         ws = pa.Workspace(ROOT, "bitcount", ARGS)
