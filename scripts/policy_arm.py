@@ -321,7 +321,7 @@ def run_task(client, args, arm, seed, name):
 
 
 def run(args):
-    from openai import OpenAI  # the official client, as an agent harness uses it
+    from openai import APIConnectionError, OpenAI  # the official client, as a harness uses it
 
     # SIGTERM as an exit, so the running task's `finally` removes its scratch copy.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -347,7 +347,12 @@ def run(args):
             if (a, s, t) not in done]
     print(f"{len(done)} done, {len(todo)} to run", file=sys.stderr)
     for i, (arm, seed, name) in enumerate(todo):
-        rec = run_task(client, args, arm, seed, name)
+        try:
+            rec = run_task(client, args, arm, seed, name)
+        except APIConnectionError:
+            sys.exit(f"cannot reach the server at {args.url} (start `leyline serve --model "
+                     f"{args.model}` first); {len(done) + i} runs are in {args.out}, "
+                     "run again to resume")
         with open(args.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"[{i + 1}/{len(todo)}] {arm} seed {seed} {name}: "

@@ -106,6 +106,25 @@ class Workspace(unittest.TestCase):
         self.assertEqual(pa.turn_seed(1, "gcd", 3), pa.turn_seed(1, "gcd", 3))
         self.assertTrue(all(0 <= s < 2**63 for s in seeds))
 
+    def test_a_server_that_is_not_there_is_named_and_the_run_resumable(self):
+        free = socket.socket()
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+        free.close()  # nothing listens there now
+        tmp = tempfile.mkdtemp()
+        try:
+            p = subprocess.run(
+                [sys.executable, os.path.abspath(pa.__file__), "run", "--model", "m",
+                 "--url", f"http://127.0.0.1:{port}", "--quixbugs", ROOT, "--tasks", "gcd",
+                 "--seeds", "0", "--out", os.path.join(tmp, "runs.jsonl")],
+                env={**os.environ, "TMPDIR": tmp}, capture_output=True, text=True, timeout=120)
+            self.assertEqual(p.returncode, 1, p.stderr)
+            self.assertIn(f"cannot reach the server at http://127.0.0.1:{port}", p.stderr)
+            self.assertNotIn("Traceback", p.stderr)
+            self.assertEqual([d for d in os.listdir(tmp) if d.startswith("quixbugs-")], [])
+        finally:
+            shutil.rmtree(tmp)
+
     def test_a_runner_stopped_by_sigterm_removes_its_scratch_task(self):
         # A server that takes the connection and never answers holds the runner mid-task.
         srv = socket.socket()
