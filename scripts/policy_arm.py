@@ -54,8 +54,7 @@ GREEDY_SAME_SINCE = 2
 
 # Sampled runs: Qwen2.5's published generation settings (its repetition penalty of 1.05 is
 # left out: the server refuses penalties rather than approximating them).
-SAMPLING = {"temperature": 0.7, "top_p": 0.8}
-SAMPLING_TOP_K = 20
+SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
 ARMS = {
     "none": {"session": False, "edits": None},
@@ -259,8 +258,10 @@ def run_task(client, args, arm, seed, name):
             if seed == 0:
                 kw = {"temperature": 0.0}
             else:
-                kw = {**SAMPLING, "seed": turn_seed(seed, name, rec["turns"])}
-                body["top_k"] = SAMPLING_TOP_K
+                # top_k is no argument of the openai client: it travels in the body.
+                kw = {k: v for k, v in SAMPLING.items() if k != "top_k"}
+                kw["seed"] = turn_seed(seed, name, rec["turns"])
+                body["top_k"] = SAMPLING["top_k"]
             try:
                 r = client.chat.completions.create(
                     model=args.model, messages=messages, tools=TOOLS,
@@ -465,8 +466,9 @@ def main():
                    default=["none", "truncate", "truncate_reprefill"],
                    help=f"comma-separated, of {list(ARMS)}")
     r.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2],
-                   help="0 is greedy; others sample (temperature 0.7, top_p 0.8, top_k 20) "
-                        "with per-turn seeds derived from that seed")
+                   help="0 is greedy; others sample ("
+                        + ", ".join(f"{k} {v}" for k, v in SAMPLING.items())
+                        + ") with per-turn seeds derived from that seed")
     r.add_argument("--max-turns", type=int, default=20)
     r.add_argument("--max-tokens", type=int, default=256,
                    help="per reply (a tool call takes under 100)")

@@ -125,6 +125,50 @@ class Workspace(unittest.TestCase):
         finally:
             shutil.rmtree(tmp)
 
+    def test_a_sampled_turn_sends_the_sampling_settings_and_its_own_seed(self):
+        import http.server
+        import threading
+        bodies = []
+
+        class Fake(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                call = {"id": "c1", "type": "function",
+                        "function": {"name": "submit", "arguments": "{}"}}
+                out = json.dumps({
+                    "id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                    "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                        "role": "assistant", "content": None, "tool_calls": [call]}}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *_):
+                pass
+
+        srv = http.server.HTTPServer(("127.0.0.1", 0), Fake)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        tmp = tempfile.mkdtemp()
+        try:
+            args = types.SimpleNamespace(
+                **{**vars(ARGS), "url": f"http://127.0.0.1:{srv.server_port}", "api_key": None,
+                   "task_cap": 60.0, "out": os.path.join(tmp, "runs.jsonl"), "tasks": "gcd",
+                   "quixbugs": ROOT, "model": "m", "arms": ["none"], "seeds": [1],
+                   "max_turns": 3, "max_tokens": 8, "transcripts": None})
+            pa.run(args)
+        finally:
+            srv.shutdown()
+            shutil.rmtree(tmp)
+        self.assertEqual(len(bodies), 1)
+        b = bodies[0]
+        self.assertEqual((b["temperature"], b["top_p"], b["top_k"]), (0.7, 0.8, 20))
+        self.assertEqual(b["seed"], pa.turn_seed(1, "gcd", 0))
+        self.assertNotEqual(b["seed"], 1)
+
     def test_a_runner_stopped_by_sigterm_removes_its_scratch_task(self):
         # A server that takes the connection and never answers holds the runner mid-task.
         srv = socket.socket()
