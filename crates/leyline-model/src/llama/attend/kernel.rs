@@ -2,7 +2,7 @@
 //! set: the per-thread buffers, the online softmax over key blocks, the value sums, and
 //! [`Isa`], which picks the score products of `portable.rs`, `avx2.rs` or `avx512.rs`.
 
-use super::plan::{block_pieces, direct, offset_of, Heads, Task, KB, RB};
+use super::plan::{direct, last_piece, offset_of, Heads, Task, KB, RB};
 use super::portable::{dot, scores_portable};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
@@ -377,7 +377,7 @@ fn task<T: Copy, const W: usize>(
         while task.pieces[first].0 <= j0 {
             first += 1;
         }
-        let (last, _) = block_pieces(&task.pieces, first, j0, j0 + nb);
+        let last = last_piece(&task.pieces, j0 + nb);
         // The next block's rows sit at scattered slots, which hardware prefetchers do not
         // follow: ask for them while this block computes.
         for j in j0 + KB..(j0 + 2 * KB).min(task.k1) {

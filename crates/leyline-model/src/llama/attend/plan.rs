@@ -5,6 +5,7 @@
 use crate::ForwardSeq;
 use leyline_kv::rope::{RopeSpec, Rotation};
 use leyline_kv::shift::KeyShift;
+use std::cmp::Reverse;
 
 /// Keys per block.
 pub(super) const KB: usize = 64;
@@ -288,13 +289,17 @@ impl<'a> Plan<'a> {
             while out[first].0 <= j0 {
                 first += 1;
             }
-            let (last, major) = block_pieces(&out, first, j0, j1);
+            let last = last_piece(&out, j1);
+            let start = |p: usize| if p == 0 { k0 } else { out[p - 1].0 };
+            // The piece holding most of the block's keys, the earliest of equals.
+            let major = (first..=last)
+                .max_by_key(|&p| (out[p].0.min(j1) - start(p).max(j0), Reverse(p)))
+                .unwrap_or(first);
             let want = out[major].1;
-            let start = if major == 0 { k0 } else { out[major - 1].0 };
             let switch = match loads.last() {
                 None => true,
                 Some(&(_, rot)) => {
-                    self.offset(rot) != self.offset(want) && out[major].0 - start >= rows
+                    self.offset(rot) != self.offset(want) && out[major].0 - start(major) >= rows
                 }
             };
             if switch {
@@ -332,27 +337,9 @@ pub(super) fn offset_of(rotations: &[(i64, Rotation)], rot: Option<usize>) -> i6
     rot.map_or(0, |i| rotations[i].0)
 }
 
-/// For the key block `j0..j1`, which starts inside piece `first`: the last piece it reaches,
-/// and the piece that holds most of its keys (the earliest of equals).
-pub(super) fn block_pieces(
-    pieces: &[(usize, Option<usize>)],
-    first: usize,
-    j0: usize,
-    j1: usize,
-) -> (usize, usize) {
-    let (mut major, mut most) = (first, 0);
-    let mut at = j0;
-    for (p, &(end, _)) in pieces.iter().enumerate().skip(first) {
-        let end = end.min(j1);
-        if end - at > most {
-            (major, most) = (p, end - at);
-        }
-        if end == j1 {
-            return (p, major);
-        }
-        at = end;
-    }
-    (pieces.len() - 1, major)
+/// The last of `pieces` (which end in order) that keys before `j1` reach.
+pub(super) fn last_piece(pieces: &[(usize, Option<usize>)], j1: usize) -> usize {
+    pieces.partition_point(|p| p.0 < j1).min(pieces.len() - 1)
 }
 
 /// Fewest context keys that sequences must share for [`shared_prefixes`] to group them.
