@@ -25,7 +25,8 @@ Arms (what the server does with the history the harness sends, which is always a
 there, so an interrupted run resumes. `report` reads that file and prints the comparison:
 solve rate with a 95% Wilson interval, turns, tool calls, tokens, cache hit, time, and per
 pair of arms the tasks that flip, McNemar's exact test and a bootstrap interval of the paired
-difference.
+difference. `transcripts` counts what the model did in the runs' transcripts (tool calls by
+name, refused edits, empty and repeated replies).
 """
 
 import argparse
@@ -450,6 +451,79 @@ def report(args):
             json.dump(out, f, indent=1)
 
 
+def transcript_figures(transcripts):
+    """What the model did in a list of transcripts ({"record", "messages"} as `run` writes
+    them): turns, tool calls by name, edits refused for a syntax error, empty replies, replies
+    without a call that repeat the text of the reply before, and submits (wrong or right)."""
+    fig = {"runs": len(transcripts), "turns": 0, "tool_calls": {}, "edits_refused": 0,
+           "empty": 0, "prose": 0, "repeats": 0, "submits": 0, "solved": 0}
+    for t in transcripts:
+        prev = None
+        for m in t["messages"]:
+            if m["role"] == "tool":
+                if m.get("name") == "replace_lines" and m["content"].startswith(
+                        "Error: the edit was not applied"):
+                    fig["edits_refused"] += 1
+                continue
+            if m["role"] != "assistant":
+                continue
+            fig["turns"] += 1
+            calls = [(c["function"]["name"], c["function"]["arguments"])
+                     for c in m.get("tool_calls") or []]
+            text = (m.get("content") or "").strip()
+            for name, _ in calls:
+                fig["tool_calls"][name] = fig["tool_calls"].get(name, 0) + 1
+            if not calls:
+                if not text:
+                    fig["empty"] += 1
+                else:
+                    fig["prose"] += 1
+                    if prev == ("", text):
+                        fig["repeats"] += 1
+            prev = ("call" if calls else "", text)
+        rec = t["record"]
+        if rec["end"] == "submit":
+            fig["submits"] += 1
+            fig["solved"] += bool(rec["solved"])
+    return fig
+
+
+def transcripts(args):
+    with open(args.out) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    first, last = 1, len(recs)
+    if args.runs:
+        try:
+            first, last = (int(x) for x in args.runs.split("-"))
+        except ValueError:
+            sys.exit(f"--runs takes FIRST-LAST (1-based lines of {args.out}), not {args.runs!r}")
+        if not 1 <= first <= last <= len(recs):
+            sys.exit(f"--runs {args.runs}: {args.out} holds runs 1-{len(recs)}")
+    loaded, missing = [], []
+    for r in recs[first - 1:last]:
+        path = os.path.join(args.dir, f"{r['arm']}-{r['seed']}-{r['task']}.json")
+        if not os.path.exists(path):
+            missing.append(os.path.basename(path))
+            continue
+        with open(path) as f:
+            loaded.append(json.load(f))
+    if missing:
+        sys.exit(f"{len(missing)} of runs {first}-{last} have no transcript in {args.dir}: "
+                 f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    fig = transcript_figures(loaded)
+    calls = fig["tool_calls"]
+    edits = calls.get("replace_lines", 0)
+    print(f"runs {first}-{last}: {sum(calls.values())} tool calls in {fig['turns']} turns "
+          f"({calls.get('read_file', 0)} reads, {edits} edits of which {fig['edits_refused']} "
+          f"were refused for a syntax error, {calls.get('run_tests', 0)} test runs, "
+          f"{fig['submits']} submit(s), {fig['solved']} solved), {fig['empty']} empty "
+          f"replies, {fig['prose']} replies of text without a call of which {fig['repeats']} "
+          "repeat the reply before verbatim")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(fig, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -483,9 +557,16 @@ def main():
     p = sub.add_parser("report", help="compare the arms of a finished (or partial) run")
     p.add_argument("--out", required=True)
     p.add_argument("--json", help="write the figures here")
+    t = sub.add_parser("transcripts", help="what the model did in the transcripts of some runs")
+    t.add_argument("--out", required=True, help="the runs' JSON lines (as for report)")
+    t.add_argument("--dir", required=True, help="the folder `run --transcripts` wrote")
+    t.add_argument("--runs", help="FIRST-LAST, 1-based lines of --out (default: all)")
+    t.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     if args.cmd == "report":
         return report(args)
+    if args.cmd == "transcripts":
+        return transcripts(args)
     for a in args.arms:
         if a not in ARMS:
             sys.exit(f"unknown arm {a!r}; the arms are {list(ARMS)}")

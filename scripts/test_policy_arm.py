@@ -267,5 +267,79 @@ class Statistics(unittest.TestCase):
             shutil.rmtree(d)
 
 
+def _call(name, args):
+    return {"id": f"call_{name}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+class Transcripts(unittest.TestCase):
+    def transcript(self):
+        # The refusal text comes from the harness's own tool, so a rewording shows here.
+        ws = pa.Workspace(ROOT, "gcd", ARGS)
+        try:
+            bad = {"path": "python_programs/gcd.py", "start": 1, "end": 2, "text": "    return a"}
+            refused, _, _ = pa.call_tool(ws, "replace_lines", json.dumps(bad))
+            good = {"path": "python_programs/gcd.py", "start": 5, "end": 5,
+                    "text": "        return gcd(b, a % b)"}
+            applied, _, _ = pa.call_tool(ws, "replace_lines", json.dumps(good))
+        finally:
+            ws.close()
+        a = lambda text, *calls: {"role": "assistant", "content": text,  # noqa: E731
+                                  **({"tool_calls": list(calls)} if calls else {})}
+        tool = lambda name, text: {"role": "tool", "name": name, "content": text}  # noqa: E731
+        user = {"role": "user", "content": "Error: the tool call is missing."}
+        msgs = [
+            {"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            a("", _call("read_file", {"path": "python_programs/gcd.py"})),  # turn 1
+            tool("read_file", "1 def gcd"),
+            a("Line 5 is wrong."), user,                                     # 2: prose
+            a("Line 5 is wrong."), user,                                     # 3: repeat
+            a("Line 5 is wrong."), user,                                     # 4: repeat
+            a(""), user,                                                     # 5: empty
+            a("Line 5 is wrong."), user,                                     # 6: after empty
+            a("", _call("replace_lines", bad)), tool("replace_lines", refused),   # 7
+            a("", _call("replace_lines", good)), tool("replace_lines", applied),  # 8
+            a("", _call("run_tests", {})), tool("run_tests", "1 failed"),         # 9
+            a("", _call("submit", {})), tool("submit", "Submitted: tests fail"),  # 10
+        ]
+        rec = {"arm": "none", "seed": 0, "task": "gcd", "solved": False, "end": "submit"}
+        return {"record": rec, "messages": msgs}
+
+    def test_figures_of_a_transcript_counted_by_hand(self):
+        t = self.transcript()
+        fig = pa.transcript_figures([t, t])
+        self.assertEqual(fig["runs"], 2)
+        self.assertEqual(fig["turns"], 20)
+        self.assertEqual(fig["tool_calls"],
+                         {"read_file": 2, "replace_lines": 4, "run_tests": 2, "submit": 2})
+        self.assertEqual(fig["edits_refused"], 2)
+        self.assertEqual((fig["empty"], fig["prose"], fig["repeats"]), (2, 8, 4))
+        self.assertEqual((fig["submits"], fig["solved"]), (2, 0))
+
+    def test_the_subcommand_picks_runs_by_line_and_names_missing_transcripts(self):
+        d = tempfile.mkdtemp()
+        try:
+            out, tdir = os.path.join(d, "runs.jsonl"), os.path.join(d, "t")
+            os.mkdir(tdir)
+            t = self.transcript()
+            with open(out, "w") as f:
+                for task in ("a", "b", "c"):
+                    f.write(json.dumps({**t["record"], "task": task}) + "\n")
+            for task in ("b", "c"):
+                with open(os.path.join(tdir, f"none-0-{task}.json"), "w") as f:
+                    json.dump({**t, "record": {**t["record"], "task": task}}, f)
+            js = os.path.join(d, "fig.json")
+            ns = lambda runs: types.SimpleNamespace(out=out, dir=tdir, runs=runs, json=js)  # noqa: E731
+            pa.transcripts(ns("2-3"))
+            with open(js) as f:
+                self.assertEqual(json.load(f)["runs"], 2)
+            with self.assertRaises(SystemExit) as e:
+                pa.transcripts(ns(None))
+            self.assertIn("none-0-a.json", str(e.exception.code))
+            with self.assertRaises(SystemExit):
+                pa.transcripts(ns("3-4"))
+        finally:
+            shutil.rmtree(d)
+
 if __name__ == "__main__":
     unittest.main()
