@@ -57,6 +57,9 @@ GREEDY_SAME_SINCE = 2
 # left out: the server refuses penalties rather than approximating them).
 SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
+# How replace_lines' refusal of an edit that breaks the syntax begins (`transcripts` counts them).
+EDIT_REFUSED = "the edit was not applied"
+
 ARMS = {
     "none": {"session": False, "edits": None},
     "truncate": {"session": True,
@@ -186,7 +189,7 @@ class Workspace:
         try:
             compile(source, path, "exec")
         except SyntaxError as e:
-            raise ValueError(f"the edit was not applied: it leaves a syntax error ({e.msg}, "
+            raise ValueError(f"{EDIT_REFUSED}: it leaves a syntax error ({e.msg}, "
                              f"line {e.lineno}); the file is unchanged") from None
         with open(full, "w") as f:
             f.write(source)
@@ -462,7 +465,7 @@ def transcript_figures(transcripts):
         for m in t["messages"]:
             if m["role"] == "tool":
                 if m.get("name") == "replace_lines" and m["content"].startswith(
-                        "Error: the edit was not applied"):
+                        f"Error: {EDIT_REFUSED}"):
                     fig["edits_refused"] += 1
                 continue
             if m["role"] != "assistant":

@@ -341,5 +341,6 @@ class Transcripts(unittest.TestCase):
         finally:
             shutil.rmtree(d)
 
+
 if __name__ == "__main__":
     unittest.main()
