@@ -234,6 +234,17 @@ def compatible(rec):
     return h == HARNESS or (rec.get("seed") == 0 and GREEDY_SAME_SINCE <= h <= HARNESS)
 
 
+def transcript_file(arm, seed, task):
+    """The name of a run's transcript in the --transcripts folder."""
+    return f"{arm}-{seed}-{task}.json"
+
+
+def read_runs(path):
+    """The records of a run file (one JSON line per finished run), in the order they ran."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def run_task(client, args, arm, seed, name):
     spec = ARMS[arm]
     ws = Workspace(args.quixbugs, name, args)
@@ -320,7 +331,7 @@ def run_task(client, args, arm, seed, name):
     rec["wall_s"] = time.perf_counter() - t0
     if args.transcripts:
         os.makedirs(args.transcripts, exist_ok=True)
-        with open(os.path.join(args.transcripts, f"{arm}-{seed}-{name}.json"), "w") as f:
+        with open(os.path.join(args.transcripts, transcript_file(arm, seed, name)), "w") as f:
             json.dump({"record": rec, "messages": messages}, f, indent=1)
     return rec
 
@@ -334,15 +345,11 @@ def run(args):
     client = OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key or "unused",
                     max_retries=1, timeout=args.task_cap)
     done = set()
-    if os.path.exists(args.out):
-        with open(args.out) as f:
-            for line in f:
-                if line.strip():
-                    r = json.loads(line)
-                    if not compatible(r):
-                        sys.exit(f"{args.out} holds runs of harness configuration "
-                                 f"{r.get('harness', 1)}, this is {HARNESS}; use another --out")
-                    done.add((r["arm"], r["seed"], r["task"]))
+    for r in read_runs(args.out) if os.path.exists(args.out) else []:
+        if not compatible(r):
+            sys.exit(f"{args.out} holds runs of harness configuration "
+                     f"{r.get('harness', 1)}, this is {HARNESS}; use another --out")
+        done.add((r["arm"], r["seed"], r["task"]))
     names = args.tasks.split(",") if args.tasks else tasks_in(args.quixbugs)
     unknown = sorted(set(names) - set(tasks_in(args.quixbugs)))
     if unknown:
@@ -387,8 +394,7 @@ def mcnemar(b, c):
 
 
 def report(args):
-    with open(args.out) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
+    recs = read_runs(args.out)
     if not recs:
         sys.exit(f"{args.out} has no records")
     arms = [a for a in ARMS if any(r["arm"] == a for r in recs)]
@@ -492,8 +498,7 @@ def transcript_figures(transcripts):
 
 
 def transcripts(args):
-    with open(args.out) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
+    recs = read_runs(args.out)
     first, last = 1, len(recs)
     if args.runs:
         try:
@@ -504,7 +509,7 @@ def transcripts(args):
             sys.exit(f"--runs {args.runs}: {args.out} holds runs 1-{len(recs)}")
     loaded, missing = [], []
     for r in recs[first - 1:last]:
-        path = os.path.join(args.dir, f"{r['arm']}-{r['seed']}-{r['task']}.json")
+        path = os.path.join(args.dir, transcript_file(r["arm"], r["seed"], r["task"]))
         if not os.path.exists(path):
             missing.append(os.path.basename(path))
             continue
