@@ -326,7 +326,8 @@ class Transcripts(unittest.TestCase):
                 for task in ("a", "b", "c"):
                     f.write(json.dumps({**t["record"], "task": task}) + "\n")
             for task in ("b", "c"):
-                with open(os.path.join(tdir, pa.transcript_file("none", 0, task)), "w") as f:
+                # The documented on-disk name, not the helper: kept transcript folders rely on it.
+                with open(os.path.join(tdir, f"none-0-{task}.json"), "w") as f:
                     json.dump({**t, "record": {**t["record"], "task": task}}, f)
             js = os.path.join(d, "fig.json")
             ns = lambda runs: types.SimpleNamespace(out=out, dir=tdir, runs=runs, json=js)  # noqa: E731
