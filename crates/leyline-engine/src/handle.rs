@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 type Job = Box<dyn FnOnce(&mut Engine) + Send>;
 
 enum Command {
-    Submit(Request),
+    Submit(Box<Request>),
     Run(Job),
     Shutdown,
 }
@@ -101,7 +101,7 @@ impl EngineHandle {
     /// The engine has stopped.
     pub fn submit(&self, req: Request) -> Result<()> {
         self.tx
-            .send(Command::Submit(req))
+            .send(Command::Submit(Box::new(req)))
             .map_err(|_| EngineError::Stopped)
     }
 
@@ -157,7 +157,7 @@ fn engine_loop(mut engine: Engine, rx: mpsc::Receiver<Command>) {
         while let Some(cmd) = next {
             match cmd {
                 Command::Submit(r) => {
-                    engine.submit(r);
+                    engine.submit(*r);
                 }
                 Command::Run(job) => job(&mut engine),
                 Command::Shutdown => shutting_down = true,

@@ -113,6 +113,11 @@ pub struct ImplicitTurn {
     /// conversation itself takes the turn in FORGET mode, so what the prompt drops of it is
     /// never served again.
     pub mode: Mode,
+    /// The client's name for its conversation (a hash of `prompt_cache_key`, a
+    /// `session-id` header, ...), if it gives one: the prompt then continues only a
+    /// conversation cached under the same key, and one it starts carries the key. Without a
+    /// key it continues only conversations that have none.
+    pub conversation: Option<u64>,
 }
 
 /// A generation request.

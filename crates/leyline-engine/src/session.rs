@@ -132,6 +132,8 @@ pub(crate) struct Session {
     /// A cached conversation of sessionless requests (`engine/implicit.rs`), not a named
     /// session: it goes whole when its KV must go, and no client can name it.
     pub(crate) implicit: bool,
+    /// The client's key for the conversation ([`crate::ImplicitTurn::conversation`]).
+    pub(crate) conversation: Option<u64>,
     /// The repair of this session's AMORTIZE edits; `None`: the engine's default.
     pub(crate) repair: Option<leyline_core::Repair>,
 }
@@ -150,6 +152,7 @@ impl Session {
             turns: 0,
             last_used: Instant::now(),
             implicit: false,
+            conversation: None,
             repair: None,
         }
     }

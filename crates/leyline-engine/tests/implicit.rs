@@ -72,10 +72,25 @@ fn request(prompt: Vec<u32>) -> (Request, Shared) {
 
 /// Runs a sessionless request with message bounds (an implicit turn) to its end.
 fn implicit(e: &mut Engine, chat: &[ChatMessage], mode: Mode, tenant: u64) -> (Vec<u32>, Usage) {
+    keyed(e, chat, mode, tenant, None)
+}
+
+/// [`implicit`] under a client's conversation key.
+fn keyed(
+    e: &mut Engine,
+    chat: &[ChatMessage],
+    mode: Mode,
+    tenant: u64,
+    conversation: Option<u64>,
+) -> (Vec<u32>, Usage) {
     let (prompt, bounds) = render(chat);
     let (mut req, out) = request(prompt);
     req.tenant = tenant;
-    req.implicit = Some(ImplicitTurn { bounds, mode });
+    req.implicit = Some(ImplicitTurn {
+        bounds,
+        mode,
+        conversation,
+    });
     finish(e, req, out)
 }
 
@@ -205,6 +220,41 @@ fn another_tenant_never_continues_a_conversation() {
     assert_eq!(usage.cached_tokens, 0, "{usage:?}");
     assert_eq!(usage.edit.map(|r| r.directives), Some(0));
     assert_eq!(e.metrics().snapshot().implicit_splices, 0);
+}
+
+#[test]
+fn a_conversation_key_continues_only_its_own_conversation() {
+    let edited = history(
+        "[cleared]",
+        &[("assistant", "AF1404."), ("user", "Book it.")],
+    );
+    // Under another key (or none), the edit finds no conversation to splice: only the
+    // prefix tree serves it, up into the edited tool message.
+    for (first, second) in [(Some(1), Some(2)), (Some(1), None), (None, Some(1))] {
+        let mut e = engine();
+        keyed(&mut e, &history(TOOL_OUTPUT, &[]), Mode::Amortize, 0, first);
+        let (_, usage) = keyed(&mut e, &edited, Mode::Amortize, 0, second);
+        assert_eq!(
+            usage.edit.map(|r| r.directives),
+            Some(0),
+            "{first:?} then {second:?}"
+        );
+        assert!(usage.cached_tokens < tool_start() + 10, "{usage:?}");
+        assert_eq!(e.metrics().snapshot().implicit_splices, 0);
+    }
+    // Under the same key, it is spliced as a keyless conversation is.
+    let mut e = engine();
+    keyed(
+        &mut e,
+        &history(TOOL_OUTPUT, &[]),
+        Mode::Amortize,
+        0,
+        Some(1),
+    );
+    let (_, usage) = keyed(&mut e, &edited, Mode::Amortize, 0, Some(1));
+    assert!(usage.edit.is_some_and(|r| r.directives > 0), "{usage:?}");
+    assert!(usage.cached_tokens > tool_start() + 10, "{usage:?}");
+    assert_eq!(e.metrics().snapshot().implicit_splices, 1);
 }
 
 #[test]

@@ -48,14 +48,13 @@ impl Engine {
         tenant: Tenant,
         by: RequestId,
     ) -> Result<(SessionId, bool, Vec<Directive>)> {
-        let bounds = &turn.bounds;
         self.drop_stale_conversations()?;
         self.trim_conversations(1)?;
         // As admission does: the last prompt token always runs.
         let probe = &prompt[..prompt.len().saturating_sub(1)];
         let ns = Namespace::shared(self.model_id).for_tenant(tenant);
         let tree_cost = probe.len() - self.cache.cached_len(ns, probe);
-        let best = self.best_conversation(prompt, probe, bounds, tenant);
+        let best = self.best_conversation(prompt, probe, turn, tenant);
         let (id, fresh, directives) = match best {
             // FORGET edits the conversation itself: what it drops goes for every reader.
             Some(c) if turn.mode == Mode::Forget => (c.id, false, c.directives),
@@ -72,6 +71,7 @@ impl Engine {
             }
         };
         let s = self.session_mut(id)?;
+        s.conversation = turn.conversation;
         s.busy = Some(by);
         s.last_used = Instant::now();
         Ok((id, fresh, directives))
@@ -82,14 +82,20 @@ impl Engine {
         &self,
         prompt: &[u32],
         probe: &[u32],
-        bounds: &[usize],
+        turn: &ImplicitTurn,
         tenant: Tenant,
     ) -> Option<Candidate> {
+        let bounds = &turn.bounds;
         let vocab_size = self.model.info().vocab_size;
         let first_message = bounds.get(1).copied().unwrap_or(0);
         let mut best: Option<Candidate> = None;
         for (&id, s) in &self.sessions {
-            if !s.implicit || s.tenant != tenant || s.busy.is_some() || s.tokens.is_empty() {
+            if !s.implicit
+                || s.tenant != tenant
+                || s.conversation != turn.conversation
+                || s.busy.is_some()
+                || s.tokens.is_empty()
+            {
                 continue;
             }
             let Some(old_bounds) = &s.bounds else {
