@@ -8,6 +8,37 @@ use leyline_model::chat::ChatMessage;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+/// The top-level fields of `POST /v1/messages` this server reads. Any other field is a 400
+/// naming it: a request is never served with part of it silently ignored.
+///
+/// Accepted with no effect on the answer (what a stock client such as Claude Code sends by
+/// default): `metadata`, `service_tier`, `output_config.effort`, `thinking` (these models have
+/// no reasoning format: they return no thinking blocks), `cache_control` on any block (the
+/// prefix cache and implicit splices reuse KV without being asked; the breakpoints only split
+/// `usage`), `disable_parallel_tool_use`, server tools such as `web_search_*` (not offered to
+/// the model; named in `leyline.unsupported_tools`).
+pub const MESSAGES_FIELDS: [&str; 19] = [
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "tools",
+    "tool_choice",
+    "stop_sequences",
+    "temperature",
+    "top_p",
+    "top_k",
+    "metadata",
+    "stream",
+    "context_management",
+    "thinking",
+    "output_config",
+    "service_tier",
+    "session_id",
+    "leyline",
+    "cache_salt",
+];
+
 /// `POST /v1/messages` (Leyline's own fields, `session_id`, `leyline` and `cache_salt`, are
 /// read from the same body as for chat completions).
 #[derive(Debug, Clone, Deserialize)]
@@ -16,12 +47,12 @@ pub struct MessagesRequest {
     pub model: String,
     /// Most new tokens (required by the API).
     pub max_tokens: i64,
-    /// The conversation: alternating `user` and `assistant` messages.
+    /// The conversation: `user` and `assistant` messages, and `system` messages among them.
     pub messages: Vec<Value>,
     /// A system prompt: text, or text blocks.
     #[serde(default)]
     pub system: Option<Value>,
-    /// Tools: `{name, description, input_schema}`.
+    /// Tools: `{name, description, input_schema}`, or server tools (`{type, name}`).
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
     /// `{"type": "auto" | "none" | "any" | "tool"}`.
@@ -48,6 +79,29 @@ pub struct MessagesRequest {
     /// Server-side context editing: `{"edits": [{"type": "clear_tool_uses_20250919", ...}]}`.
     #[serde(default)]
     pub context_management: Option<Value>,
+    /// Extended thinking: `{"type": "enabled" | "adaptive" | "disabled"}`; checked, no effect.
+    #[serde(default)]
+    pub thinking: Option<Value>,
+    /// `{"effort": ...}`; checked, no effect.
+    #[serde(default)]
+    pub output_config: Option<Value>,
+}
+
+/// Refuses a top-level field of `body` that `known` does not list, naming it.
+///
+/// # Errors
+/// A 400 whose `param` is the first unknown field.
+pub fn refuse_unknown_fields(body: &Value, known: &[&str]) -> Result<()> {
+    let Some(obj) = body.as_object() else {
+        return Ok(());
+    };
+    match obj.keys().find(|k| !known.contains(&k.as_str())) {
+        None => Ok(()),
+        Some(k) => Err(ServerError::invalid(
+            k,
+            format!("`{k}` is not supported by this server; leave it out"),
+        )),
+    }
 }
 
 fn text_of(v: &Value, at: &str) -> Result<String> {
@@ -56,13 +110,27 @@ fn text_of(v: &Value, at: &str) -> Result<String> {
         .ok_or_else(|| ServerError::invalid(at, format!("`{at}` must be a string")))
 }
 
+/// Whether block `b` carries a `cache_control` breakpoint (checked: an object whose `type`
+/// is `ephemeral`).
+fn breakpoint(b: &Value, at: &str) -> Result<bool> {
+    match b.get("cache_control") {
+        None | Some(Value::Null) => Ok(false),
+        Some(c) if c.get("type").and_then(Value::as_str) == Some("ephemeral") => Ok(true),
+        Some(_) => Err(ServerError::invalid(
+            &format!("{at}.cache_control"),
+            "cache_control must be {\"type\": \"ephemeral\"} (a `ttl` may follow)",
+        )),
+    }
+}
+
 /// The text of a `system` value or a `tool_result` content: a string, or text blocks
-/// (joined with blank lines).
-fn text_or_text_blocks(v: &Value, at: &str) -> Result<String> {
+/// (joined with blank lines); and whether a block holds a cache breakpoint.
+fn text_or_text_blocks(v: &Value, at: &str) -> Result<(String, bool)> {
     match v {
-        Value::String(s) => Ok(s.clone()),
+        Value::String(s) => Ok((s.clone(), false)),
         Value::Array(blocks) => {
             let mut parts = Vec::with_capacity(blocks.len());
+            let mut marked = false;
             for (j, b) in blocks.iter().enumerate() {
                 let here = format!("{at}[{j}]");
                 match b.get("type").and_then(Value::as_str) {
@@ -83,8 +151,9 @@ fn text_or_text_blocks(v: &Value, at: &str) -> Result<String> {
                         ))
                     }
                 }
+                marked |= breakpoint(b, &here)?;
             }
-            Ok(parts.join("\n\n"))
+            Ok((parts.join("\n\n"), marked))
         }
         _ => Err(ServerError::invalid(
             at,
@@ -93,19 +162,43 @@ fn text_or_text_blocks(v: &Value, at: &str) -> Result<String> {
     }
 }
 
+/// A request's messages as the template renders them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Converted {
+    /// The chat messages, system prompt first.
+    pub chat: Vec<ChatMessage>,
+    /// How many of `chat` end at or before the last `cache_control` breakpoint (breakpoints
+    /// on tools count with the system prompt); `None` without breakpoints.
+    pub cached_messages: Option<usize>,
+}
+
 /// The chat messages the template renders: the system prompt, then each message's blocks
 /// (tool results become `tool` messages before the user's text; tool uses become the
-/// assistant's `tool_calls`, arguments as objects as templates expect).
+/// assistant's `tool_calls`, arguments as objects as templates expect). `system` messages
+/// among the others stay at their place. Thinking blocks are checked and left out: these
+/// models have no reasoning format, so they never wrote them.
 ///
 /// # Errors
 /// A 400 naming the first malformed field.
-pub fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>> {
+pub fn to_chat(req: &MessagesRequest) -> Result<Converted> {
     let mut out = Vec::with_capacity(req.messages.len() + 1);
+    let mut cached_messages = None;
     if let Some(sys) = &req.system {
-        let text = text_or_text_blocks(sys, "system")?;
+        let (text, marked) = text_or_text_blocks(sys, "system")?;
         if !text.is_empty() {
             out.push(ChatMessage::new("system", text));
         }
+        if marked {
+            cached_messages = Some(out.len());
+        }
+    }
+    let tools_marked = req
+        .tools
+        .iter()
+        .flatten()
+        .any(|t| t.get("cache_control").is_some());
+    if tools_marked {
+        cached_messages = Some(out.len());
     }
     if req.messages.is_empty() {
         return Err(ServerError::invalid(
@@ -116,16 +209,24 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>> {
     for (i, m) in req.messages.iter().enumerate() {
         let at = format!("messages[{i}]");
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
-        if role != "user" && role != "assistant" {
+        if !["user", "assistant", "system"].contains(&role) {
             return Err(ServerError::invalid(
                 &format!("{at}.role"),
                 format!(
-                    "role must be \"user\" or \"assistant\", got {:?}",
+                    "role must be \"user\", \"assistant\" or \"system\", got {:?}",
                     m.get("role")
                 ),
             ));
         }
         let content = m.get("content").unwrap_or(&Value::Null);
+        if role == "system" {
+            let (text, marked) = text_or_text_blocks(content, &format!("{at}.content"))?;
+            out.push(ChatMessage::new("system", text));
+            if marked {
+                cached_messages = Some(out.len());
+            }
+            continue;
+        }
         let blocks: Vec<Value> = match content {
             Value::String(s) => vec![json!({"type": "text", "text": s})],
             Value::Array(b) => b.clone(),
@@ -137,11 +238,19 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>> {
             }
         };
         let (mut text, mut calls, mut results) = (Vec::new(), Vec::new(), Vec::new());
+        let mut marked = false;
         for (j, b) in blocks.iter().enumerate() {
             let here = format!("{at}.content[{j}]");
             let field = |name: &str| b.get(name).unwrap_or(&Value::Null);
+            marked |= breakpoint(b, &here)?;
             match b.get("type").and_then(Value::as_str) {
                 Some("text") => text.push(text_of(field("text"), &format!("{here}.text"))?),
+                Some("thinking") if role == "assistant" => {
+                    text_of(field("thinking"), &format!("{here}.thinking"))?;
+                }
+                Some("redacted_thinking") if role == "assistant" => {
+                    text_of(field("data"), &format!("{here}.data"))?;
+                }
                 Some("tool_use") if role == "assistant" => {
                     let id = text_of(field("id"), &format!("{here}.id"))?;
                     let name = text_of(field("name"), &format!("{here}.name"))?;
@@ -161,7 +270,7 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>> {
                     let id = text_of(field("tool_use_id"), &format!("{here}.tool_use_id"))?;
                     let mut body = match b.get("content") {
                         None | Some(Value::Null) => String::new(),
-                        Some(c) => text_or_text_blocks(c, &format!("{here}.content"))?,
+                        Some(c) => text_or_text_blocks(c, &format!("{here}.content"))?.0,
                     };
                     if b.get("is_error").and_then(Value::as_bool) == Some(true) {
                         body = format!("Error: {body}");
@@ -170,7 +279,7 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>> {
                     t.tool_call_id = Some(id);
                     results.push(t);
                 }
-                Some(kind @ ("tool_use" | "tool_result")) => {
+                Some(kind @ ("tool_use" | "tool_result" | "thinking" | "redacted_thinking")) => {
                     return Err(ServerError::invalid(
                         &format!("{here}.type"),
                         format!("a {kind} block cannot appear in a {role} message"),
@@ -204,49 +313,84 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>> {
         } else if !joined.is_empty() || out.last().is_none_or(|m| m.role != "tool") {
             out.push(ChatMessage::new("user", joined));
         }
-    }
-    Ok(out)
-}
-
-/// The tools in the form chat templates take (`{"type": "function", "function": ...}`), or
-/// none when `tool_choice` is `none`.
-///
-/// # Errors
-/// A 400 for a malformed tool, or a `tool_choice` this server cannot enforce.
-pub fn template_tools(req: &MessagesRequest) -> Result<Option<Vec<Value>>> {
-    match req
-        .tool_choice
-        .as_ref()
-        .and_then(|c| c.get("type"))
-        .and_then(Value::as_str)
-    {
-        None | Some("auto") => {}
-        Some("none") => return Ok(None),
-        Some(other) => {
-            return Err(ServerError::invalid(
-                "tool_choice.type",
-                format!("tool_choice {other:?} is not supported: this server cannot force a tool call; use \"auto\" or \"none\""),
-            ))
+        if marked {
+            cached_messages = Some(out.len());
         }
     }
-    let Some(tools) = &req.tools else {
-        return Ok(None);
+    Ok(Converted {
+        chat: out,
+        cached_messages,
+    })
+}
+
+/// What `tool_choice` asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// The model decides (the default).
+    Auto,
+    /// No tools are offered.
+    None,
+    /// Some tool must be called.
+    Any,
+    /// This tool must be called.
+    Tool(String),
+}
+
+/// The tools the model is offered and what the request asks of them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tools {
+    /// In the form chat templates take (`{"type": "function", "function": ...}`); `None`
+    /// when none is offered.
+    pub offered: Option<Vec<Value>>,
+    /// The request's `tool_choice`.
+    pub choice: ToolChoice,
+    /// Server tools (`web_search_*` and the like) the request listed: not offered, since
+    /// this server does not run them.
+    pub unsupported: Vec<String>,
+}
+
+/// Reads `tools` and `tool_choice`.
+///
+/// # Errors
+/// A 400 for a malformed tool or choice, or a choice naming a tool that is not offered.
+pub fn template_tools(req: &MessagesRequest) -> Result<Tools> {
+    let choice = match &req.tool_choice {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(c) => match c.get("type").and_then(Value::as_str) {
+            Some("auto") => ToolChoice::Auto,
+            Some("none") => ToolChoice::None,
+            Some("any") => ToolChoice::Any,
+            Some("tool") => ToolChoice::Tool(text_of(
+                c.get("name").unwrap_or(&Value::Null),
+                "tool_choice.name",
+            )?),
+            other => {
+                return Err(ServerError::invalid(
+                    "tool_choice.type",
+                    format!("tool_choice.type must be auto, none, any or tool, got {other:?}"),
+                ))
+            }
+        },
     };
-    let mut out = Vec::with_capacity(tools.len());
-    for (i, t) in tools.iter().enumerate() {
+    let mut out = Vec::new();
+    let mut unsupported = Vec::new();
+    for (i, t) in req.tools.iter().flatten().enumerate() {
         let name = text_of(
             t.get("name").unwrap_or(&Value::Null),
             &format!("tools[{i}].name"),
         )?;
-        let schema = t
-            .get("input_schema")
-            .filter(|s| s.is_object())
-            .ok_or_else(|| {
-                ServerError::invalid(
-                    &format!("tools[{i}].input_schema"),
-                    "a tool needs an input_schema object",
-                )
-            })?;
+        let kind = t.get("type").and_then(Value::as_str);
+        let schema = t.get("input_schema");
+        if schema.is_none() && kind.is_some_and(|k| k != "custom") {
+            unsupported.push(name);
+            continue;
+        }
+        let schema = schema.filter(|s| s.is_object()).ok_or_else(|| {
+            ServerError::invalid(
+                &format!("tools[{i}].input_schema"),
+                "a tool needs an input_schema object",
+            )
+        })?;
         // OpenAI's key order (name, description, parameters): templates print the object
         // as it lies, and models were trained on that form.
         let mut f = serde_json::Map::new();
@@ -257,7 +401,79 @@ pub fn template_tools(req: &MessagesRequest) -> Result<Option<Vec<Value>>> {
         f.insert("parameters".into(), schema.clone());
         out.push(json!({"type": "function", "function": f}));
     }
-    Ok((!out.is_empty()).then_some(out))
+    if choice != ToolChoice::Auto && choice != ToolChoice::None && out.is_empty() {
+        return Err(ServerError::invalid(
+            "tool_choice",
+            "tool_choice asks for a tool call but the request offers no tool the model can call",
+        ));
+    }
+    if let ToolChoice::Tool(name) = &choice {
+        if !crate::toolcall::tool_names(&out).contains(name) {
+            return Err(ServerError::invalid(
+                "tool_choice.name",
+                format!("tool_choice names {name:?}, which is not among the request's tools"),
+            ));
+        }
+    }
+    let offered = (choice != ToolChoice::None && !out.is_empty()).then_some(out);
+    Ok(Tools {
+        offered,
+        choice,
+        unsupported,
+    })
+}
+
+/// Checks `thinking` and `output_config`, which these models cannot act on: their shapes
+/// must be the API's, their values change nothing.
+///
+/// # Errors
+/// A 400 naming the malformed field.
+pub fn check_reasoning_fields(req: &MessagesRequest) -> Result<()> {
+    if let Some(t) = req.thinking.as_ref().filter(|t| !t.is_null()) {
+        match t.get("type").and_then(Value::as_str) {
+            Some("enabled") => {
+                if !t.get("budget_tokens").is_some_and(Value::is_u64) {
+                    return Err(ServerError::invalid(
+                        "thinking.budget_tokens",
+                        "thinking of type enabled needs a budget_tokens integer",
+                    ));
+                }
+            }
+            Some("adaptive" | "disabled") => {}
+            other => {
+                return Err(ServerError::invalid(
+                    "thinking.type",
+                    format!("thinking.type must be enabled, adaptive or disabled, got {other:?}"),
+                ))
+            }
+        }
+    }
+    if let Some(c) = req.output_config.as_ref().filter(|c| !c.is_null()) {
+        let Some(obj) = c.as_object() else {
+            return Err(ServerError::invalid(
+                "output_config",
+                "output_config must be an object",
+            ));
+        };
+        for (k, v) in obj {
+            match k.as_str() {
+                "effort" if v.is_string() => {}
+                "effort" => {
+                    return Err(ServerError::invalid(
+                        "output_config.effort",
+                        "output_config.effort must be a string",
+                    ))
+                }
+                other => {
+                    return Err(ServerError::invalid(
+                        &format!("output_config.{other}"),
+                        format!("output_config.{other} is not supported by this server"),
+                    ))
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Anthropic's error `type` for an HTTP status.
@@ -275,8 +491,22 @@ fn error_type(status: u16) -> &'static str {
 }
 
 /// `{"type": "error", "error": {"type", "message"}}` for `e`.
+/// Anthropic's envelope has no `param`: a message that does not name the field gets it in
+/// front (`thinking.budget_tokens: ...`); one with a code keeps its wording, which clients
+/// match ("prompt is too long").
 pub fn error_body(e: &ServerError) -> Value {
-    json!({"type": "error", "error": {"type": error_type(e.status().as_u16()), "message": e.to_string()}})
+    let mut message = e.to_string();
+    if let ServerError::InvalidRequest {
+        param: Some(p),
+        code: None,
+        ..
+    } = e
+    {
+        if !message.contains(p.as_str()) {
+            message = format!("{p}: {message}");
+        }
+    }
+    json!({"type": "error", "error": {"type": error_type(e.status().as_u16()), "message": message}})
 }
 
 /// `e` as a response in Anthropic's envelope, with the status and headers it has anyway.
@@ -312,12 +542,17 @@ pub fn stop_reason(
     }
 }
 
-/// The `usage` object: `input_tokens` excludes what was read from the cache.
-pub fn usage(u: &leyline_engine::Usage) -> Value {
+/// The `usage` object, whose three input counts add up to the prompt:
+/// `cache_read_input_tokens` were read from the cache, `cache_creation_input_tokens` were
+/// prefilled up to the last `cache_control` breakpoint (at `breakpoint` prompt tokens), and
+/// `input_tokens` are the rest.
+pub fn usage(u: &leyline_engine::Usage, breakpoint: Option<usize>) -> Value {
+    let read = u.cached_tokens.min(u.prompt_tokens);
+    let created = breakpoint.map_or(0, |b| b.min(u.prompt_tokens).saturating_sub(read));
     json!({
-        "input_tokens": u.prompt_tokens - u.cached_tokens,
-        "cache_read_input_tokens": u.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": u.prompt_tokens - read - created,
+        "cache_read_input_tokens": read,
+        "cache_creation_input_tokens": created,
         "output_tokens": u.completion_tokens,
     })
 }
@@ -348,7 +583,7 @@ mod tests {
                 ]}
             ]
         }));
-        let chat = to_chat(&r).unwrap();
+        let chat = to_chat(&r).unwrap().chat;
         let roles: Vec<&str> = chat.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(
             roles,
@@ -383,8 +618,24 @@ mod tests {
                 "messages[0].content[0].type",
             ),
             (
-                json!([{"role": "system", "content": "x"}]),
+                json!([{"role": "tool", "content": "x"}]),
                 "messages[0].role",
+            ),
+            (
+                json!([{"role": "system", "content": [{"type": "image"}]}]),
+                "messages[0].content[0].type",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "thinking", "thinking": "t"}]}]),
+                "messages[0].content[0].type",
+            ),
+            (
+                json!([{"role": "assistant", "content": [{"type": "thinking"}]}]),
+                "messages[0].content[0].thinking",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}]),
+                "messages[0].content[0].cache_control",
             ),
             (
                 json!([{"role": "user", "content": [{"text": "no type"}]}]),
@@ -404,21 +655,94 @@ mod tests {
     }
 
     #[test]
-    fn tools_take_the_template_form_and_choice_is_checked() {
-        let tools = json!([{"name": "f", "description": "d", "input_schema": {"type": "object"}}]);
-        let r = req(json!({"model": "m", "max_tokens": 1, "messages": [], "tools": tools}));
-        let t = template_tools(&r).unwrap().unwrap();
-        assert_eq!(t[0]["function"]["parameters"], json!({"type": "object"}));
-        let none = req(
-            json!({"model": "m", "max_tokens": 1, "messages": [], "tools": tools, "tool_choice": {"type": "none"}}),
+    fn claude_code_history_keeps_system_messages_in_place_and_drops_thinking() {
+        let r = req(json!({
+            "model": "m", "max_tokens": 8,
+            "system": [{"type": "text", "text": "S"},
+                       {"type": "text", "text": "T", "cache_control": {"type": "ephemeral"}}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "q1"}]},
+                {"role": "system", "content": [{"type": "text", "text": "reminder", "cache_control": {"type": "ephemeral", "ttl": "5m"}}]},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                    {"type": "redacted_thinking", "data": "opaque"},
+                    {"type": "text", "text": "a1"}
+                ]},
+                {"role": "user", "content": "q2"}
+            ]
+        }));
+        let c = to_chat(&r).unwrap();
+        let got: Vec<(&str, &str)> = c
+            .chat
+            .iter()
+            .map(|m| (m.role.as_str(), m.content.as_deref().unwrap_or("")))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("system", "S\n\nT"),
+                ("user", "q1"),
+                ("system", "reminder"),
+                ("assistant", "a1"),
+                ("user", "q2")
+            ]
         );
-        assert_eq!(template_tools(&none).unwrap(), None);
-        let any = req(
-            json!({"model": "m", "max_tokens": 1, "messages": [], "tools": tools, "tool_choice": {"type": "any"}}),
+        // The last breakpoint is on the system message inside `messages`: three chat
+        // messages end at or before it.
+        assert_eq!(c.cached_messages, Some(3));
+    }
+
+    #[test]
+    fn tools_take_the_template_form_and_choice_is_checked() {
+        let tools = json!([
+            {"name": "f", "description": "d", "input_schema": {"type": "object"}},
+            {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+        ]);
+        let with = |choice: Value| {
+            req(
+                json!({"model": "m", "max_tokens": 1, "messages": [], "tools": tools, "tool_choice": choice}),
+            )
+        };
+        let t = template_tools(&with(Value::Null)).unwrap();
+        let offered = t.offered.unwrap();
+        assert_eq!(offered.len(), 1, "the server tool is not offered");
+        assert_eq!(
+            offered[0]["function"]["parameters"],
+            json!({"type": "object"})
+        );
+        assert_eq!(t.unsupported, ["web_search"]);
+        assert_eq!(t.choice, ToolChoice::Auto);
+        let none = template_tools(&with(json!({"type": "none"}))).unwrap();
+        assert_eq!(none.offered, None);
+        assert_eq!(
+            template_tools(&with(json!({"type": "any"})))
+                .unwrap()
+                .choice,
+            ToolChoice::Any
         );
         assert_eq!(
-            template_tools(&any).unwrap_err().body()["error"]["param"],
-            "tool_choice.type"
+            template_tools(&with(json!({"type": "tool", "name": "f"})))
+                .unwrap()
+                .choice,
+            ToolChoice::Tool("f".into())
+        );
+        for (choice, param) in [
+            (
+                json!({"type": "tool", "name": "web_search"}),
+                "tool_choice.name",
+            ),
+            (json!({"type": "tool"}), "tool_choice.name"),
+            (json!({"type": "sometimes"}), "tool_choice.type"),
+        ] {
+            let e = template_tools(&with(choice)).unwrap_err();
+            assert_eq!(e.body()["error"]["param"], param);
+        }
+        let bare = req(
+            json!({"model": "m", "max_tokens": 1, "messages": [], "tool_choice": {"type": "any"}}),
+        );
+        assert_eq!(
+            template_tools(&bare).unwrap_err().body()["error"]["param"],
+            "tool_choice"
         );
         let bad =
             req(json!({"model": "m", "max_tokens": 1, "messages": [], "tools": [{"name": "f"}]}));
@@ -426,6 +750,66 @@ mod tests {
             template_tools(&bad).unwrap_err().body()["error"]["param"],
             "tools[0].input_schema"
         );
+    }
+
+    #[test]
+    fn unknown_fields_and_malformed_reasoning_fields_are_named() {
+        let body = json!({"model": "m", "max_tokens": 1, "messages": [], "mcp_servers": []});
+        let e = refuse_unknown_fields(&body, &MESSAGES_FIELDS).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "mcp_servers");
+        let claude_code = json!({"model": "m", "max_tokens": 32000, "messages": [],
+            "thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "high"},
+            "metadata": {"user_id": "u"}, "stream": true,
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}});
+        refuse_unknown_fields(&claude_code, &MESSAGES_FIELDS).unwrap();
+        check_reasoning_fields(&req(claude_code)).unwrap();
+        for (field, value, param) in [
+            (
+                "thinking",
+                json!({"type": "enabled"}),
+                "thinking.budget_tokens",
+            ),
+            ("thinking", json!({"type": "deep"}), "thinking.type"),
+            (
+                "output_config",
+                json!({"format": {}}),
+                "output_config.format",
+            ),
+            (
+                "output_config",
+                json!({"effort": 3}),
+                "output_config.effort",
+            ),
+        ] {
+            let mut v = json!({"model": "m", "max_tokens": 1, "messages": []});
+            v[field] = value;
+            let e = check_reasoning_fields(&req(v)).unwrap_err();
+            assert_eq!(e.body()["error"]["param"], param);
+        }
+    }
+
+    #[test]
+    fn usage_splits_the_prompt_at_the_breakpoint() {
+        let zero = std::time::Duration::ZERO;
+        let u = leyline_engine::Usage {
+            prompt_tokens: 100,
+            cached_tokens: 30,
+            prefilled_tokens: 70,
+            reused_tokens: 30,
+            completion_tokens: 5,
+            queued: zero,
+            ttft: zero,
+            total: zero,
+            edit: None,
+        };
+        let v = usage(&u, Some(80));
+        assert_eq!(v["cache_read_input_tokens"], 30);
+        assert_eq!(v["cache_creation_input_tokens"], 50);
+        assert_eq!(v["input_tokens"], 20);
+        let v = usage(&u, Some(10));
+        assert_eq!(v["cache_creation_input_tokens"], 0);
+        assert_eq!(v["input_tokens"], 70);
+        assert_eq!(usage(&u, None)["input_tokens"], 70);
     }
 
     #[test]

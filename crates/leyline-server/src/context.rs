@@ -1,5 +1,6 @@
 //! Server-side context editing: `context_management.edits` (Anthropic's
-//! `clear_tool_uses_20250919`, or any policy of `leyline-policy` by name) applied to the
+//! `clear_tool_uses_20250919` and `clear_thinking_20251015`, or any policy of
+//! `leyline-policy` by name) applied to the
 //! history the client sent, before it is rendered. The client keeps sending its whole
 //! history; the model sees the edited one, and in a session the difference to the cached
 //! context becomes directives like any other edit.
@@ -20,17 +21,63 @@ pub struct AppliedEdit {
     pub cleared_tool_uses: usize,
     /// Tokens those held, less the placeholders' (by the model's tokenizer).
     pub cleared_input_tokens: usize,
+    /// Assistant turns whose thinking it cleared (`clear_thinking_*` only).
+    pub cleared_thinking_turns: Option<usize>,
 }
+
+/// Anthropic's edit that clears thinking blocks of older turns.
+pub const CLEAR_THINKING: &str = "clear_thinking_20251015";
 
 impl AppliedEdit {
     /// The JSON Anthropic's API returns for it.
     pub fn to_json(&self) -> Value {
-        json!({
-            "type": self.kind,
-            "cleared_tool_uses": self.cleared_tool_uses,
-            "cleared_input_tokens": self.cleared_input_tokens,
-        })
+        match self.cleared_thinking_turns {
+            Some(turns) => json!({
+                "type": self.kind,
+                "cleared_thinking_turns": turns,
+                "cleared_input_tokens": self.cleared_input_tokens,
+            }),
+            None => json!({
+                "type": self.kind,
+                "cleared_tool_uses": self.cleared_tool_uses,
+                "cleared_input_tokens": self.cleared_input_tokens,
+            }),
+        }
     }
+}
+
+/// Checks a `clear_thinking_20251015` edit (`keep`: `"all"` or `{"type": "thinking_turns",
+/// "value": N}`) and says what it did: nothing, since these models have no reasoning format
+/// and so no thinking reaches their prompt (the Messages API leaves thinking blocks out).
+fn clear_thinking(e: &Value, at: &str) -> Result<AppliedEdit> {
+    if let Some(k) = e
+        .as_object()
+        .and_then(|o| o.keys().find(|k| *k != "type" && *k != "keep"))
+    {
+        return Err(ServerError::invalid(
+            &format!("{at}.{k}"),
+            format!("{k} is not a field of {CLEAR_THINKING}"),
+        ));
+    }
+    match e.get("keep") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "all" => {}
+        Some(k)
+            if k.get("type").and_then(Value::as_str) == Some("thinking_turns")
+                && k.get("value").is_some_and(Value::is_u64) => {}
+        Some(_) => {
+            return Err(ServerError::invalid(
+                &format!("{at}.keep"),
+                "keep must be \"all\" or {\"type\": \"thinking_turns\", \"value\": N}",
+            ))
+        }
+    }
+    Ok(AppliedEdit {
+        kind: CLEAR_THINKING.to_string(),
+        cleared_tool_uses: 0,
+        cleared_input_tokens: 0,
+        cleared_thinking_turns: Some(0),
+    })
 }
 
 /// Applies `spec` (`{"edits": [...]}`) to `chat` in place; returns what each edit did.
@@ -64,6 +111,10 @@ pub fn apply(
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_string();
+        if kind == CLEAR_THINKING {
+            applied.push(clear_thinking(e, &at)?);
+            continue;
+        }
         let config: PolicyConfig = serde_json::from_value(e.clone())
             .map_err(|err| ServerError::invalid(&at, format!("invalid edit: {err}")))?;
         let policy = config.build_with_counter(Arc::clone(&counter));
@@ -81,6 +132,7 @@ pub fn apply(
             kind,
             cleared_tool_uses: 0,
             cleared_input_tokens: 0,
+            cleared_thinking_turns: None,
         };
         for ((m, old), new) in chat.iter_mut().zip(&before).zip(&after) {
             if new.content != old.content {
@@ -125,5 +177,24 @@ mod tests {
         let e = apply(&mut chat, &unknown, &tok).unwrap_err();
         assert_eq!(e.body()["error"]["param"], "context_management.edits[0]");
         assert!(apply(&mut chat, &json!({}), &tok).unwrap().is_empty());
+        // Claude Code's default edit clears nothing (no thinking reaches these prompts) and
+        // reports it in Anthropic's shape; a malformed `keep` is named.
+        let thinking = json!({"edits": [{"type": CLEAR_THINKING, "keep": "all"},
+            {"type": CLEAR_THINKING, "keep": {"type": "thinking_turns", "value": 1}}]});
+        let done = apply(&mut chat, &thinking, &tok).unwrap();
+        assert_eq!(done[0].to_json()["cleared_thinking_turns"], 0);
+        assert!(done[1].to_json().get("cleared_tool_uses").is_none());
+        let bad_keep = json!({"edits": [{"type": CLEAR_THINKING, "keep": 3}]});
+        let e = apply(&mut chat, &bad_keep, &tok).unwrap_err();
+        assert_eq!(
+            e.body()["error"]["param"],
+            "context_management.edits[0].keep"
+        );
+        let extra = json!({"edits": [{"type": CLEAR_THINKING, "trigger": 3}]});
+        let e = apply(&mut chat, &extra, &tok).unwrap_err();
+        assert_eq!(
+            e.body()["error"]["param"],
+            "context_management.edits[0].trigger"
+        );
     }
 }

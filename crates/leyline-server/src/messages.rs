@@ -9,7 +9,7 @@ use crate::generation::Piece;
 use crate::handler::{parse, ApiJson, St};
 use crate::openai::{GenerationFields, LeylineOptions, StopSpec};
 use crate::state::AppState;
-use crate::submit::{collect_text, report, start, Collected, Started};
+use crate::submit::{collect_text, report, start, Collected, SessionRun, Started};
 use crate::toolcall::{Segment, ToolCallSplitter};
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -47,14 +47,39 @@ pub(crate) async fn messages(
     }
 }
 
-async fn handle(
-    st: Arc<AppState>,
-    who: Principal,
-    headers: HeaderMap,
+/// A Messages request read and checked, up to its rendered prompt.
+struct Prepared {
+    req: MessagesRequest,
+    fields: GenerationFields,
+    gen: crate::openai::Generation,
+    prompt: Vec<u32>,
+    bounds: Option<Vec<usize>>,
+    tools: anthropic::Tools,
+    /// What the request's context edits did, when it asked for any.
+    context_management: Option<Value>,
+    /// Prompt tokens up to the last `cache_control` breakpoint, if it has one.
+    breakpoint_tokens: Option<usize>,
+    /// The call opening written after the generation prompt (`tool_choice` any or tool).
+    forced: Option<String>,
+}
+
+/// Parses, checks and renders a Messages request (shared by `/v1/messages` and
+/// `/v1/messages/count_tokens`).
+async fn prepare(
+    st: &Arc<AppState>,
+    headers: &HeaderMap,
     body: std::result::Result<ApiJson, ServerError>,
-) -> Result<Response> {
-    let header_mode = crate::submit::header_mode(&headers)?;
-    let ApiJson(v) = body?;
+    count_only: bool,
+) -> Result<Prepared> {
+    let header_mode = crate::submit::header_mode(headers)?;
+    let ApiJson(mut v) = body?;
+    if count_only {
+        // count_tokens takes no max_tokens; the checks below want one.
+        if let Some(o) = v.as_object_mut() {
+            o.entry("max_tokens").or_insert(json!(1));
+        }
+    }
+    anthropic::refuse_unknown_fields(&v, &anthropic::MESSAGES_FIELDS)?;
     let req: MessagesRequest = parse(&v)?;
     let extra: LeylineFields = parse(&v)?;
     st.check_model(&req.model)?;
@@ -64,6 +89,7 @@ async fn handle(
             format!("max_tokens must be at least 1, got {}", req.max_tokens),
         ));
     }
+    anthropic::check_reasoning_fields(&req)?;
     let mut fields = GenerationFields {
         max_tokens: Some(req.max_tokens),
         temperature: req.temperature,
@@ -77,7 +103,7 @@ async fn handle(
         header_mode,
         ..Default::default()
     };
-    let gen = fields.validate().map_err(|e| match e {
+    let gen = st.generation(&mut fields).map_err(|e| match e {
         // The OpenAI name of the field is `stop`; here it is `stop_sequences`.
         ServerError::InvalidRequest {
             message,
@@ -90,8 +116,12 @@ async fn handle(
         },
         e => e,
     })?;
-    crate::submit::session_header(&st, &headers, &mut fields)?;
-    let mut chat = anthropic::to_chat(&req)?;
+    crate::submit::session_header(st, headers, &mut fields)?;
+    crate::submit::conversation_header(headers, &mut fields)?;
+    let anthropic::Converted {
+        mut chat,
+        cached_messages,
+    } = anthropic::to_chat(&req)?;
     let applied = match &req.context_management {
         Some(cm) => crate::context::apply(&mut chat, cm, &st.tokenizer)?,
         None => Vec::new(),
@@ -99,19 +129,81 @@ async fn handle(
     let context_management = (req.context_management.is_some())
         .then(|| json!({"applied_edits": applied.iter().map(|a| a.to_json()).collect::<Vec<_>>()}));
     let tools = anthropic::template_tools(&req)?;
-    let tool_names = tools.as_deref().map(crate::toolcall::tool_names);
-    let (prompt, bounds) = st.render_chat(chat, tools, &mut fields).await?;
-    let started = start(&st, who, prompt, bounds, &gen, &fields).await?;
+    let names = tools
+        .offered
+        .as_deref()
+        .map(crate::toolcall::tool_names)
+        .unwrap_or_default();
+    let forced = match (&tools.choice, names.as_slice()) {
+        // One tool to choose from: the name is forced too (a small model, left to write
+        // it, may name a tool that does not exist).
+        (anthropic::ToolChoice::Any, [only]) => Some(crate::toolcall::forced_opening(Some(only))),
+        (anthropic::ToolChoice::Any, _) => Some(crate::toolcall::forced_opening(None)),
+        (anthropic::ToolChoice::Tool(name), _) => Some(crate::toolcall::forced_opening(Some(name))),
+        _ => None,
+    };
+    let breakpoint_chat = cached_messages.map(|n| chat[..n.min(chat.len())].to_vec());
+    let offered = tools.offered.clone();
+    let (mut prompt, bounds) = st.render_chat(chat, offered.clone(), &mut fields).await?;
+    let breakpoint_tokens = match breakpoint_chat {
+        Some(part) => Some(st.count_rendered(part, offered).await?.min(prompt.len())),
+        None => None,
+    };
+    if let Some(open) = &forced {
+        let open = open.clone();
+        let ids = st
+            .off_workers(move |st| Ok(st.tokenizer.encode(&open, false)?))
+            .await?;
+        prompt.extend(ids);
+    }
+    Ok(Prepared {
+        req,
+        fields,
+        gen,
+        prompt,
+        bounds,
+        tools,
+        context_management,
+        breakpoint_tokens,
+        forced,
+    })
+}
+
+async fn handle(
+    st: Arc<AppState>,
+    who: Principal,
+    headers: HeaderMap,
+    body: std::result::Result<ApiJson, ServerError>,
+) -> Result<Response> {
+    let p = prepare(&st, &headers, body, false).await?;
+    let started = start(&st, who, p.prompt, p.bounds, &p.gen, &p.fields).await?;
     let ctx = Ctx {
         id: format!("msg_{:024x}", rand::random::<u128>() >> 32),
         model: st.config.model_name.clone(),
-        tool_names,
-        context_management,
+        tool_names: p.tools.offered.as_deref().map(crate::toolcall::tool_names),
+        context_management: p.context_management,
+        unsupported_tools: p.tools.unsupported,
+        breakpoint_tokens: p.breakpoint_tokens,
+        forced: p.forced,
     };
-    if gen.stream {
+    let _ = p.req;
+    if p.gen.stream {
         Ok(stream(st, ctx, started).into_response())
     } else {
         collect(st, ctx, started).await
+    }
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's tokens as `/v1/messages` would render the
+/// same body (tools, system messages, context edits and a forced tool call included).
+pub(crate) async fn count_tokens(
+    State(st): St,
+    headers: HeaderMap,
+    body: std::result::Result<ApiJson, ServerError>,
+) -> Response {
+    match prepare(&st, &headers, body, true).await {
+        Ok(p) => Json(json!({"input_tokens": p.prompt.len()})).into_response(),
+        Err(e) => anthropic::error_response(e),
     }
 }
 
@@ -122,6 +214,23 @@ struct Ctx {
     tool_names: Option<Vec<String>>,
     /// What the request's context edits did, when it asked for any.
     context_management: Option<Value>,
+    /// Server tools the request listed that were not offered.
+    unsupported_tools: Vec<String>,
+    /// Prompt tokens up to the last `cache_control` breakpoint.
+    breakpoint_tokens: Option<usize>,
+    /// The forced call's opening, which the answer's text starts with.
+    forced: Option<String>,
+}
+
+impl Ctx {
+    /// The `leyline` object, with the server tools that were not offered.
+    fn leyline(&self, usage: &leyline_engine::Usage, session: &Option<SessionRun>) -> Value {
+        let mut v = serde_json::to_value(report(usage, session)).unwrap_or_else(|_| json!({}));
+        if !self.unsupported_tools.is_empty() {
+            v["unsupported_tools"] = json!(self.unsupported_tools);
+        }
+        v
+    }
 }
 
 fn tool_use_id() -> String {
@@ -151,6 +260,10 @@ async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Respon
         usage,
         stop_sequence,
     } = collect_text(&st, &mut rx).await?;
+    let text = match &ctx.forced {
+        Some(open) => format!("{open}{text}"),
+        None => text,
+    };
     let segments = if ctx.tool_names.is_some() {
         ToolCallSplitter::split(&text, ctx.tool_names.clone())
     } else if text.is_empty() {
@@ -168,8 +281,8 @@ async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Respon
         "content": content,
         "stop_reason": anthropic::stop_reason(finish_reason, stop_sequence.as_deref(), called),
         "stop_sequence": stop_sequence,
-        "usage": anthropic::usage(&usage),
-        "leyline": report(&usage, &session),
+        "usage": anthropic::usage(&usage, ctx.breakpoint_tokens),
+        "leyline": ctx.leyline(&usage, &session),
     });
     if let Some(cm) = ctx.context_management {
         body["context_management"] = cm;
@@ -241,6 +354,9 @@ impl Blocks {
     }
 }
 
+/// How often a stream that has nothing else to send pings.
+const PING_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
     let Started {
         mut rx,
@@ -275,6 +391,16 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
             Some(names) => ToolCallSplitter::with_tools(names.clone()),
             None => ToolCallSplitter::default(),
         };
+        if let Some(open) = &ctx.forced {
+            // The opening only starts a call: nothing of it is released before the call.
+            for s in splitter.push(open) {
+                blocks.push(s, &mut events);
+            }
+        }
+        // Until the first token, a ping every few seconds: a long prefill must not look
+        // like a dead connection to a client's idle timer.
+        let mut ping =
+            tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
         'run: loop {
             for e in events.drain(..) {
                 if tx.send(Ok(e)).await.is_err() {
@@ -283,12 +409,17 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
             }
             let piece = tokio::select! {
                 p = rx.recv() => p,
+                _ = ping.tick() => {
+                    events.push(Blocks::event("ping", json!({"type": "ping"})));
+                    continue;
+                }
                 _ = abort.wait_for(|a| *a) => Some(Piece::Failed(leyline_engine::Failure::new(
                     leyline_engine::ErrorKind::Stopped,
                     "the server shut down before the request finished",
                 ))),
                 _ = tx.closed() => break,
             };
+            ping.reset_after(PING_EVERY);
             match piece {
                 Some(Piece::Text(t)) => {
                     let segments = if ctx.tool_names.is_some() {
@@ -317,8 +448,8 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
                     );
                     let mut delta = json!({"type": "message_delta",
                            "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
-                           "usage": anthropic::usage(&usage),
-                           "leyline": report(&usage, &session)});
+                           "usage": anthropic::usage(&usage, ctx.breakpoint_tokens),
+                           "leyline": ctx.leyline(&usage, &session)});
                     if let Some(cm) = &ctx.context_management {
                         delta["context_management"] = cm.clone();
                     }

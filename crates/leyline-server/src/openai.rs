@@ -154,6 +154,11 @@ pub struct GenerationFields {
     /// The `X-Leyline-Mode` header, set by the handler (not a body field).
     #[serde(skip)]
     pub header_mode: Option<CacheMode>,
+    /// The client's name for its conversation (`prompt_cache_key`, `session-id`,
+    /// `X-Claude-Code-Session-Id`): implicit splices continue only a conversation cached
+    /// under the same name. Set by the handler (not a body field here).
+    #[serde(skip)]
+    pub conversation: Option<String>,
     /// Whether the prompt carries earlier turns (an assistant message), set when a chat
     /// prompt is rendered: a session created for it is a rebuild, not a first turn.
     #[serde(skip)]

@@ -43,6 +43,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/cache/flush", post(flush_cache))
         .route("/v1/messages", post(crate::messages::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::messages::count_tokens),
+        )
         .route_layer(from_fn_with_state(Arc::clone(&state), require_key));
     Router::new()
         .route("/health", get(health))
@@ -75,8 +79,9 @@ async fn track(State(st): St, req: Request, next: Next) -> Response {
 
 /// The metrics label of a path: known routes, with session ids folded.
 fn route_label(path: &str) -> String {
-    const KNOWN: [&str; 8] = [
+    const KNOWN: [&str; 9] = [
         "/v1/messages",
+        "/v1/messages/count_tokens",
         "/health",
         "/metrics",
         "/v1/models",
@@ -109,10 +114,25 @@ async fn health(State(st): St) -> Response {
     }
 }
 
+/// The served model under each of its ids, with the defaults the server applies to
+/// requests that set none (`leyline`).
 async fn models(State(st): St) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{
-        "id": st.config.model_name, "object": "model", "created": st.created, "owned_by": "leyline"
-    }]}))
+    let c = &st.config;
+    let defaults = json!({
+        "context_length": st.context_length,
+        "max_output_tokens": c.max_output_tokens,
+        "default_max_tokens": c.default_max_tokens,
+        "temperature": c.default_temperature,
+        "seed": c.default_seed,
+    });
+    let data: Vec<Value> = std::iter::once(&c.model_name)
+        .chain(&c.aliases)
+        .map(|id| {
+            json!({"id": id, "object": "model", "created": st.created, "owned_by": "leyline",
+                   "leyline": {"model": c.model_name, "defaults": defaults}})
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn metrics(State(st): St) -> Response {
@@ -152,15 +172,38 @@ impl AppState {
         if at_least < limit {
             return Ok(());
         }
-        Err(ServerError::InvalidRequest {
+        Err(self.prompt_too_long(at_least))
+    }
+
+    /// The error for a prompt of `tokens` tokens that cannot fit, worded so that both
+    /// clients' "prompt too long" handling (compaction) recognises it: Anthropic's message
+    /// and OpenAI's `context_length_exceeded` code.
+    pub(crate) fn prompt_too_long(&self, tokens: usize) -> ServerError {
+        let max = self.max_sequence_len - 1;
+        ServerError::InvalidRequest {
             message: format!(
-                "the prompt has at least {at_least} tokens but this server holds at most {} per sequence (context length {})",
-                limit - 1,
+                "prompt is too long: {tokens} tokens > {max} maximum (this server holds at most \
+                 {max} tokens per sequence; the model's context length is {})",
                 self.context_length
             ),
             param: Some("messages".into()),
             code: Some("context_length_exceeded"),
-        })
+        }
+    }
+
+    /// Validates a request's sampling and length fields, with the server's defaults
+    /// (`--temperature`, `--seed`) for those it leaves out.
+    ///
+    /// # Errors
+    /// As [`GenerationFields::validate`].
+    pub(crate) fn generation(&self, fields: &mut GenerationFields) -> Result<Generation> {
+        if fields.temperature.is_none() {
+            fields.temperature = self.config.default_temperature;
+        }
+        if fields.seed.is_none() {
+            fields.seed = self.config.default_seed.map(|s| s as i64);
+        }
+        fields.validate()
     }
 
     /// Runs `f` (rendering, tokenizing) on the blocking pool, at most `max_rendering` at once,
@@ -197,6 +240,9 @@ impl AppState {
             .map(|m| m.content.as_ref().map_or(0, String::len))
             .sum();
         self.check_prompt_size(chat.len(), text_bytes)?;
+        if !self.mid_system {
+            fold_system_messages(&mut chat);
+        }
         // OpenAI's wire form carries a call's arguments as a JSON string; templates (Qwen2.5's
         // `tool_call.arguments | tojson`) expect the object, as transformers renders it.
         for call in chat
@@ -232,17 +278,82 @@ impl AppState {
         .await
     }
 
+    /// Checks that `model` is one of the served ids (the name or an alias).
+    /// Tokens of `chat` rendered without a generation prompt (as the start of a longer
+    /// conversation), with `tools`.
+    pub(crate) async fn count_rendered(
+        self: &Arc<Self>,
+        mut chat: Vec<leyline_model::chat::ChatMessage>,
+        tools: Option<Vec<Value>>,
+    ) -> Result<usize> {
+        if !self.mid_system {
+            fold_system_messages(&mut chat);
+        }
+        let opts = RenderOptions {
+            add_generation_prompt: false,
+            tools,
+            ..Default::default()
+        };
+        self.off_workers(move |st| {
+            let template = st
+                .chat
+                .as_ref()
+                .ok_or_else(|| ServerError::bad_request("this model has no chat template"))?;
+            Ok(render_prompt(&st.tokenizer, template, &chat, &opts, false)?
+                .0
+                .len())
+        })
+        .await
+    }
+
     pub(crate) fn check_model(&self, model: &str) -> Result<()> {
-        if model == self.config.model_name {
+        let c = &self.config;
+        if model == c.model_name || c.aliases.iter().any(|a| a == model) {
             return Ok(());
         }
         Err(ServerError::NotFound {
             message: format!(
-                "the model {model:?} does not exist; this server serves {:?}",
-                self.config.model_name
+                "the model {model:?} does not exist; this server serves {:?}{}",
+                c.model_name,
+                if c.aliases.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (also named {})", c.aliases.join(", "))
+                }
             ),
             code: "model_not_found",
         })
+    }
+}
+
+/// For a template that only takes a system message first: each later `system` message joins
+/// the next user message (or, when none follows, the last one before it; or becomes one),
+/// its text first and a blank line between, so what it says still reaches the model in order.
+pub(crate) fn fold_system_messages(chat: &mut Vec<leyline_model::chat::ChatMessage>) {
+    let mut i = 1;
+    while i < chat.len() {
+        if chat[i].role != "system" {
+            i += 1;
+            continue;
+        }
+        let text = chat[i].content.clone().unwrap_or_default();
+        let next = (i + 1..chat.len()).find(|&j| chat[j].role == "user");
+        let prev = (0..i).rev().find(|&j| chat[j].role == "user");
+        match next.or(prev) {
+            Some(j) => {
+                let old = chat[j].content.take().unwrap_or_default();
+                chat[j].content = Some(match (j > i, old.is_empty()) {
+                    (_, true) => text,
+                    (true, false) => format!("{text}\n\n{old}"),
+                    (false, false) => format!("{old}\n\n{text}"),
+                });
+                chat.remove(i);
+            }
+            None => {
+                chat[i].role = "user".into();
+                i += 1;
+            }
+        }
     }
 }
 
@@ -256,8 +367,9 @@ async fn chat_completions(
     let mut fields: GenerationFields = parse(&v)?;
     fields.header_mode = crate::submit::header_mode(&headers)?;
     crate::submit::session_header(&st, &headers, &mut fields)?;
+    crate::submit::conversation_header(&headers, &mut fields)?;
     st.check_model(&req.model)?;
-    let gen = fields.validate()?;
+    let gen = st.generation(&mut fields)?;
     if req.logprobs == Some(true) {
         return Err(ServerError::invalid(
             "logprobs",
@@ -325,7 +437,7 @@ async fn completions(
     let mut fields: GenerationFields = parse(&v)?;
     crate::submit::session_header(&st, &headers, &mut fields)?;
     st.check_model(&req.model)?;
-    let gen = fields.validate()?;
+    let gen = st.generation(&mut fields)?;
     if req.echo == Some(true) {
         return Err(ServerError::invalid("echo", "echo is not supported"));
     }
@@ -681,4 +793,45 @@ fn stream(
         st.metrics.streams_open.fetch_sub(1, Ordering::Relaxed);
     });
     Sse::new(ReceiverStream::new(out)).keep_alive(KeepAlive::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use leyline_model::chat::ChatMessage;
+
+    fn roles_and_text(chat: &[ChatMessage]) -> Vec<(String, String)> {
+        chat.iter()
+            .map(|m| (m.role.clone(), m.content.clone().unwrap_or_default()))
+            .collect()
+    }
+
+    #[test]
+    fn later_system_messages_join_a_user_message_in_order() {
+        let m = ChatMessage::new;
+        let mut chat = vec![
+            m("system", "S"),
+            m("user", "q1"),
+            m("system", "note"),
+            m("assistant", "a1"),
+            m("user", "q2"),
+            m("system", "last"),
+        ];
+        fold_system_messages(&mut chat);
+        let want = [
+            ("system", "S"),
+            ("user", "q1"),
+            ("assistant", "a1"),
+            ("user", "note\n\nq2\n\nlast"),
+        ];
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|(r, t)| (r.to_string(), t.to_string()))
+            .collect();
+        assert_eq!(roles_and_text(&chat), want);
+        // With no user message at all, the system text becomes one.
+        let mut lone = vec![m("assistant", "a"), m("system", "x")];
+        fold_system_messages(&mut lone);
+        assert_eq!(lone[1].role, "user");
+    }
 }

@@ -19,8 +19,18 @@ pub struct ServerConfig {
     pub addr: SocketAddr,
     /// Bearer keys; empty means no authentication.
     pub api_keys: Vec<String>,
-    /// The model id clients name (`GET /v1/models`).
+    /// The model id clients name (`GET /v1/models`), and the one responses carry.
     pub model_name: String,
+    /// Further ids that name the same model (`--served-model-name` after the first): the
+    /// ids a client sends for its side requests (a small fast model for titles, say).
+    pub aliases: Vec<String>,
+    /// Cap on any request's new tokens: a larger `max_tokens` is lowered to it, for clients
+    /// that always ask for more than the server should give.
+    pub max_output_tokens: Option<usize>,
+    /// Temperature of requests that set none (the APIs' default, 1, when `None`).
+    pub default_temperature: Option<f64>,
+    /// Sampler seed of requests that set none (random per request when `None`).
+    pub default_seed: Option<u64>,
     /// Largest request body in bytes.
     pub max_body_bytes: usize,
     /// Most generation requests in flight; more are refused with 429.
@@ -60,6 +70,10 @@ impl ServerConfig {
             addr: SocketAddr::from(([127, 0, 0, 1], 8000)),
             api_keys: Vec::new(),
             model_name: model_name.into(),
+            aliases: Vec::new(),
+            max_output_tokens: None,
+            default_temperature: None,
+            default_seed: None,
             max_body_bytes: 4 << 20,
             max_concurrent: 64,
             default_max_tokens: 512,
@@ -97,6 +111,9 @@ pub struct AppState {
     pub(crate) draining: AtomicBool,
     pub(crate) abort: watch::Sender<bool>,
     pub(crate) created: u64,
+    /// Whether the chat template renders a `system` message after the first one at its
+    /// place (ChatML's do); when not, such a message joins the next user message.
+    pub(crate) mid_system: bool,
 }
 
 impl AppState {
@@ -124,6 +141,7 @@ impl AppState {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        let mid_system = lm.chat.as_ref().is_some_and(renders_mid_system);
         Ok(Arc::new(Self {
             config,
             engine,
@@ -141,6 +159,7 @@ impl AppState {
             draining: AtomicBool::new(false),
             abort: watch::channel(false).0,
             created,
+            mid_system,
         }))
     }
 
@@ -157,4 +176,25 @@ impl AppState {
     pub(crate) fn is_draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
     }
+}
+
+/// Whether `template` renders a `system` message that follows other messages at its place:
+/// a probe conversation must show the text, in order.
+fn renders_mid_system(template: &ChatTemplate) -> bool {
+    use leyline_model::chat::{ChatMessage, RenderOptions};
+    const PROBE: &str = "\u{2}leyline-mid-system-probe\u{3}";
+    let chat = [
+        ChatMessage::new("system", "s"),
+        ChatMessage::new("user", "first question"),
+        ChatMessage::new("system", PROBE),
+        ChatMessage::new("user", "second question"),
+    ];
+    template
+        .render_with(&chat, &RenderOptions::default())
+        .ok()
+        .and_then(|text| {
+            let probe = text.find(PROBE)?;
+            Some(text.find("first question")? < probe && probe < text.find("second question")?)
+        })
+        .unwrap_or(false)
 }

@@ -113,6 +113,52 @@ pub(crate) fn session_header(
     }
 }
 
+/// The engine's key for a client's conversation name (a fixed-key hash: the same name is the
+/// same key in every run and on every replica). Tenants are kept apart by the engine
+/// beside it, so equal names under two API keys never meet.
+fn conversation_key(name: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut h);
+    h.finish()
+}
+
+/// The conversation-name headers clients send, in the order they are read:
+/// `X-Claude-Code-Session-Id` (Claude Code), `session-id` (Codex).
+pub(crate) const CONVERSATION_HEADERS: [&str; 2] = ["x-claude-code-session-id", "session-id"];
+
+/// Takes the first conversation-name header the request has as its conversation name,
+/// unless the body named one (`prompt_cache_key`).
+///
+/// # Errors
+/// A header that is not visible ASCII, or longer than 256 bytes.
+pub(crate) fn conversation_header(
+    headers: &axum::http::HeaderMap,
+    fields: &mut GenerationFields,
+) -> Result<()> {
+    if fields.conversation.is_some() {
+        return Ok(());
+    }
+    for name in CONVERSATION_HEADERS {
+        let Some(v) = headers.get(name) else {
+            continue;
+        };
+        let v = v
+            .to_str()
+            .ok()
+            .filter(|v| !v.is_empty() && v.len() <= 256)
+            .ok_or_else(|| {
+                ServerError::invalid(
+                    name,
+                    format!("the {name} header must be 1 to 256 ASCII characters"),
+                )
+            })?;
+        fields.conversation = Some(v.to_owned());
+        return Ok(());
+    }
+    Ok(())
+}
+
 /// The request's session, if it runs in one: a named one, or a new one when
 /// `leyline.mode` (amortize or forget) comes without a session id (its id comes back in
 /// `leyline`). A named id this server does not hold for the caller's key is created under
@@ -185,32 +231,17 @@ pub(crate) async fn start(
     }
     let limit = st.max_sequence_len;
     if prompt.len() >= limit {
-        return Err(ServerError::InvalidRequest {
-            message: format!(
-                "the prompt has {} tokens but this server holds at most {} per sequence (context length {})",
-                prompt.len(),
-                limit - 1,
-                st.context_length
-            ),
-            param: Some("messages".into()),
-            code: Some("context_length_exceeded"),
-        });
+        return Err(st.prompt_too_long(prompt.len()));
     }
+    // A request may ask for more than the context has room for (Claude Code asks for 32000
+    // on every model): it gets the room, as a generation that reaches the end of the
+    // context would; `--max-output-tokens` caps it further.
     let room = limit - prompt.len();
-    let max_tokens = match gen.max_tokens {
-        Some(m) if m > st.context_length => {
-            return Err(ServerError::InvalidRequest {
-                message: format!(
-                    "max_tokens is {m} but the model's context length is {} tokens",
-                    st.context_length
-                ),
-                param: Some("max_tokens".into()),
-                code: Some("context_length_exceeded"),
-            })
-        }
-        Some(m) => m.min(room),
-        None => st.config.default_max_tokens.min(room),
-    };
+    let max_tokens = gen
+        .max_tokens
+        .unwrap_or(st.config.default_max_tokens)
+        .min(st.config.max_output_tokens.unwrap_or(usize::MAX))
+        .min(room);
     let permit = Arc::clone(&st.admission).try_acquire_owned().map_err(|_| {
         ServerError::Overloaded(format!(
             "{} requests are in flight; retry later",
@@ -234,7 +265,13 @@ pub(crate) async fn start(
             (Some(req), None)
         }
         (None, CachePlan::Implicit(mode)) => {
-            (None, bounds.map(|bounds| ImplicitTurn { bounds, mode }))
+            let conversation = fields.conversation.as_deref().map(conversation_key);
+            let turn = bounds.map(|bounds| ImplicitTurn {
+                bounds,
+                mode,
+                conversation,
+            });
+            (None, turn)
         }
         (None, _) => (None, None),
     };

@@ -44,6 +44,21 @@ pub fn tool_names(tools: &[Value]) -> Vec<String> {
         .collect()
 }
 
+/// The start of a call, written into the prompt after the generation prompt to force one:
+/// the model then continues inside the call syntax (for `name`, with its arguments; without,
+/// with the name of a tool it picks; the arguments' opening brace is written too, or a small
+/// model may write a scalar there). The answer's text is this opening plus what the model
+/// wrote.
+pub fn forced_opening(name: Option<&str>) -> String {
+    match name {
+        Some(n) => format!(
+            "{OPEN}\n{{\"name\": {}, \"arguments\": {{",
+            Value::String(n.to_string())
+        ),
+        None => format!("{OPEN}\n{{\"name\": \""),
+    }
+}
+
 impl ToolCallSplitter {
     /// A splitter that also takes a whole reply of one untagged call to one of `names`.
     pub fn with_tools(names: Vec<String>) -> Self {
@@ -229,6 +244,22 @@ mod tests {
             Segment::Text("\nDone.".into()),
         ];
         assert_eq!(ToolCallSplitter::split(text, None), want);
+        // A forced opening and a completion the model could write give one call.
+        let forced = format!("{}\"q\": 1}}}}\n</tool_call>", forced_opening(Some("f\"x")));
+        assert_eq!(
+            ToolCallSplitter::split(&forced, None),
+            vec![Segment::Call {
+                name: "f\"x".into(),
+                arguments: serde_json::json!({"q": 1})
+            }]
+        );
+        let any = format!(
+            "{}g\", \"arguments\": {{}}}}\n</tool_call>",
+            forced_opening(None)
+        );
+        assert!(
+            matches!(&ToolCallSplitter::split(&any, None)[..], [Segment::Call { name, .. }] if name == "g")
+        );
         // Streamed in pieces of every size: the same segments, and no text of the call leaks.
         for n in 1..12 {
             let mut s = ToolCallSplitter::default();

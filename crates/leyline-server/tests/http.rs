@@ -80,13 +80,15 @@ fn bad_requests_get_4xx_with_a_clear_message_and_the_server_keeps_serving() {
         ("top_p", json!(0)),
         ("top_k", json!(-3)),
         ("n", json!(3)),
-        ("max_tokens", json!(1_000_000)),
     ] {
         let mut b = chat_body("hi", 4, false);
         b[field] = value;
         let e = post("/v1/chat/completions", &b).expect_error(400);
         assert_eq!(e["param"], field, "{e}");
     }
+    // More new tokens than the context holds is what fits, not an error (Claude Code asks
+    // for 32000 on every model): tests/python/anthropic_client.py checks it on a server of
+    // its own, since such a request reserves the whole context's KV.
     let e = post(
         "/v1/chat/completions",
         &json!({"model": MODEL, "messages": []}),

@@ -14,9 +14,23 @@ pub struct ServeArgs {
     /// Bearer key guarding every route but /health (repeatable or comma-separated).
     #[arg(long = "api-key", env = "LEYLINE_API_KEY", value_delimiter = ',')]
     api_keys: Vec<String>,
-    /// Model id shown by /v1/models (default: the registry name or the file stem).
+    /// Model ids clients may name (repeatable or comma-separated). The first is the id
+    /// /v1/models lists first and responses carry; the others are aliases, e.g. the ids a
+    /// client sends for its side requests (Claude Code's small fast model). Any other id is a
+    /// 404. Default: the registry name or the file stem.
+    #[arg(long, value_delimiter = ',')]
+    served_model_name: Vec<String>,
+    /// Cap on the new tokens of every request: a larger max_tokens (Claude Code asks for
+    /// 32000) is lowered to it rather than refused. Shown in /v1/models.
     #[arg(long)]
-    served_model_name: Option<String>,
+    max_output_tokens: Option<usize>,
+    /// Temperature of requests that set none (default: the APIs' 1.0). Shown in /v1/models.
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Sampler seed of requests that set none (default: random per request). Shown in
+    /// /v1/models.
+    #[arg(long)]
+    seed: Option<u64>,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
@@ -133,10 +147,16 @@ pub fn run(a: ServeArgs) -> Result<()> {
         repair: a.repair,
         ..a.rotation.apply(leyline_engine::EngineConfig::new(slots))
     };
-    let name = a
-        .served_model_name
-        .clone()
-        .unwrap_or_else(|| match &a.model.model {
+    if let Some(t) = a.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
+        anyhow::bail!("--temperature must be between 0 and 2, got {t}");
+    }
+    if a.max_output_tokens == Some(0) {
+        anyhow::bail!("--max-output-tokens must be at least 1");
+    }
+    let mut names = a.served_model_name.clone();
+    names.retain(|n| !n.trim().is_empty());
+    let name = if names.is_empty() {
+        match &a.model.model {
             None => registry::DEFAULT_MODEL.to_string(),
             Some(p) => match registry::model_ref(p) {
                 Ok(registry::ModelRef::Known(m)) => m.name.to_string(),
@@ -145,8 +165,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
                     .map(|s| s.to_string_lossy().into_owned())
                     .unwrap_or_else(|| "leyline".into()),
             },
-        });
+        }
+    } else {
+        names.remove(0)
+    };
     let mut cfg = leyline_server::ServerConfig::new(name);
+    cfg.aliases = names;
+    cfg.max_output_tokens = a.max_output_tokens;
+    cfg.default_temperature = a.temperature;
+    cfg.default_seed = a.seed;
     cfg.addr = a.addr;
     cfg.api_keys = a.api_keys;
     cfg.max_body_bytes = a.max_body_bytes;

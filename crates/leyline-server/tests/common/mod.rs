@@ -30,6 +30,7 @@ pub fn server() -> SocketAddr {
             sc.api_keys = vec![KEY_A.to_string(), KEY_B.to_string()];
             sc.max_body_bytes = BODY_LIMIT;
             sc.default_max_tokens = 16;
+            sc.aliases = vec![format!("{MODEL}-alias")];
         })
     })
 }

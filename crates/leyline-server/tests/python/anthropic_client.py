@@ -10,6 +10,8 @@ import sys
 import anthropic
 
 BASE, MODEL, KEY_A, KEY_B = sys.argv[1:5]
+# The test server's alias for MODEL (`--served-model-name MODEL,ALIAS`).
+ALIAS = MODEL + "-alias"
 # The SDK sends the key as `x-api-key` and appends /v1/messages to the base URL.
 A = anthropic.Anthropic(base_url=BASE, api_key=KEY_A, max_retries=0, timeout=300)
 BAD = anthropic.Anthropic(base_url=BASE, api_key="not-a-key", max_retries=0, timeout=300)
@@ -144,9 +146,22 @@ def errors():
     check(e.body["error"]["type"] == "not_found_error", e.body)
     e = expect(anthropic.BadRequestError, lambda: A.messages.create(
         model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
-        tools=[{"name": "f", "input_schema": {"type": "object"}}],
-        tool_choice={"type": "any"}), "tool_choice any")
+        tool_choice={"type": "any"}), "tool_choice any without tools")
     check("tool_choice" in e.body["error"]["message"], e.body)
+    e = expect(anthropic.BadRequestError, lambda: A.messages.create(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+        extra_body={"mcp_servers": []}), "a field the server cannot apply")
+    check("mcp_servers" in e.body["error"]["message"], e.body)
+    e = expect(anthropic.BadRequestError, lambda: A.messages.create(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+        extra_body={"thinking": {"type": "enabled"}}), "thinking without a budget")
+    check("thinking.budget_tokens" in e.body["error"]["message"], e.body)
+    # A prompt over the context: the error Claude Code answers by compacting.
+    long = " ".join(f"w{i}" for i in range(9000))
+    e = expect(anthropic.BadRequestError, lambda: A.messages.create(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": long}]), "too long")
+    check(e.body["error"]["type"] == "invalid_request_error"
+          and e.body["error"]["message"].startswith("prompt is too long: "), e.body)
 
 
 def context_editing():
@@ -186,7 +201,86 @@ def context_editing():
           "clear_everything" in e.body["error"]["message"], e.body)
 
 
+def claude_code_shapes():
+    """What Claude Code sends on every request, through the beta namespace it uses."""
+    system = [{"type": "text", "text": "You are a terse assistant. " * 6},
+              {"type": "text", "text": "Answer in one word.", "cache_control": {"type": "ephemeral"}}]
+    msgs = [
+        {"role": "user", "content": [{"type": "text", "text": "Which colour is the sky?"}]},
+        # Mid-conversation system messages (beta mid-conversation-system-2026-04-07).
+        {"role": "system", "content": [{"type": "text", "text": "Reminder: be brief.",
+                                        "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "The sky is blue.", "signature": "sig"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "text", "text": "Blue."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And grass?",
+                                      "cache_control": {"type": "ephemeral"}}]},
+    ]
+    tools = [{"name": "Read", "description": "Read a file",
+              "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+              "cache_control": {"type": "ephemeral"}},
+             {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]
+    body = dict(model=MODEL, max_tokens=32000, system=system, messages=msgs, tools=tools,
+                metadata={"user_id": '{"session_id": "s"}'}, betas=["context-management-2025-06-27"],
+                context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                extra_headers={"X-Claude-Code-Session-Id": "cc-session-1"},
+                extra_body={**GREEDY, "thinking": {"type": "adaptive", "display": "omitted"},
+                            "output_config": {"effort": "high"}})
+    r = A.beta.messages.create(**body)
+    check(all(b.type in ("text", "tool_use") for b in r.content), f"no thinking blocks: {r.content}")
+    u = r.usage
+    prompt = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+    n = A.messages.count_tokens(model=MODEL, system=system, messages=msgs, tools=tools[:1])
+    check(n.input_tokens == prompt, f"count_tokens {n.input_tokens} vs the prompt {prompt}: {u}")
+    # The breakpoint on the last user block covers all but the generation prompt.
+    check(u.cache_creation_input_tokens + u.cache_read_input_tokens >= prompt - 4
+          and u.input_tokens <= 4, f"usage split at the last breakpoint: {u}")
+    edits = r.context_management.applied_edits
+    check(len(edits) == 1 and edits[0].type == "clear_thinking_20251015", f"{edits}")
+    ly = r.model_extra["leyline"]
+    check(ly.get("unsupported_tools") == ["web_search"], f"server tool listed: {ly}")
+    # The next turn under the same conversation key reads the history from the cache.
+    msgs2 = msgs + [{"role": "assistant", "content": r.content and [b.model_dump(exclude_none=True) for b in r.content] or "Green."},
+                    {"role": "user", "content": "And snow?"}]
+    r2 = A.beta.messages.create(**{**body, "messages": msgs2})
+    u2 = r2.usage
+    total2 = u2.input_tokens + u2.cache_read_input_tokens + u2.cache_creation_input_tokens
+    check(u2.cache_read_input_tokens >= 0.8 * total2, f"continued turn read from the cache: {u2}")
+    # The same history without the mid-conversation system message is a different prompt.
+    n2 = A.messages.count_tokens(model=MODEL, system=system,
+                                 messages=[m for m in msgs if m["role"] != "system"])
+    check(n2.input_tokens < n.input_tokens, f"the system message is rendered: {n2} vs {n}")
+    # Its alias for side requests (titles) names the same model; an unknown id is a 404.
+    side = A.messages.create(model=ALIAS, max_tokens=4, extra_body=GREEDY,
+                             messages=[{"role": "user", "content": "Title: a chat about colours"}])
+    check(side.model == MODEL and side.usage.output_tokens > 0, f"{side}")
+    models = {m["id"] for m in __import__("json").loads(
+        __import__("urllib.request").request.urlopen(__import__("urllib.request").request.Request(
+            BASE + "/v1/models", headers={"Authorization": f"Bearer {KEY_A}"})).read())["data"]}
+    check({MODEL, ALIAS} <= models, f"/v1/models lists the alias: {models}")
+
+
+def forced_tool_call():
+    tools = [{"name": "get_weather", "description": "Weather of a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
+        r = A.messages.create(model=MODEL, max_tokens=48, messages=msgs, tools=tools,
+                              tool_choice=choice, extra_body=GREEDY)
+        calls = [b for b in r.content if b.type == "tool_use"]
+        print(f"forced {choice['type']}: {r.content}")
+        check(r.stop_reason == "tool_use" and calls and calls[0].name == "get_weather",
+              f"tool_choice {choice} forces a call: {r.content}")
+        with A.messages.stream(model=MODEL, max_tokens=48, messages=msgs, tools=tools,
+                               tool_choice=choice, extra_body=GREEDY) as s:
+            final = s.get_final_message()
+        check([b.name for b in final.content if b.type == "tool_use"] == [c.name for c in calls],
+              f"streamed the same call: {final.content}")
+
+
 text = plain_and_cached()
+claude_code_shapes()
 streamed(text)
 stop_sequence()
 tool_blocks_in_history()

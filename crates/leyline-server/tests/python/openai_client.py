@@ -220,7 +220,8 @@ def errors():
     check("no-such-model" in str(e), e)
     e = expect(openai.BadRequestError, lambda: A.chat.completions.create(model=MODEL, messages=msgs, max_tokens=-1), "-1")
     check("max_tokens" in str(e), e)
-    check([m.id for m in A.models.list().data] == [MODEL], "models list")
+    check([m.id for m in A.models.list().data] == [MODEL, MODEL + "-alias"], "models list: the name, then its alias")
+    check(A.chat.completions.create(model=MODEL + "-alias", messages=msgs, max_tokens=2).model == MODEL, "an alias serves the model")
 
 
 for name, fn in [("plain chat", plain_chat), ("sessions", sessions), ("stock client", stock_client), ("16 streams", concurrent_streams), ("errors", errors)]:

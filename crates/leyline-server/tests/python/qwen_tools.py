@@ -113,7 +113,29 @@ def anthropic_round_trip():
           r2.usage.cache_read_input_tokens, "cached tokens")
 
 
+def anthropic_forced_call():
+    """tool_choice any / tool on a greeting the model answers in text when left to choose."""
+    msgs = [{"role": "user", "content": "Hello! Please just say hi back."}]
+    free = A.messages.create(model=MODEL, max_tokens=16, messages=msgs, tools=ANTHROPIC_TOOLS,
+                             extra_body={"temperature": 0})
+    check(all(b.type == "text" for b in free.content), f"auto answers in text: {free.content}")
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
+        r = A.messages.create(model=MODEL, max_tokens=40, messages=msgs, tools=ANTHROPIC_TOOLS,
+                              tool_choice=choice, extra_body={"temperature": 0})
+        uses = [b for b in r.content if b.type == "tool_use"]
+        check(r.stop_reason == "tool_use" and [u.name for u in uses] == ["get_weather"],
+              f"tool_choice {choice} forces the call: {r.content}")
+        with A.messages.stream(model=MODEL, max_tokens=40, messages=msgs, tools=ANTHROPIC_TOOLS,
+                               tool_choice=choice, extra_body={"temperature": 0}) as s:
+            final = s.get_final_message()
+        suses = [b for b in final.content if b.type == "tool_use"]
+        check([(u.name, u.input) for u in suses] == [(u.name, u.input) for u in uses],
+              f"streamed the same call: {final.content}")
+        print(f"anthropic: tool_choice {choice['type']} forced {uses[0].input}")
+
+
 openai_round_trip()
 openai_context_management()
 anthropic_round_trip()
+anthropic_forced_call()
 print("ok")
