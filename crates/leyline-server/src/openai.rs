@@ -158,6 +158,10 @@ pub struct GenerationFields {
     /// prompt is rendered: a session created for it is a rebuild, not a first turn.
     #[serde(skip)]
     pub history: bool,
+    /// The client's name for its conversation (`prompt_cache_key`, `session-id`,
+    /// `X-Claude-Code-Session-Id`): implicit splices match it first.
+    #[serde(skip)]
+    pub conversation: Option<String>,
     /// Separates the prefix caches of users behind one API key (as vLLM's `cache_salt`):
     /// requests match only cached prefixes computed under the same key and salt.
     #[serde(default)]

@@ -1,0 +1,399 @@
+//! `POST /v1/responses` (OpenAI's Responses API, as Codex CLI and the `openai` SDK speak it)
+//! and `GET` / `DELETE /v1/responses/{id}`, over the same engine, sessions and prefix cache as
+//! chat completions. Tool calls the model writes in its template's format come back as
+//! `function_call` items; a stream announces each output item with OpenAI's event names.
+
+use crate::auth::Principal;
+use crate::error::{Result, ServerError};
+use crate::generation::Piece;
+use crate::handler::{ApiJson, St};
+use crate::openai::GenerationFields;
+use crate::responses::{input_to_chat, response_id, split_tools, usage, Output, ResponsesRequest};
+use crate::responses_store::{ResponseStore, StoredResponse};
+use crate::state::AppState;
+use crate::submit::{collect_text, report, start, Collected, SessionRun, Started};
+use crate::toolcall::{tool_names, Segment, ToolCallSplitter};
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use leyline_model::chat::ChatMessage;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// While a stream waits for its first token (a long prefill), a `response.in_progress`
+/// event this often keeps clients' idle timers (which count events, not SSE comments) from
+/// giving up.
+const KEEPALIVE: Duration = Duration::from_secs(10);
+
+/// The routes, with the response store (`ServerConfig::responses_store` entries) they share.
+pub(crate) fn router(st: &Arc<AppState>) -> Router<Arc<AppState>> {
+    let store = Arc::new(ResponseStore::new(st.config.responses_store));
+    Router::new()
+        .route("/v1/responses", post(create))
+        .route("/v1/responses/{id}", get(retrieve).delete(delete))
+        .layer(Extension(store))
+}
+
+fn not_found(id: &str) -> ServerError {
+    ServerError::NotFound {
+        message: format!("no response with id {id:?} is stored for this API key"),
+        code: "response_not_found",
+    }
+}
+
+/// `GET /v1/responses/{id}`: the stored response object.
+async fn retrieve(
+    Extension(who): Extension<Principal>,
+    Extension(store): Extension<Arc<ResponseStore>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>> {
+    let stored = store.get(&id, who).ok_or_else(|| not_found(&id))?;
+    Ok(Json(stored.response.clone()))
+}
+
+/// `DELETE /v1/responses/{id}`.
+async fn delete(
+    Extension(who): Extension<Principal>,
+    Extension(store): Extension<Arc<ResponseStore>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>> {
+    if !store.remove(&id, who) {
+        return Err(not_found(&id));
+    }
+    Ok(Json(
+        json!({"id": id, "object": "response", "deleted": true}),
+    ))
+}
+
+/// The 404 for a `previous_response_id` that is not stored (evicted, deleted, never made,
+/// or another key's): the client resends its history.
+fn previous_not_found(id: &str) -> Response {
+    let e = ServerError::NotFound {
+        message: format!(
+            "Previous response with id {id:?} not found: it was never stored, was deleted or \
+             evicted, or belongs to another API key; send the whole conversation as input"
+        ),
+        code: "previous_response_not_found",
+    };
+    let mut body = e.body();
+    body["error"]["param"] = json!("previous_response_id");
+    (e.status(), Json(body)).into_response()
+}
+
+/// The names this API gives the fields that the shared checks name after chat completions.
+fn rename_params(e: ServerError) -> ServerError {
+    match e {
+        ServerError::InvalidRequest {
+            message,
+            param: Some(p),
+            code,
+        } if p == "max_tokens" || p == "messages" => ServerError::InvalidRequest {
+            message: message.replace("max_tokens", "max_output_tokens"),
+            param: Some(
+                if p == "messages" {
+                    "input"
+                } else {
+                    "max_output_tokens"
+                }
+                .into(),
+            ),
+            code,
+        },
+        e => e,
+    }
+}
+
+/// The client's name for its conversation in a header: `session-id` (or Codex's
+/// `session_id`).
+fn conversation_header(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get("session-id")
+        .or_else(|| headers.get("session_id"))
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// `POST /v1/responses`.
+async fn create(
+    State(st): St,
+    Extension(who): Extension<Principal>,
+    Extension(store): Extension<Arc<ResponseStore>>,
+    headers: HeaderMap,
+    ApiJson(v): ApiJson,
+) -> Result<Response> {
+    let req = ResponsesRequest::from_body(&v)?;
+    st.check_model(&req.model)?;
+    let mut fields = GenerationFields {
+        max_tokens: req.max_output_tokens,
+        temperature: req.temperature,
+        top_p: req.top_p,
+        stream: Some(req.stream),
+        session_id: req.session_id.clone(),
+        leyline: req.leyline.clone(),
+        cache_salt: req.cache_salt.clone(),
+        header_mode: crate::submit::header_mode(&headers)?,
+        conversation: req
+            .prompt_cache_key
+            .clone()
+            .or_else(|| conversation_header(&headers)),
+        ..Default::default()
+    };
+    let gen = fields.validate().map_err(rename_params)?;
+    crate::submit::session_header(&st, &headers, &mut fields)?;
+    if st.chat.is_none() {
+        return Err(ServerError::bad_request(
+            "this model has no chat template; use /v1/completions",
+        ));
+    }
+    // The conversation: the stored one this response continues, then this input.
+    let mut conversation = match &req.previous_response_id {
+        Some(id) => match store.get(id, who) {
+            Some(prev) => prev.conversation.clone(),
+            None => return Ok(previous_not_found(id)),
+        },
+        None => Vec::new(),
+    };
+    if let Some(input) = &req.input {
+        conversation.extend(input_to_chat(input)?);
+    }
+    if conversation.is_empty() {
+        return Err(ServerError::invalid(
+            "input",
+            "input is required (a string or a non-empty list of items)",
+        ));
+    }
+    let tools = split_tools(&req.tools, req.tool_choice)?;
+    let stored = req.store && store.enabled();
+    let mut chat = Vec::with_capacity(conversation.len() + 1);
+    if let Some(i) = req.instructions.as_deref().filter(|i| !i.is_empty()) {
+        chat.push(ChatMessage::new("system", i));
+    }
+    let keep = stored.then(|| (store, who, conversation.clone()));
+    chat.extend(conversation);
+    let names = tools.template.as_deref().map(tool_names);
+    let (prompt, bounds) = st
+        .render_chat(chat, tools.template.clone(), &mut fields)
+        .await
+        .map_err(rename_params)?;
+    let started = start(&st, who, prompt, bounds, &gen, &fields)
+        .await
+        .map_err(rename_params)?;
+    let id = response_id();
+    let ctx = Ctx {
+        skeleton: req.skeleton(&id, &st.config.model_name, &tools, stored),
+        id,
+        tool_names: names,
+        unsupported: tools.unsupported,
+        keep,
+    };
+    if gen.stream {
+        Ok(stream(st, ctx, started).into_response())
+    } else {
+        collect(st, ctx, started).await
+    }
+}
+
+struct Ctx {
+    id: String,
+    /// The response object before any output.
+    skeleton: Value,
+    /// The offered tools' names, if any: then tool calls are split out of the text.
+    tool_names: Option<Vec<String>>,
+    /// Hosted tools the request named, not offered to the model.
+    unsupported: Vec<Value>,
+    /// With `store`: where to keep the response, for whom, and its conversation so far.
+    keep: Option<(Arc<ResponseStore>, Principal, Vec<ChatMessage>)>,
+}
+
+impl Ctx {
+    /// The finished response object; stored when the request asked for it.
+    fn done(
+        &mut self,
+        out: &Output,
+        finish_reason: &str,
+        u: &leyline_engine::Usage,
+        session: &Option<SessionRun>,
+    ) -> Value {
+        let incomplete = finish_reason == "length";
+        let mut r = self.skeleton.clone();
+        r["status"] = json!(if incomplete {
+            "incomplete"
+        } else {
+            "completed"
+        });
+        if incomplete {
+            r["incomplete_details"] = json!({"reason": "max_output_tokens"});
+        }
+        r["output"] = json!(out.items());
+        r["usage"] = usage(u);
+        let mut leyline = serde_json::to_value(report(u, session)).unwrap_or(Value::Null);
+        if !self.unsupported.is_empty() {
+            leyline["unsupported_tools"] = json!(self.unsupported);
+        }
+        r["leyline"] = leyline;
+        if let Some((store, owner, mut conversation)) = self.keep.take() {
+            // Output items are input items: they convert as the next request's would.
+            if let Ok(reply) = input_to_chat(&json!(out.items())) {
+                conversation.extend(reply);
+                let response = r.clone();
+                store.insert(
+                    self.id.clone(),
+                    StoredResponse {
+                        owner,
+                        response,
+                        conversation,
+                    },
+                );
+            }
+        }
+        r
+    }
+}
+
+async fn collect(st: Arc<AppState>, mut ctx: Ctx, started: Started) -> Result<Response> {
+    let Started {
+        mut rx,
+        permit: _permit,
+        session,
+        ..
+    } = started;
+    let Collected {
+        text,
+        finish_reason,
+        usage,
+        ..
+    } = collect_text(&st, &mut rx).await?;
+    let segments = match &ctx.tool_names {
+        Some(names) => ToolCallSplitter::split(&text, Some(names.clone())),
+        None => vec![Segment::Text(text)],
+    };
+    let mut out = Output::default();
+    for s in segments {
+        out.push(s);
+    }
+    out.finish(finish_reason == "length");
+    Ok(Json(ctx.done(&out, finish_reason, &usage, &session)).into_response())
+}
+
+fn sse(e: &Value) -> Event {
+    Event::default()
+        .event(e["type"].as_str().unwrap_or("message"))
+        .data(e.to_string())
+}
+
+fn stream(st: Arc<AppState>, mut ctx: Ctx, started: Started) -> impl IntoResponse {
+    let Started {
+        mut rx,
+        permit,
+        session,
+        ..
+    } = started;
+    let (tx, events) = mpsc::channel::<std::result::Result<Event, Infallible>>(64);
+    st.metrics.streams_open.fetch_add(1, Ordering::Relaxed);
+    tokio::spawn(async move {
+        let _permit = permit;
+        let mut abort = st.abort.subscribe();
+        let mut out = Output::default();
+        let mut splitter = ctx.tool_names.clone().map(ToolCallSplitter::with_tools);
+        let lifecycle = json!({"response": ctx.skeleton});
+        let mut pending = vec![
+            out.event("response.created", lifecycle.clone()),
+            out.event("response.in_progress", lifecycle.clone()),
+        ];
+        let start_at = tokio::time::Instant::now() + KEEPALIVE;
+        let mut keepalive = tokio::time::interval_at(start_at, KEEPALIVE);
+        let mut generating = false;
+        'run: loop {
+            for e in pending.drain(..) {
+                if tx.send(Ok(sse(&e))).await.is_err() {
+                    break 'run;
+                }
+            }
+            let piece = tokio::select! {
+                p = rx.recv() => p,
+                _ = keepalive.tick(), if !generating => {
+                    pending.push(out.event("response.in_progress", lifecycle.clone()));
+                    continue;
+                }
+                _ = abort.wait_for(|a| *a) => Some(Piece::Failed(leyline_engine::Failure::new(
+                    leyline_engine::ErrorKind::Stopped,
+                    "the server shut down before the request finished",
+                ))),
+                // The client went away: dropping `rx` tells the engine to stop.
+                _ = tx.closed() => break,
+            };
+            match piece {
+                Some(Piece::Text(t)) => {
+                    generating = true;
+                    let segments = match &mut splitter {
+                        Some(sp) => sp.push(&t),
+                        None => vec![Segment::Text(t)],
+                    };
+                    for s in segments {
+                        out.push(s);
+                    }
+                    pending = out.take_events();
+                }
+                Some(Piece::Done {
+                    finish_reason,
+                    usage,
+                    ..
+                }) => {
+                    for s in splitter.as_mut().map(|sp| sp.finish()).unwrap_or_default() {
+                        out.push(s);
+                    }
+                    out.finish(finish_reason == "length");
+                    let r = ctx.done(&out, finish_reason, &usage, &session);
+                    let kind = if r["status"] == "incomplete" {
+                        "response.incomplete"
+                    } else {
+                        "response.completed"
+                    };
+                    pending = out.take_events();
+                    pending.push(out.event(kind, json!({ "response": r })));
+                    for e in pending.drain(..) {
+                        if tx.send(Ok(sse(&e))).await.is_err() {
+                            break;
+                        }
+                    }
+                    break;
+                }
+                Some(Piece::Failed(f)) => {
+                    st.metrics.stream_errors.fetch_add(1, Ordering::Relaxed);
+                    let err = if *st.abort.borrow() {
+                        ServerError::ShuttingDown(f.message)
+                    } else {
+                        ServerError::from(f)
+                    };
+                    let body = err.body()["error"].clone();
+                    let mut r = ctx.skeleton.clone();
+                    r["status"] = json!("failed");
+                    r["output"] = json!(out.items());
+                    r["error"] = json!({"code": body["code"], "message": body["message"]});
+                    let failed = out.event("response.failed", json!({ "response": r }));
+                    let error = out.event(
+                        "error",
+                        json!({"code": body["code"], "message": body["message"], "param": body["param"]}),
+                    );
+                    for e in [failed, error] {
+                        if tx.send(Ok(sse(&e))).await.is_err() {
+                            break;
+                        }
+                    }
+                    break;
+                }
+                None => break,
+            }
+        }
+        st.metrics.streams_open.fetch_sub(1, Ordering::Relaxed);
+    });
+    Sse::new(ReceiverStream::new(events)).keep_alive(KeepAlive::default())
+}
