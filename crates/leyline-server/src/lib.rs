@@ -26,6 +26,7 @@ mod messages;
 pub mod metrics;
 pub mod openai;
 pub mod responses;
+pub mod responses_output;
 mod responses_routes;
 pub mod responses_store;
 mod routes;

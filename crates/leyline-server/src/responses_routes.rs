@@ -8,7 +8,8 @@ use crate::error::{Result, ServerError};
 use crate::generation::Piece;
 use crate::handler::{ApiJson, St};
 use crate::openai::GenerationFields;
-use crate::responses::{input_to_chat, response_id, split_tools, usage, Output, ResponsesRequest};
+use crate::responses::{input_to_chat, split_tools, ResponsesRequest};
+use crate::responses_output::{response_id, usage, Output};
 use crate::responses_store::{ResponseStore, StoredResponse};
 use crate::state::AppState;
 use crate::submit::{collect_text, report, start, Collected, SessionRun, Started};
@@ -27,6 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
 
 /// While a stream waits for its first token (a long prefill), a `response.in_progress`
 /// event this often keeps clients' idle timers (which count events, not SSE comments) from
@@ -289,111 +291,174 @@ fn sse(e: &Value) -> Event {
         .data(e.to_string())
 }
 
-fn stream(st: Arc<AppState>, mut ctx: Ctx, started: Started) -> impl IntoResponse {
+fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
     let Started {
-        mut rx,
+        rx,
         permit,
         session,
         ..
     } = started;
-    let (tx, events) = mpsc::channel::<std::result::Result<Event, Infallible>>(64);
+    let (tx, events) = mpsc::channel::<Value>(64);
     st.metrics.streams_open.fetch_add(1, Ordering::Relaxed);
     tokio::spawn(async move {
         let _permit = permit;
-        let mut abort = st.abort.subscribe();
-        let mut out = Output::default();
-        let mut splitter = ctx.tool_names.clone().map(ToolCallSplitter::with_tools);
-        let lifecycle = json!({"response": ctx.skeleton});
-        let mut pending = vec![
-            out.event("response.created", lifecycle.clone()),
-            out.event("response.in_progress", lifecycle.clone()),
-        ];
-        let start_at = tokio::time::Instant::now() + KEEPALIVE;
-        let mut keepalive = tokio::time::interval_at(start_at, KEEPALIVE);
-        let mut generating = false;
-        'run: loop {
-            for e in pending.drain(..) {
-                if tx.send(Ok(sse(&e))).await.is_err() {
-                    break 'run;
-                }
-            }
-            let piece = tokio::select! {
-                p = rx.recv() => p,
-                _ = keepalive.tick(), if !generating => {
-                    pending.push(out.event("response.in_progress", lifecycle.clone()));
-                    continue;
-                }
-                _ = abort.wait_for(|a| *a) => Some(Piece::Failed(leyline_engine::Failure::new(
-                    leyline_engine::ErrorKind::Stopped,
-                    "the server shut down before the request finished",
-                ))),
-                // The client went away: dropping `rx` tells the engine to stop.
-                _ = tx.closed() => break,
-            };
-            match piece {
-                Some(Piece::Text(t)) => {
-                    generating = true;
-                    let segments = match &mut splitter {
-                        Some(sp) => sp.push(&t),
-                        None => vec![Segment::Text(t)],
-                    };
-                    for s in segments {
-                        out.push(s);
-                    }
-                    pending = out.take_events();
-                }
-                Some(Piece::Done {
-                    finish_reason,
-                    usage,
-                    ..
-                }) => {
-                    for s in splitter.as_mut().map(|sp| sp.finish()).unwrap_or_default() {
-                        out.push(s);
-                    }
-                    out.finish(finish_reason == "length");
-                    let r = ctx.done(&out, finish_reason, &usage, &session);
-                    let kind = if r["status"] == "incomplete" {
-                        "response.incomplete"
-                    } else {
-                        "response.completed"
-                    };
-                    pending = out.take_events();
-                    pending.push(out.event(kind, json!({ "response": r })));
-                    for e in pending.drain(..) {
-                        if tx.send(Ok(sse(&e))).await.is_err() {
-                            break;
-                        }
-                    }
-                    break;
-                }
-                Some(Piece::Failed(f)) => {
-                    st.metrics.stream_errors.fetch_add(1, Ordering::Relaxed);
-                    let err = if *st.abort.borrow() {
-                        ServerError::ShuttingDown(f.message)
-                    } else {
-                        ServerError::from(f)
-                    };
-                    let body = err.body()["error"].clone();
-                    let mut r = ctx.skeleton.clone();
-                    r["status"] = json!("failed");
-                    r["output"] = json!(out.items());
-                    r["error"] = json!({"code": body["code"], "message": body["message"]});
-                    let failed = out.event("response.failed", json!({ "response": r }));
-                    let error = out.event(
-                        "error",
-                        json!({"code": body["code"], "message": body["message"], "param": body["param"]}),
-                    );
-                    for e in [failed, error] {
-                        if tx.send(Ok(sse(&e))).await.is_err() {
-                            break;
-                        }
-                    }
-                    break;
-                }
-                None => break,
-            }
+        if !pump(ctx, rx, session, st.abort.subscribe(), tx, KEEPALIVE).await {
+            st.metrics.stream_errors.fetch_add(1, Ordering::Relaxed);
         }
         st.metrics.streams_open.fetch_sub(1, Ordering::Relaxed);
     });
-    Sse::new(ReceiverStream::new(events)).keep_alive(KeepAlive::default())
+    let events = ReceiverStream::new(events).map(|e| Ok::<_, Infallible>(sse(&e)));
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+/// Sends a generation's stream events to `tx` until it ends, fails, or the client goes away
+/// (dropping `rx` then tells the engine to stop); `response.in_progress` every `keepalive`
+/// until the first text. False when the generation failed.
+async fn pump(
+    mut ctx: Ctx,
+    mut rx: mpsc::UnboundedReceiver<Piece>,
+    session: Option<SessionRun>,
+    mut abort: tokio::sync::watch::Receiver<bool>,
+    tx: mpsc::Sender<Value>,
+    keepalive: Duration,
+) -> bool {
+    let mut out = Output::default();
+    let mut splitter = ctx.tool_names.clone().map(ToolCallSplitter::with_tools);
+    let lifecycle = json!({"response": ctx.skeleton});
+    let mut pending = vec![
+        out.event("response.created", lifecycle.clone()),
+        out.event("response.in_progress", lifecycle.clone()),
+    ];
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
+    let mut generating = false;
+    loop {
+        for e in pending.drain(..) {
+            if tx.send(e).await.is_err() {
+                return true;
+            }
+        }
+        let piece = tokio::select! {
+            p = rx.recv() => p,
+            _ = ticks.tick(), if !generating => {
+                pending.push(out.event("response.in_progress", lifecycle.clone()));
+                continue;
+            }
+            _ = abort.wait_for(|a| *a) => Some(Piece::Failed(leyline_engine::Failure::new(
+                leyline_engine::ErrorKind::Stopped,
+                "the server shut down before the request finished",
+            ))),
+            _ = tx.closed() => return true,
+        };
+        match piece {
+            Some(Piece::Text(t)) => {
+                generating = true;
+                let segments = match &mut splitter {
+                    Some(sp) => sp.push(&t),
+                    None => vec![Segment::Text(t)],
+                };
+                for s in segments {
+                    out.push(s);
+                }
+                pending = out.take_events();
+            }
+            Some(Piece::Done {
+                finish_reason,
+                usage,
+                ..
+            }) => {
+                for s in splitter.as_mut().map(|sp| sp.finish()).unwrap_or_default() {
+                    out.push(s);
+                }
+                out.finish(finish_reason == "length");
+                let r = ctx.done(&out, finish_reason, &usage, &session);
+                let kind = if r["status"] == "incomplete" {
+                    "response.incomplete"
+                } else {
+                    "response.completed"
+                };
+                pending = out.take_events();
+                pending.push(out.event(kind, json!({ "response": r })));
+                for e in pending {
+                    if tx.send(e).await.is_err() {
+                        break;
+                    }
+                }
+                return true;
+            }
+            Some(Piece::Failed(f)) => {
+                let err = if *abort.borrow() {
+                    ServerError::ShuttingDown(f.message)
+                } else {
+                    ServerError::from(f)
+                };
+                let body = err.body()["error"].clone();
+                let mut r = ctx.skeleton.clone();
+                r["status"] = json!("failed");
+                r["output"] = json!(out.items());
+                r["error"] = json!({"code": body["code"], "message": body["message"]});
+                let failed = out.event("response.failed", json!({ "response": r }));
+                let error = out.event(
+                    "error",
+                    json!({"code": body["code"], "message": body["message"], "param": body["param"]}),
+                );
+                for e in [failed, error] {
+                    if tx.send(e).await.is_err() {
+                        break;
+                    }
+                }
+                return false;
+            }
+            None => return true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn in_progress_events_keep_a_slow_start_alive_until_the_first_text() {
+        let ctx = Ctx {
+            id: "resp_1".into(),
+            skeleton: json!({"id": "resp_1", "object": "response", "status": "in_progress"}),
+            tool_names: None,
+            unsupported: Vec::new(),
+            keep: None,
+        };
+        let (pieces, rx) = mpsc::unbounded_channel();
+        let (_abort, abort_rx) = tokio::sync::watch::channel(false);
+        let (tx, mut events) = mpsc::channel(64);
+        let every = Duration::from_millis(20);
+        let run = tokio::spawn(pump(ctx, rx, None, abort_rx, tx, every));
+        // A prefill of about five periods, then text, then more time without text.
+        tokio::time::sleep(every * 5 + every / 2).await;
+        pieces.send(Piece::Text("Hi".into())).ok();
+        tokio::time::sleep(every * 5).await;
+        drop(pieces);
+        assert!(run.await.unwrap());
+        let mut kinds = Vec::new();
+        while let Ok(e) = events.try_recv() {
+            assert_eq!(e["sequence_number"], kinds.len(), "{e}");
+            if e["type"] == "response.in_progress" {
+                assert_eq!(e["response"]["id"], "resp_1", "the same response: {e}");
+            }
+            kinds.push(e["type"].as_str().unwrap().to_string());
+        }
+        let first_text = kinds
+            .iter()
+            .position(|k| k == "response.output_item.added")
+            .unwrap();
+        assert_eq!(kinds[0], "response.created");
+        let waiting = &kinds[1..first_text];
+        assert!(
+            waiting.len() >= 4 && waiting.iter().all(|k| k == "response.in_progress"),
+            "{kinds:?}"
+        );
+        assert!(
+            !kinds[first_text..].contains(&"response.in_progress".to_string()),
+            "none once text flows: {kinds:?}"
+        );
+        assert_eq!(kinds.last().unwrap(), "response.output_text.delta");
+    }
 }
