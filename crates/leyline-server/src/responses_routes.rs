@@ -14,7 +14,7 @@ use crate::responses_store::{ResponseStore, StoredResponse};
 use crate::state::AppState;
 use crate::submit::{collect_text, report, start, Collected, SessionRun, Started};
 use crate::toolcall::{tool_names, Segment, ToolCallSplitter};
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -22,6 +22,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use leyline_model::chat::ChatMessage;
 use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -30,9 +31,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-/// While a stream waits for its first token (a long prefill), a `response.in_progress`
-/// event this often keeps clients' idle timers (which count events, not SSE comments) from
-/// giving up.
+/// After this long without an event (a long prefill before the first token, or a tool call
+/// held back until it is whole), a stream sends `response.in_progress`, so clients' idle
+/// timers (which count events, not SSE comments) do not give up.
 const KEEPALIVE: Duration = Duration::from_secs(10);
 
 /// The routes, with the response store (`ServerConfig::responses_store` entries) they share.
@@ -51,12 +52,19 @@ fn not_found(id: &str) -> ServerError {
     }
 }
 
-/// `GET /v1/responses/{id}`: the stored response object.
+/// `GET /v1/responses/{id}`: the stored response object (not its stream again).
 async fn retrieve(
     Extension(who): Extension<Principal>,
     Extension(store): Extension<Arc<ResponseStore>>,
     Path(id): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>> {
+    if q.get("stream").is_some_and(|s| s != "false") {
+        return Err(ServerError::invalid(
+            "stream",
+            "a stored response cannot be streamed again; leave stream out",
+        ));
+    }
     let stored = store.get(&id, who).ok_or_else(|| not_found(&id))?;
     Ok(Json(stored.response.clone()))
 }
@@ -312,8 +320,8 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
 }
 
 /// Sends a generation's stream events to `tx` until it ends, fails, or the client goes away
-/// (dropping `rx` then tells the engine to stop); `response.in_progress` every `keepalive`
-/// until the first text. False when the generation failed.
+/// (dropping `rx` then tells the engine to stop); `response.in_progress` after each
+/// `keepalive` without an event. False when the generation failed.
 async fn pump(
     mut ctx: Ctx,
     mut rx: mpsc::UnboundedReceiver<Piece>,
@@ -329,17 +337,17 @@ async fn pump(
         out.event("response.created", lifecycle.clone()),
         out.event("response.in_progress", lifecycle.clone()),
     ];
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
-    let mut generating = false;
+    let mut last_sent = tokio::time::Instant::now();
     loop {
         for e in pending.drain(..) {
             if tx.send(e).await.is_err() {
                 return true;
             }
+            last_sent = tokio::time::Instant::now();
         }
         let piece = tokio::select! {
             p = rx.recv() => p,
-            _ = ticks.tick(), if !generating => {
+            _ = tokio::time::sleep_until(last_sent + keepalive) => {
                 pending.push(out.event("response.in_progress", lifecycle.clone()));
                 continue;
             }
@@ -351,7 +359,6 @@ async fn pump(
         };
         match piece {
             Some(Piece::Text(t)) => {
-                generating = true;
                 let segments = match &mut splitter {
                     Some(sp) => sp.push(&t),
                     None => vec![Segment::Text(t)],
@@ -418,7 +425,7 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn in_progress_events_keep_a_slow_start_alive_until_the_first_text() {
+    async fn in_progress_events_fill_every_silence() {
         let ctx = Ctx {
             id: "resp_1".into(),
             skeleton: json!({"id": "resp_1", "object": "response", "status": "in_progress"}),
@@ -428,13 +435,17 @@ mod tests {
         };
         let (pieces, rx) = mpsc::unbounded_channel();
         let (_abort, abort_rx) = tokio::sync::watch::channel(false);
-        let (tx, mut events) = mpsc::channel(64);
-        let every = Duration::from_millis(20);
+        let (tx, mut events) = mpsc::channel(256);
+        let every = Duration::from_millis(100);
         let run = tokio::spawn(pump(ctx, rx, None, abort_rx, tx, every));
-        // A prefill of about five periods, then text, then more time without text.
+        // A prefill of about five periods; then text every tenth of a period for three
+        // periods; then silence for two and a half.
         tokio::time::sleep(every * 5 + every / 2).await;
-        pieces.send(Piece::Text("Hi".into())).ok();
-        tokio::time::sleep(every * 5).await;
+        for _ in 0..30 {
+            pieces.send(Piece::Text("a".into())).ok();
+            tokio::time::sleep(every / 10).await;
+        }
+        tokio::time::sleep(every * 2 + every / 2).await;
         drop(pieces);
         assert!(run.await.unwrap());
         let mut kinds = Vec::new();
@@ -445,20 +456,29 @@ mod tests {
             }
             kinds.push(e["type"].as_str().unwrap().to_string());
         }
-        let first_text = kinds
-            .iter()
-            .position(|k| k == "response.output_item.added")
-            .unwrap();
+        let at = |k: &str| kinds.iter().position(|x| x == k).unwrap();
+        let (first_text, last_text) = (
+            at("response.output_item.added"),
+            kinds
+                .iter()
+                .rposition(|k| k == "response.output_text.delta")
+                .unwrap(),
+        );
         assert_eq!(kinds[0], "response.created");
         let waiting = &kinds[1..first_text];
         assert!(
             waiting.len() >= 4 && waiting.iter().all(|k| k == "response.in_progress"),
             "{kinds:?}"
         );
+        let flowing = &kinds[first_text..=last_text];
         assert!(
-            !kinds[first_text..].contains(&"response.in_progress".to_string()),
-            "none once text flows: {kinds:?}"
+            !flowing.contains(&"response.in_progress".to_string()),
+            "none while text flows: {kinds:?}"
         );
-        assert_eq!(kinds.last().unwrap(), "response.output_text.delta");
+        let after = &kinds[last_text + 1..];
+        assert!(
+            after.len() >= 2 && after.iter().all(|k| k == "response.in_progress"),
+            "silence after text is filled too: {kinds:?}"
+        );
     }
 }

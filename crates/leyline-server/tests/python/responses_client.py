@@ -16,7 +16,8 @@ Coverage (field or behaviour x check):
 |                                           |   joined == non-streamed text                      |
 | responses.stream() helper                 | streamed: text deltas, final response              |
 | usage.input_tokens_details.cached_tokens  | streamed: a greedy repeat is read from the cache   |
-| store (default true), GET, DELETE         | stored: retrieve equals create; delete; 404 after  |
+| store (default true), GET, DELETE         | stored: retrieve equals create; delete; 404 after; |
+|                                           |   GET ?stream=true is a 400 naming stream          |
 | previous_response_id                      | stored: continuation reads turn 1 from the cache;  |
 |                                           |   404 previous_response_not_found after DELETE     |
 | API keys own responses                    | stored: key B gets 404 on GET and on continuation  |
@@ -169,6 +170,9 @@ def stored():
     got = A.responses.retrieve(r1.id)
     check(got.id == r1.id and got.output_text == r1.output_text, f"retrieve: {got}")
     check(got.usage.input_tokens == r1.usage.input_tokens, f"retrieve usage: {got.usage}")
+    e = expect(openai.BadRequestError, lambda: A.responses.retrieve(r1.id, stream=True),
+               "a stored response is not streamed again")
+    check(e.body["param"] == "stream", f"{e.body}")
 
     r2 = A.responses.create(model=MODEL, previous_response_id=r1.id, input="What is my name?",
                             max_output_tokens=8, temperature=0)
