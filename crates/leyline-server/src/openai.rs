@@ -154,14 +154,15 @@ pub struct GenerationFields {
     /// The `X-Leyline-Mode` header, set by the handler (not a body field).
     #[serde(skip)]
     pub header_mode: Option<CacheMode>,
+    /// The client's name for its conversation (`prompt_cache_key`, `session-id`,
+    /// `X-Claude-Code-Session-Id`): implicit splices continue only a conversation cached
+    /// under the same name. Set by the handler (not a body field here).
+    #[serde(skip)]
+    pub conversation: Option<String>,
     /// Whether the prompt carries earlier turns (an assistant message), set when a chat
     /// prompt is rendered: a session created for it is a rebuild, not a first turn.
     #[serde(skip)]
     pub history: bool,
-    /// The client's name for its conversation (`prompt_cache_key`, `session-id`,
-    /// `X-Claude-Code-Session-Id`): implicit splices match it first.
-    #[serde(skip)]
-    pub conversation: Option<String>,
     /// Separates the prefix caches of users behind one API key (as vLLM's `cache_salt`):
     /// requests match only cached prefixes computed under the same key and salt.
     #[serde(default)]
