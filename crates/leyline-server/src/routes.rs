@@ -47,6 +47,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/messages/count_tokens",
             post(crate::messages::count_tokens),
         )
+        .merge(crate::responses_routes::router(&state))
         .route_layer(from_fn_with_state(Arc::clone(&state), require_key));
     Router::new()
         .route("/health", get(health))
@@ -79,9 +80,10 @@ async fn track(State(st): St, req: Request, next: Next) -> Response {
 
 /// The metrics label of a path: known routes, with session ids folded.
 fn route_label(path: &str) -> String {
-    const KNOWN: [&str; 9] = [
+    const KNOWN: [&str; 10] = [
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses",
         "/health",
         "/metrics",
         "/v1/models",
@@ -92,6 +94,9 @@ fn route_label(path: &str) -> String {
     ];
     if KNOWN.contains(&path) {
         return path.to_string();
+    }
+    if path.starts_with("/v1/responses/") {
+        return "/v1/responses/{id}".into();
     }
     match path.strip_prefix("/v1/sessions/") {
         Some(rest) if rest.ends_with("/directives") => "/v1/sessions/{id}/directives".into(),

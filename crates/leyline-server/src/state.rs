@@ -61,6 +61,9 @@ pub struct ServerConfig {
     /// Whether an `X-Session-Id` header names the request's session, as `session_id` in the
     /// body does; when false the header is only a proxy's affinity key and is ignored here.
     pub session_header: bool,
+    /// Most responses kept for `previous_response_id` and `GET /v1/responses/{id}`
+    /// (`store: true`; the least recently used goes first; 0 keeps none).
+    pub responses_store: usize,
 }
 
 impl ServerConfig {
@@ -86,6 +89,7 @@ impl ServerConfig {
             max_rendering: 2,
             implicit_splices: true,
             session_header: true,
+            responses_store: 256,
         }
     }
 }

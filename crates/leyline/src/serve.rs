@@ -100,6 +100,10 @@ pub struct ServeArgs {
     /// Most cached conversations kept for implicit splices (least recently used goes).
     #[arg(long, default_value_t = leyline_engine::DEFAULT_MAX_IMPLICIT_SESSIONS)]
     max_conversations: usize,
+    /// Most responses kept for `previous_response_id` and `GET /v1/responses/{id}` (Responses
+    /// API, `store: true`; the least recently used goes first; 0 keeps none).
+    #[arg(long, default_value_t = 256)]
+    responses_store: usize,
     /// Downstream tokens an AMORTIZE splice recomputes under the edited context, unless a
     /// request or directive batch says otherwise: `0` (none: the splice alone), `N` or
     /// `after_edit:N` (the first N tokens after each edit), `before_end:N` (the last N tokens
@@ -186,6 +190,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.max_connections = a.max_connections.max(1);
     cfg.implicit_splices = a.implicit_splices && a.max_conversations > 0;
     cfg.session_header = a.session_header == "session";
+    cfg.responses_store = a.responses_store;
     cfg.sessions = leyline_server::sessions::SessionLimits {
         max: a.max_sessions.max(1),
         idle_timeout: std::time::Duration::from_secs(a.session_idle_timeout),

@@ -1,5 +1,6 @@
 """Tool round trips on Qwen2.5-Coder-0.5B (its template renders tools) through the official
-`openai` client, with no `extra_body`, and the official `anthropic` client.
+`openai` client, with no `extra_body` (Chat Completions and the Responses API), and the
+official `anthropic` client.
 
 Run by tests/qwen_tools.rs:
     python3 qwen_tools.py BASE_URL MODEL KEY_A KEY_B
@@ -19,6 +20,8 @@ QUESTION = "What is the weather in Paris?"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 OPENAI_TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city", "parameters": WEATHER}}]
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather",
+                    "description": "Current weather of a city", "parameters": WEATHER}]
 ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Current weather of a city",
                     "input_schema": WEATHER}]
 
@@ -89,6 +92,61 @@ def openai_context_management():
     print("openai: leyline.context_management cleared", applied[0]["cleared_input_tokens"], "tokens")
 
 
+def responses_round_trip():
+    args = dict(model=MODEL, input=QUESTION, tools=RESPONSES_TOOLS, temperature=0,
+                max_output_tokens=60)
+    r = O.responses.create(**args)
+    calls = [o for o in r.output if o.type == "function_call"]
+    check(r.status == "completed", f"status: {r}")
+    check(len(calls) == 1 and calls[0].name == "get_weather", f"one function_call: {r.output}")
+    check(json.loads(calls[0].arguments) == {"city": "Paris"}, f"arguments: {calls[0]}")
+    check(calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_"), f"{calls[0]}")
+
+    # Streamed: the call is announced, its arguments delivered, the item finished.
+    events = list(O.responses.create(stream=True, **args))
+    kinds = [e.type for e in events]
+    check(kinds[-1] == "response.completed", f"stream ends: {kinds}")
+    for k in ["response.output_item.added", "response.function_call_arguments.delta",
+              "response.function_call_arguments.done", "response.output_item.done"]:
+        check(k in kinds, f"{k} in {kinds}")
+    done = [e.item for e in events
+            if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    check(len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}, f"{done}")
+    with O.responses.stream(**args) as s:
+        final = s.get_final_response()
+    fcalls = [o for o in final.output if o.type == "function_call"]
+    check(len(fcalls) == 1 and fcalls[0].name == "get_weather", f"helper: {final.output}")
+
+    # The result goes back with the whole history (as Codex sends it, store=false): a
+    # message answers, and turn 1 is read from the cache.
+    result = {"type": "function_call_output", "call_id": calls[0].call_id,
+              "output": "Sunny, 21 C"}
+    history = [{"role": "user", "content": QUESTION}] + [o.model_dump() for o in r.output]
+    r2 = O.responses.create(model=MODEL, input=history + [result], tools=RESPONSES_TOOLS,
+                            temperature=0, max_output_tokens=24, store=False)
+    check(r2.output[0].type == "message" and r2.output_text.strip(), f"answer: {r2.output}")
+    # The items render as Chat Completions renders the same turns: the same prompt and the
+    # same greedy reply (this 0.5B model answers the tool result by writing calls as text).
+    msgs = [{"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": calls[0].call_id, "type": "function",
+                "function": {"name": calls[0].name, "arguments": calls[0].arguments}}]},
+            {"role": "tool", "tool_call_id": calls[0].call_id, "content": "Sunny, 21 C"}]
+    c = O.chat.completions.create(model=MODEL, messages=msgs, tools=OPENAI_TOOLS,
+                                  temperature=0, max_tokens=24)
+    check(c.usage.prompt_tokens == r2.usage.input_tokens, f"{c.usage} vs {r2.usage}")
+    check(c.choices[0].message.content == r2.output_text, f"{c.choices[0]} vs {r2.output_text!r}")
+    cached = r2.usage.input_tokens_details.cached_tokens
+    check(cached >= r.usage.input_tokens, f"turn 1 reused ({r.usage.input_tokens}): {r2.usage}")
+    # The same through previous_response_id: the same prompt, so the same greedy answer.
+    r3 = O.responses.create(model=MODEL, previous_response_id=r.id, input=[result],
+                            tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=24)
+    check(r3.usage.input_tokens == r2.usage.input_tokens, f"{r3.usage} vs {r2.usage}")
+    check(r3.output_text == r2.output_text, f"{r3.output_text!r} vs {r2.output_text!r}")
+    print("responses: function_call, streamed, round trip", repr(r2.output_text), "with",
+          cached, "cached tokens")
+
+
 def anthropic_round_trip():
     msgs = [{"role": "user", "content": QUESTION}]
     r = A.messages.create(model=MODEL, max_tokens=60, messages=msgs, tools=ANTHROPIC_TOOLS,
@@ -136,6 +194,7 @@ def anthropic_forced_call():
 
 openai_round_trip()
 openai_context_management()
+responses_round_trip()
 anthropic_round_trip()
 anthropic_forced_call()
 print("ok")
