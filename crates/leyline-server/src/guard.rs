@@ -5,12 +5,13 @@
 //! CORS preflight that this server never grants.
 
 use crate::error::ServerError;
-use crate::handler::St;
+use crate::state::AppState;
 use axum::extract::{Request, State};
 use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 /// Splits `host[:port]` (IPv6 in brackets) into the host and the port, if any.
 fn split_host(authority: &str) -> (&str, Option<&str>) {
@@ -51,7 +52,11 @@ fn origin_authority(origin: &str) -> Option<&str> {
 
 /// Middleware: refuses requests whose `Host` or `Origin` names another site (403).
 /// Requests without those headers (non-browser clients) pass.
-pub(crate) async fn check_host(State(st): St, req: Request, next: Next) -> Response {
+pub(crate) async fn check_host(
+    State(st): State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Response {
     let allowed = &st.config.allowed_hosts;
     let headers = req.headers();
     let value = |name| headers.get(name).map(|v| v.to_str().unwrap_or("\u{0}"));

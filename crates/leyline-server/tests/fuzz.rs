@@ -1,6 +1,7 @@
 //! Fuzzing the HTTP API through a live server: arbitrary JSON bodies (valid requests with
 //! fields replaced by arbitrary values, and arbitrary values outright) and directive batches
-//! on every route. The server must never answer 5xx other than 503 (a full pool or queue),
+//! on every route, Anthropic's Messages and OpenAI's Responses included (system messages
+//! among the messages, thinking and tool blocks, hosted tools, item lists). The server must never answer 5xx other than 503 (a full pool or queue),
 //! never end a stream with an internal error, and keep serving.
 //!
 //! In CI it runs a few hundred cases. `LEYLINE_FUZZ_SECS=600` runs it for ten minutes
@@ -145,6 +146,128 @@ fn field() -> impl Strategy<Value = (String, Value)> {
     (name, prop_oneof![3 => plausible, 1 => any_json()]).prop_map(|(n, v)| (n.to_string(), v))
 }
 
+/// A content block of the Messages API, plausible or not.
+fn block() -> impl Strategy<Value = Value> {
+    let kind = proptest::sample::select(
+        &[
+            "text",
+            "thinking",
+            "redacted_thinking",
+            "tool_use",
+            "tool_result",
+            "image",
+            "bogus",
+        ][..],
+    );
+    (kind, text(), any_json(), any::<bool>()).prop_map(|(kind, t, extra, cached)| {
+        let mut b = json!({"type": kind, "text": t, "thinking": t, "data": t, "id": t,
+                           "name": t, "input": extra, "tool_use_id": t, "content": t});
+        if cached {
+            b["cache_control"] = json!({"type": "ephemeral"});
+        }
+        b
+    })
+}
+
+/// A field of an Anthropic or Responses request and a value for it.
+fn api_field(names: &'static [&'static str]) -> impl Strategy<Value = (String, Value)> {
+    let plausible = prop_oneof![
+        number(),
+        any::<bool>().prop_map(Value::Bool),
+        text().prop_map(Value::String),
+        proptest::collection::vec(
+            (
+                proptest::sample::select(&["system", "user", "assistant", "developer", "x"][..]),
+                proptest::collection::vec(block(), 0..3)
+            )
+                .prop_map(|(r, c)| json!({"role": r, "content": c})),
+            0..4
+        )
+        .prop_map(Value::Array),
+        proptest::collection::vec(
+            prop_oneof![
+                text().prop_map(|t| json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]})),
+                text().prop_map(|t| json!({"type": "function_call", "call_id": t, "name": "f", "arguments": t})),
+                text().prop_map(|t| json!({"type": "function_call_output", "call_id": "c", "output": t})),
+                text().prop_map(|t| json!({"type": "reasoning", "summary": [], "encrypted_content": t})),
+                any_json(),
+            ],
+            0..4
+        )
+        .prop_map(Value::Array),
+        Just(json!([{"type": "web_search"}, {"type": "function", "name": "f", "parameters": {}}])),
+        Just(json!([{"name": "f", "input_schema": {"type": "object"}}, {"type": "web_search_20250305", "name": "w"}])),
+        proptest::sample::select(&["auto", "none", "any", "tool", "required"][..])
+            .prop_map(|t| json!({"type": t, "name": "f"})),
+        Just(json!({"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]})),
+        Just(json!({"type": "adaptive"})),
+    ];
+    (
+        proptest::sample::select(names),
+        prop_oneof![3 => plausible, 1 => any_json()],
+    )
+        .prop_map(|(n, v)| (n.to_string(), v))
+}
+
+/// A body for `/v1/messages`, `/v1/messages/count_tokens` or `/v1/responses`: a valid
+/// request with a few fields replaced.
+fn api_body(responses: bool) -> impl Strategy<Value = Value> {
+    let (base, names): (Value, &'static [&'static str]) = if responses {
+        (
+            json!({"model": MODEL, "input": "Say hi.", "max_output_tokens": 4, "temperature": 0}),
+            &[
+                "input",
+                "instructions",
+                "tools",
+                "tool_choice",
+                "store",
+                "previous_response_id",
+                "reasoning",
+                "include",
+                "prompt_cache_key",
+                "text",
+                "max_output_tokens",
+                "parallel_tool_calls",
+                "stream",
+                "metadata",
+                "unknown_field",
+            ],
+        )
+    } else {
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}],
+                   "max_tokens": 4, "temperature": 0}),
+            &[
+                "messages",
+                "system",
+                "tools",
+                "tool_choice",
+                "thinking",
+                "output_config",
+                "context_management",
+                "stop_sequences",
+                "metadata",
+                "max_tokens",
+                "stream",
+                "top_k",
+                "unknown_field",
+            ],
+        )
+    };
+    proptest::collection::vec(api_field(names), 0..4).prop_map(move |fields| {
+        let mut b = base.clone();
+        for (k, v) in fields {
+            b[k.as_str()] = v;
+        }
+        for k in ["max_tokens", "max_output_tokens"] {
+            if b[k].as_i64().is_some_and(|m| m > 64) {
+                b[k] = json!(64);
+            }
+        }
+        b
+    })
+}
+
 /// A body for a generation route: a valid request with a few fields replaced, or any
 /// JSON at all.
 fn generation_body() -> impl Strategy<Value = Value> {
@@ -210,6 +333,10 @@ enum Call {
     GetSession(usize),
     DeleteSession(usize),
     Flush,
+    Messages(Value),
+    CountTokens(Value),
+    Responses(Value),
+    GetResponse(String),
     Raw(String, Vec<u8>),
 }
 
@@ -223,8 +350,12 @@ fn call() -> impl Strategy<Value = Call> {
         1 => (0usize..4).prop_map(Call::GetSession),
         1 => (0usize..4).prop_map(Call::DeleteSession),
         1 => Just(Call::Flush),
+        4 => api_body(false).prop_map(Call::Messages),
+        1 => api_body(false).prop_map(Call::CountTokens),
+        4 => api_body(true).prop_map(Call::Responses),
+        1 => text().prop_map(Call::GetResponse),
         1 => (
-            proptest::sample::select(&["/v1/chat/completions", "/v1/completions", "/v1/sessions/x/directives", "/nope"][..]),
+            proptest::sample::select(&["/v1/chat/completions", "/v1/completions", "/v1/sessions/x/directives", "/v1/messages", "/v1/responses", "/nope"][..]),
             proptest::collection::vec(any::<u8>(), 0..64),
         )
             .prop_map(|(p, b)| Call::Raw(p.to_string(), b)),
@@ -320,6 +451,32 @@ impl Fuzzer {
                 self.send("delete session", "DELETE", &path, None)
             }
             Call::Flush => self.send("flush", "POST", "/v1/cache/flush", None),
+            Call::Messages(b) => self.send("messages", "POST", "/v1/messages", Some(&b)),
+            Call::CountTokens(b) => self.send(
+                "count_tokens",
+                "POST",
+                "/v1/messages/count_tokens",
+                Some(&b),
+            ),
+            Call::Responses(b) => self.send("responses", "POST", "/v1/responses", Some(&b)),
+            Call::GetResponse(id) => {
+                let id: String = id
+                    .bytes()
+                    .map(|c| {
+                        if c.is_ascii_alphanumeric() {
+                            c as char
+                        } else {
+                            '_'
+                        }
+                    })
+                    .collect();
+                self.send(
+                    "get response",
+                    "GET",
+                    &format!("/v1/responses/resp_{id}"),
+                    None,
+                )
+            }
             Call::Raw(path, bytes) => {
                 let r = request_to(self.addr, "POST", &path, None, Some(&bytes));
                 *self.statuses.entry(("raw", r.status)).or_default() += 1;
@@ -341,7 +498,7 @@ fn arbitrary_bodies_and_directive_batches_never_get_a_5xx() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0x1e71);
     // CI: a fixed number of cases; a timed run goes on until its time is up.
-    let ci_cases = 300;
+    let ci_cases = 400;
     let cfg = EngineConfig {
         prefill_chunk: 256,
         ..EngineConfig::new(3072)
