@@ -752,6 +752,8 @@ impl Engine {
             match outcome {
                 Ok(()) => {
                     self.metrics.add(&self.metrics.requests_finished, 1);
+                    let ttft_us = u64::try_from(usage.ttft.as_micros()).unwrap_or(u64::MAX);
+                    self.metrics.add(&self.metrics.ttft_us, ttft_us);
                     let tokens = r.tokens[..computed].to_vec();
                     let _ = (r.req.sink)(Event::Finished {
                         reason,

@@ -52,6 +52,9 @@ metrics! {
     prefilled_tokens,
     /// Tokens generated.
     generated_tokens,
+    /// Time to first token of finished requests, summed, in microseconds (divided by
+    /// `requests_finished`: the mean).
+    ttft_us,
     /// Keys rotated by AMORTIZE splices.
     rotated_tokens,
     /// AMORTIZE directives applied.

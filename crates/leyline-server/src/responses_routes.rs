@@ -220,7 +220,11 @@ impl Ctx {
         u: &leyline_engine::Usage,
         session: &Option<SessionRun>,
     ) -> Value {
-        let incomplete = finish_reason == "length";
+        // A reply cut after its calls is complete as far as the client goes: it has calls to
+        // run (Codex fails a turn on `incomplete`), as Anthropic's `tool_use` stop reason
+        // wins over `max_tokens`.
+        let called = out.items().iter().any(|i| i["type"] == "function_call");
+        let incomplete = finish_reason == "length" && !called;
         let mut r = self.skeleton.clone();
         r["status"] = json!(if incomplete {
             "incomplete"

@@ -142,12 +142,12 @@ impl ToolCallSplitter {
     pub fn finish(&mut self) -> Vec<Segment> {
         if self.may_be_bare() {
             let names = self.bare.as_deref().unwrap_or_default();
-            match parse_call(unfence(&self.held)) {
-                Some(Segment::Call { name, arguments }) if names.contains(&name) => {
+            match bare_calls(unfence(&self.held), names) {
+                Some(calls) => {
                     self.held.clear();
-                    return vec![Segment::Call { name, arguments }];
+                    return calls;
                 }
-                _ => {
+                None => {
                     self.released = true;
                     let mut out = self.release();
                     out.extend(self.finish());
@@ -209,6 +209,33 @@ fn unfence(text: &str) -> &str {
     }
 }
 
+/// A reply of untagged calls, as small models write them: one or more call objects (one a
+/// line, say) each naming one of `names`, perhaps ending in one cut short by the token limit,
+/// which is dropped. A call the same as the one before it is dropped too: a model that
+/// repeats its call until the limit asked for it once. `None` if anything else is there.
+fn bare_calls(text: &str, names: &[String]) -> Option<Vec<Segment>> {
+    let mut values = serde_json::Deserializer::from_str(text).into_iter::<Value>();
+    let mut calls: Vec<Segment> = Vec::new();
+    loop {
+        match values.next() {
+            None => break,
+            Some(Ok(v)) => match parse_call(&v.to_string()) {
+                Some(Segment::Call { name, arguments }) if names.contains(&name) => {
+                    let call = Segment::Call { name, arguments };
+                    if calls.last() != Some(&call) {
+                        calls.push(call);
+                    }
+                }
+                _ => return None,
+            },
+            // Only a call cut off at the end of the reply may be incomplete.
+            Some(Err(e)) if e.is_eof() && !calls.is_empty() => break,
+            Some(Err(_)) => return None,
+        }
+    }
+    (!calls.is_empty()).then_some(calls)
+}
+
 /// `{"name": "...", "arguments": {...}}` (also `parameters`, or arguments as a JSON string).
 fn parse_call(body: &str) -> Option<Segment> {
     let v: Value = serde_json::from_str(body.trim()).ok()?;
@@ -232,6 +259,40 @@ mod tests {
         Segment::Call {
             name: name.into(),
             arguments,
+        }
+    }
+
+    #[test]
+    fn several_untagged_calls_repeated_and_cut_at_the_limit_are_calls() {
+        let names = Some(vec!["exec_command".to_string(), "read".to_string()]);
+        let line = |c: &str| {
+            format!("{{\"name\": \"exec_command\", \"arguments\": {{\"cmd\": \"{c}\"}}}}")
+        };
+        let text = format!(
+            "{}\n{}\n{}\n{}",
+            line("ls"),
+            line("ls"),
+            line("cat a"),
+            &line("x")[..20]
+        );
+        assert_eq!(
+            ToolCallSplitter::split(&text, names.clone()),
+            vec![
+                call("exec_command", json!({"cmd": "ls"})),
+                call("exec_command", json!({"cmd": "cat a"}))
+            ]
+        );
+        // Not a call to an offered tool, text after the calls, or a cut first call: text.
+        let other = format!("{}\n{{\"name\": \"rm\", \"arguments\": {{}}}}", line("ls"));
+        let prose = format!("{}\nDone.", line("ls"));
+        for t in [other, prose, line("ls")[..20].to_string()] {
+            assert!(
+                matches!(
+                    &ToolCallSplitter::split(&t, names.clone())[..],
+                    [Segment::Text(_)]
+                ),
+                "{t}"
+            );
         }
     }
 
