@@ -165,15 +165,14 @@ async fn record(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Re
         }
         Err(e) => return e.into_response(),
     };
-    let resp = next.run(Request::from_parts(parts, body)).await;
     let mut line = json!({
         "seq": seq,
         "t": t,
         "method": "POST",
         "path": path,
         "headers": headers,
-        "status": resp.status().as_u16(),
-        "elapsed_s": arrived.elapsed().as_secs_f64(),
+        "status": Value::Null,
+        "elapsed_s": Value::Null,
         "key": key,
     });
     match recorded {
@@ -190,8 +189,43 @@ async fn record(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Re
             line["body_too_large"] = Value::Bool(true);
         }
     }
-    rec.write(&line);
+    let mut pending = Pending {
+        st: Arc::clone(&st),
+        line: Some(line),
+        arrived,
+    };
+    let resp = next.run(Request::from_parts(parts, body)).await;
+    pending.finish(Some(resp.status().as_u16()));
     resp
+}
+
+/// A request's line until it is written: at the response head, or, when the client goes
+/// away first (the handler's future is dropped), with `status: null` and `cancelled: true`,
+/// so that the replay still sends what the client sent.
+struct Pending {
+    st: Arc<AppState>,
+    line: Option<Value>,
+    arrived: Instant,
+}
+
+impl Pending {
+    fn finish(&mut self, status: Option<u16>) {
+        let (Some(mut line), Some(rec)) = (self.line.take(), self.st.recorder.as_ref()) else {
+            return;
+        };
+        line["status"] = json!(status);
+        line["elapsed_s"] = json!(self.arrived.elapsed().as_secs_f64());
+        if status.is_none() {
+            line["cancelled"] = Value::Bool(true);
+        }
+        rec.write(&line);
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.finish(None);
+    }
 }
 
 /// What a line keeps of a body.
