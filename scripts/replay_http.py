@@ -21,6 +21,17 @@ as `tool_use` / `tool_result` blocks) with server-side `clear_tool_uses_20250919
 never edits, the server clears old tool results and, on Leyline, splices the placeholders into
 the cached conversation; its TTFT column is its E2E (not streamed).
 
+`--recording FILE.jsonl` replays instead what `leyline serve --record DIR` wrote of a real
+client's session (Claude Code over `/v1/messages`, Codex over `/v1/responses`, or chat
+completions): every recorded request in order, its body as recorded except `stream: false`,
+`temperature: 0` where the API takes one, and optionally `--model` and a `--max-tokens` cap; its
+conversation headers as recorded, the key from `--api-key`. A turn is an edit turn when its
+messages (system and messages; instructions and input) are not an extension of the previous
+request's in the same conversation (the `x-claude-code-session-id` or `session-id` header, or
+`prompt_cache_key`; with the API and the model), cache markers aside. It prints a Markdown
+table of the turns, with the `leyline` object's `spliced` and `tokens_prefilled`, and writes
+them to --out.
+
 Only the standard library; prints a Markdown table and writes every request to --out.
 """
 
@@ -367,11 +378,241 @@ def resident_kv(url):
             "resident_kv_bytes": g["pool_used_slots"] * g["pool_slot_bytes"]}
 
 
+# --- Replaying `leyline serve --record` recordings -------------------------------------------
+
+#: Recorded paths (query aside) and the API each is.
+RECORDED_APIS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
+    "/v1/responses": "responses",
+}
+
+#: Headers naming a client's conversation, in the order the server reads them.
+CONVERSATION_HEADERS = ("x-claude-code-session-id", "session-id")
+
+
+def load_recording(path):
+    """The recorded requests of a `serve --record` file, in the order they arrived."""
+    with open(path) as f:
+        entries = [json.loads(line) for line in f if line.strip()]
+    return sorted(entries, key=lambda e: (e.get("seq", 0), e.get("t", 0.0)))
+
+
+def api_of(path):
+    """The API of a recorded path (`messages`, `responses`, ...), or None."""
+    return RECORDED_APIS.get(urllib.parse.urlsplit(path).path)
+
+
+def conversation_of(entry):
+    """The conversation a recorded request belongs to: (api, model, name), where the name is
+    its conversation header or `prompt_cache_key`; None when it names none."""
+    headers = {k.lower(): v for k, v in (entry.get("headers") or {}).items()}
+    body = entry.get("body") if isinstance(entry.get("body"), dict) else {}
+    name = next((headers[h] for h in CONVERSATION_HEADERS if headers.get(h)), None)
+    name = name or body.get("prompt_cache_key")
+    if not name:
+        return None
+    return api_of(entry.get("path", "")), body.get("model"), name
+
+
+def _plain(v):
+    """`v` without cache markers (`cache_control`, which clients move every turn), a lone
+    string content as one text block."""
+    if isinstance(v, dict):
+        out = {k: _plain(x) for k, x in v.items() if k != "cache_control"}
+        if isinstance(out.get("content"), str) and out.get("type") != "tool_result" \
+                and out.get("role") is not None:
+            out["content"] = [{"type": "text", "text": out["content"]}]
+        return out
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def items_of(api, body):
+    """The conversation a request body carries, as a list to compare by prefix: the system
+    prompt (or instructions) first, then the messages (or input items)."""
+    if not isinstance(body, dict):
+        return []
+    if api in ("messages", "count_tokens"):
+        system = body.get("system")
+        head = [{"system": _plain(system)}] if system else []
+        return head + _plain(body.get("messages") or [])
+    if api == "responses":
+        inp = body.get("input") or []
+        if isinstance(inp, str):
+            inp = [{"role": "user", "content": inp}]
+        head = [{"instructions": body["instructions"]}] if body.get("instructions") else []
+        return head + _plain(inp)
+    if api == "chat":
+        return _plain(body.get("messages") or [])
+    if api == "completions":
+        return [body.get("prompt")]
+    return []
+
+
+def extends(previous, current):
+    """Whether `current` starts with all of `previous` (the conversation only grew)."""
+    return len(current) >= len(previous) and current[: len(previous)] == previous
+
+
+def mark_edits(entries):
+    """Per recorded request: True when its conversation is not an extension of the previous
+    request's in the same conversation (an edit turn), False when it is, None for the first
+    request of a conversation and for requests that name none."""
+    last = {}
+    out = []
+    for e in entries:
+        conv = conversation_of(e)
+        api = api_of(e.get("path", ""))
+        if conv is None or api is None:
+            out.append(None)
+            continue
+        items = items_of(api, e.get("body"))
+        prev = last.get(conv)
+        out.append(None if prev is None else not extends(prev, items))
+        last[conv] = items
+    return out
+
+
+def replay_body(api, body, model=None, max_tokens=None):
+    """A recorded body as replayed: not streamed, greedy where the API takes a temperature,
+    optionally under another model id and with max tokens capped; otherwise as recorded."""
+    b = json.loads(json.dumps(body))
+    if model:
+        b["model"] = model
+    if api == "count_tokens":
+        return b
+    b["stream"] = False
+    b.pop("stream_options", None)
+    b["temperature"] = 0
+    if max_tokens is not None:
+        field = "max_output_tokens" if api == "responses" else "max_tokens"
+        b[field] = min(b.get(field) or max_tokens, max_tokens)
+    return b
+
+
+def replay_headers(recorded, api_key=None, header_mode=None):
+    """The headers of a replayed request: the recorded ones (conversation names, API
+    versions), JSON, the replay's key, and `X-Leyline-Mode` when asked."""
+    h = {k.lower(): v for k, v in (recorded or {}).items()
+         if k.lower() not in ("content-length", "authorization", "x-api-key", "host")}
+    h["content-type"] = "application/json"
+    if header_mode:
+        h["x-leyline-mode"] = header_mode
+    if api_key:
+        h["authorization"] = f"Bearer {api_key}"
+    return h
+
+
+def read_usage(api, r):
+    """(prompt tokens, cached tokens) of a response of `api`."""
+    u = r.get("usage") or {}
+    if api == "messages":
+        cached = u.get("cache_read_input_tokens") or 0
+        return (u.get("input_tokens") or 0) + cached + (u.get("cache_creation_input_tokens") or 0), cached
+    if api == "responses":
+        return u.get("input_tokens"), (u.get("input_tokens_details") or {}).get("cached_tokens")
+    if api == "count_tokens":
+        return r.get("input_tokens"), None
+    return u.get("prompt_tokens"), (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
+def replay_recording(args):
+    """Sends every recorded request in order; returns the turn records."""
+    entries = [e for e in load_recording(args.recording) if api_of(e.get("path", ""))]
+    edits = mark_edits(entries)
+    u = urllib.parse.urlparse(args.url)
+    base = u.path.rstrip("/")
+    records = []
+    for turn, (e, edit) in enumerate(zip(entries, edits)):
+        api = api_of(e["path"])
+        body = e.get("body")
+        if not isinstance(body, dict):
+            print(f"turn {turn}: recorded body is not JSON; skipped", file=sys.stderr)
+            continue
+        data = json.dumps(replay_body(api, body, args.model, args.max_tokens)).encode()
+        headers = replay_headers(e.get("headers"), args.api_key, args.header_mode)
+        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=args.timeout)
+        t0 = time.perf_counter()
+        conn.request("POST", base + e["path"], body=data, headers=headers)
+        resp = conn.getresponse()
+        raw = resp.read()
+        e2e = time.perf_counter() - t0
+        conn.close()
+        rec = {"turn": turn, "seq": e.get("seq"), "api": api, "status": resp.status,
+               "recorded_status": e.get("status"), "edit_turn": edit, "e2e_s": e2e,
+               "prompt_tokens": None, "cached_tokens": None, "tokens_prefilled": None,
+               "tokens_reused": None, "spliced": None}
+        try:
+            r = json.loads(raw)
+        except ValueError:
+            r = {}
+        if resp.status == 200 and isinstance(r, dict):
+            rec["prompt_tokens"], rec["cached_tokens"] = read_usage(api, r)
+            ley = r.get("leyline") or {}
+            for k in ("spliced", "tokens_prefilled", "tokens_reused"):
+                rec[k] = ley.get(k)
+            if ley:
+                rec["leyline"] = ley
+        else:
+            rec["error"] = raw.decode(errors="replace")[:500]
+        records.append(rec)
+        print(f"\rreplayed {turn + 1}/{len(entries)} requests", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return records
+
+
+def recording_table(records):
+    """The turns as a Markdown table."""
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        return str(v)
+
+    rows = ["| turn | api | status | prompt tokens | cached | prefilled | spliced | E2E s | edit? |",
+            "|---:|---|---:|---:|---:|---:|---|---:|---|"]
+    for r in records:
+        rows.append(f"| {r['turn']} | {r['api']} | {r['status']} | {cell(r['prompt_tokens'])} "
+                    f"| {cell(r['cached_tokens'])} | {cell(r['tokens_prefilled'])} "
+                    f"| {cell(r['spliced'])} | {r['e2e_s']:.3f} | {cell(r['edit_turn'])} |")
+    return "\n".join(rows)
+
+
+def main_recording(args):
+    records = replay_recording(args)
+    print(recording_table(records))
+    failed = [r for r in records if r["status"] != 200 and (r["recorded_status"] or 200) < 400]
+    summary = {
+        "requests": len(records),
+        "failed": len(failed),
+        "edit_turns": sum(1 for r in records if r["edit_turn"]),
+        "spliced_turns": sum(1 for r in records if r["spliced"]),
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in records),
+        "cached_tokens": sum(r["cached_tokens"] or 0 for r in records),
+        "tokens_prefilled": sum(r["tokens_prefilled"] or 0 for r in records),
+        "e2e_s": sum(r["e2e_s"] for r in records),
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "args": vars(args), "turns": records}, f, indent=1)
+    if failed:
+        sys.exit("requests failed:\n" + "\n".join(
+            f"turn {r['turn']} ({r['api']}): HTTP {r['status']}: {r.get('error', '')}" for r in failed))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    ap.add_argument("--label", required=True, help="name of this arm in the table")
-    ap.add_argument("--traces", required=True, help="JSONL trajectories (data/traces/)")
+    ap.add_argument("--url", "--base", dest="url", required=True,
+                    help="server base URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--label", help="name of this arm in the table (trajectory mode)")
+    ap.add_argument("--traces", help="JSONL trajectories (data/traces/)")
+    ap.add_argument("--recording", help="replay this `leyline serve --record` file instead")
+    ap.add_argument("--api-key", help="--recording: the Bearer key to send")
     ap.add_argument("--arm", choices=["plain", "session", "messages"], default="plain")
     ap.add_argument("--clear-trigger", type=int, default=3,
                     help="--arm messages: clear_tool_uses trigger, in tool uses")
@@ -383,16 +624,24 @@ def main():
         choices=["amortize", "forget", "prefix"],
         help="X-Leyline-Mode header on every request (prefix: no implicit splices)",
     )
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", help="model id to send (default: smollm2-135m; --recording: as recorded)")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--max-turns", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int,
+                    help="max tokens per request (default 8; --recording: a cap, default as recorded)")
     ap.add_argument("--older-than", type=int, default=2, help="truncate_tool_outputs:N")
     ap.add_argument("--no-policy", action="store_true", help="send the history as recorded")
     ap.add_argument("--concurrency", type=int, default=1, help="sessions in flight at once")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    ap.add_argument("--out", required=True, help="JSON file for the records and the summary")
+    ap.add_argument("--out", help="JSON file for the records and the summary")
     args = ap.parse_args()
+    if args.recording:
+        return main_recording(args)
+    for need in ("label", "traces", "out"):
+        if getattr(args, need) is None:
+            ap.error(f"--{need} is required (or give --recording)")
+    args.model = args.model or "smollm2-135m"
+    args.max_tokens = 8 if args.max_tokens is None else args.max_tokens
     if args.no_policy:
         args.older_than = None
 

@@ -25,6 +25,7 @@ mod handler;
 mod messages;
 pub mod metrics;
 pub mod openai;
+mod record;
 pub mod responses;
 pub mod responses_output;
 mod responses_routes;

@@ -47,7 +47,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/messages/count_tokens",
             post(crate::messages::count_tokens),
         )
-        .merge(crate::responses_routes::router(&state))
+        .merge(crate::responses_routes::router(&state));
+    let guarded = crate::record::layer(guarded, &state)
         .route_layer(from_fn_with_state(Arc::clone(&state), require_key));
     Router::new()
         .route("/health", get(health))

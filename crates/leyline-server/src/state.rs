@@ -64,6 +64,9 @@ pub struct ServerConfig {
     /// Most responses kept for `previous_response_id` and `GET /v1/responses/{id}`
     /// (`store: true`; the least recently used goes first; 0 keeps none).
     pub responses_store: usize,
+    /// A directory to record every generation request in (`serve --record DIR`): one JSON
+    /// line per request, the body as sent and the headers a replay needs, never API keys.
+    pub record: Option<std::path::PathBuf>,
 }
 
 impl ServerConfig {
@@ -90,6 +93,7 @@ impl ServerConfig {
             implicit_splices: true,
             session_header: true,
             responses_store: 256,
+            record: None,
         }
     }
 }
@@ -118,6 +122,8 @@ pub struct AppState {
     /// Whether the chat template renders a `system` message after the first one at its
     /// place (ChatML's do); when not, such a message joins the next user message.
     pub(crate) mid_system: bool,
+    /// The open recording (`record`).
+    pub(crate) recorder: Option<crate::record::Recorder>,
 }
 
 impl AppState {
@@ -126,7 +132,8 @@ impl AppState {
     /// Blocks briefly on the engine (one call between steps) to read its limits.
     ///
     /// # Errors
-    /// The engine has stopped, or an API key is empty.
+    /// The engine has stopped, an API key is empty, or the `record` directory or its file
+    /// cannot be created.
     pub fn new(config: ServerConfig, engine: EngineHandle, lm: LoadedModel) -> Result<Arc<Self>> {
         crate::auth::check_keys(&config.api_keys)?;
         let (max_sequence_len, context_length, vocab_size) = engine.call(|e: &mut Engine| {
@@ -146,6 +153,11 @@ impl AppState {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let mid_system = lm.chat.as_ref().is_some_and(renders_mid_system);
+        let recorder = config
+            .record
+            .as_deref()
+            .map(crate::record::Recorder::open)
+            .transpose()?;
         Ok(Arc::new(Self {
             config,
             engine,
@@ -164,6 +176,7 @@ impl AppState {
             abort: watch::channel(false).0,
             created,
             mid_system,
+            recorder,
         }))
     }
 

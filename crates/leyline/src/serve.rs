@@ -112,6 +112,13 @@ pub struct ServeArgs {
     /// result and costs prefill.
     #[arg(long, default_value = "0")]
     repair: leyline_core::Repair,
+    /// Record every generation request (chat, completions, messages, count_tokens,
+    /// responses) to DIR/<unix-ms-at-start>.jsonl, one JSON line each, for
+    /// `scripts/replay_http.py --recording`. API keys are never written, but the lines hold
+    /// the client's prompts, file contents and tool texts as sent: keep recordings out of
+    /// repositories and treat them as private.
+    #[arg(long, value_name = "DIR")]
+    record: Option<std::path::PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -191,6 +198,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     cfg.implicit_splices = a.implicit_splices && a.max_conversations > 0;
     cfg.session_header = a.session_header == "session";
     cfg.responses_store = a.responses_store;
+    cfg.record = a.record;
     cfg.sessions = leyline_server::sessions::SessionLimits {
         max: a.max_sessions.max(1),
         idle_timeout: std::time::Duration::from_secs(a.session_idle_timeout),
