@@ -247,6 +247,10 @@ def claude_code_shapes():
     u2 = r2.usage
     total2 = u2.input_tokens + u2.cache_read_input_tokens + u2.cache_creation_input_tokens
     check(u2.cache_read_input_tokens >= 0.8 * total2, f"continued turn read from the cache: {u2}")
+    # The same conversation key under another API key reaches nothing of this one.
+    B = anthropic.Anthropic(base_url=BASE, api_key=KEY_B, max_retries=0, timeout=300)
+    rb = B.beta.messages.create(**{**body, "messages": msgs2})
+    check(rb.usage.cache_read_input_tokens == 0, f"another key's conversation stays apart: {rb.usage}")
     # The same history without the mid-conversation system message is a different prompt.
     n2 = A.messages.count_tokens(model=MODEL, system=system,
                                  messages=[m for m in msgs if m["role"] != "system"])
