@@ -162,6 +162,29 @@ fn text_or_text_blocks(v: &Value, at: &str) -> Result<(String, bool)> {
     }
 }
 
+/// What Claude Code puts first in `system`: a text block `x-anthropic-billing-header: ...`,
+/// metadata for Anthropic's billing whose hash changes with the conversation's first
+/// message. Rendered, it would change the prompt's first tokens with every new conversation
+/// and compaction, and no prefix would ever be shared; it says nothing to the model, so it
+/// is left out (only as the first block, and only with that prefix).
+const BILLING_HEADER: &str = "x-anthropic-billing-header:";
+
+fn without_billing_header(system: &Value) -> std::borrow::Cow<'_, Value> {
+    match system.as_array() {
+        Some(blocks)
+            if blocks.first().is_some_and(|b| {
+                b.get("type").and_then(Value::as_str) == Some("text")
+                    && b.get("text")
+                        .and_then(Value::as_str)
+                        .is_some_and(|t| t.starts_with(BILLING_HEADER))
+            }) =>
+        {
+            std::borrow::Cow::Owned(Value::Array(blocks[1..].to_vec()))
+        }
+        _ => std::borrow::Cow::Borrowed(system),
+    }
+}
+
 /// A request's messages as the template renders them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Converted {
@@ -184,7 +207,7 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Converted> {
     let mut out = Vec::with_capacity(req.messages.len() + 1);
     let mut cached_messages = None;
     if let Some(sys) = &req.system {
-        let (text, marked) = text_or_text_blocks(sys, "system")?;
+        let (text, marked) = text_or_text_blocks(&without_billing_header(sys), "system")?;
         if !text.is_empty() {
             out.push(ChatMessage::new("system", text));
         }
@@ -672,6 +695,14 @@ mod tests {
             ]
         }));
         let c = to_chat(&r).unwrap();
+        // Claude Code's billing metadata, first in `system`, never reaches the prompt.
+        let mut billed = r.clone();
+        billed.system = Some(json!([
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.b5f; cc_entrypoint=sdk-cli;"},
+            {"type": "text", "text": "S"},
+            {"type": "text", "text": "T", "cache_control": {"type": "ephemeral"}}
+        ]));
+        assert_eq!(to_chat(&billed).unwrap(), c);
         let got: Vec<(&str, &str)> = c
             .chat
             .iter()

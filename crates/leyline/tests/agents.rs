@@ -73,7 +73,14 @@ fn start_server(dir: &Path) -> Server {
             "--kv-slots",
             "40000",
         ])
-        .args(["--temperature", "0", "--seed", "1", "--max-output-tokens", "256"])
+        .args([
+            "--temperature",
+            "0",
+            "--seed",
+            "1",
+            "--max-output-tokens",
+            "256",
+        ])
         .arg("--record")
         .arg(&record)
         .stdout(Stdio::null())
