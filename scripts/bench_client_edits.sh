@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Replays recorded client sessions (`leyline serve --record`) against a fresh server per run,
+# in alternated pairs of arms: `default` (implicit splices) and `prefix` (X-Leyline-Mode:
+# prefix, the prefix cache alone). Prints, per recording, the median over the pairs of each
+# edit turn's prompt, cached and prefilled tokens and E2E seconds per arm, the per-pair
+# ratio default / prefix, and the turn's fresh-token floor (the tokens of the messages the
+# previous request of the conversation did not hold, counted by the server's tokenizer,
+# with ChatML's 5 framing tokens each and the 3 of the generation prompt).
+#
+#   scripts/bench_client_edits.sh [--pairs N] [--model NAME] RECORDING.jsonl...
+#
+# Recordings of Claude Code or Codex hold their vendors' prompts: keep them out of the
+# repository (make them as BENCHMARKS.md "Claude Code and Codex" says).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+pairs=5
+model=qwen2.5-coder-0.5b
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --pairs) pairs=$2; shift 2 ;;
+        --model) model=$2; shift 2 ;;
+        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) break ;;
+    esac
+done
+[[ $# -ge 1 ]] || { echo "usage: $0 [--pairs N] [--model NAME] RECORDING.jsonl..." >&2; exit 2; }
+
+bin=target/release/leyline
+[[ -x $bin ]] || cargo build --release -p leyline
+out=$(mktemp -d)
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+base=http://127.0.0.1:$port
+pid=
+stop() { [[ -n $pid ]] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true; pid=; }
+trap stop EXIT
+start() {
+    "$bin" serve --model "$model" --addr "127.0.0.1:$port" --kv-slots 40000 \
+        --max-output-tokens 256 > "$out/serve.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 600); do curl -sf "$base/health" > /dev/null && return; sleep 0.2; done
+    echo "the server did not start: $out/serve.log" >&2; exit 1
+}
+
+for i in $(seq 1 "$pairs"); do
+    for rec in "$@"; do
+        name=$(basename "$rec" .jsonl)
+        for arm in default prefix; do
+            start
+            header=()
+            [[ $arm == prefix ]] && header=(--header-mode prefix)
+            echo "pair $i: $name, $arm" >&2
+            python3 scripts/replay_http.py --recording "$rec" --base "$base" "${header[@]}" \
+                --out "$out/$name-$arm-$i.json" > /dev/null
+            stop
+        done
+    done
+done
+
+start
+python3 - "$out" "$base" "$pairs" "$@" <<'EOF'
+import json, statistics, sys, urllib.request
+out, base, pairs, recs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+
+def tokens(text):
+    body = json.dumps({"model": MODEL, "prompt": text or " ", "max_tokens": 1}).encode()
+    req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req))["usage"]["prompt_tokens"]
+
+def messages(body):
+    """(role, text) of a recorded request's messages or input items."""
+    items = body.get("messages") or body.get("input") or []
+    if isinstance(items, str):
+        return [("user", items)]
+    out = []
+    for m in items:
+        c = m.get("content", m.get("output", m.get("arguments", "")))
+        if isinstance(c, list):
+            c = "\n".join(p.get("text", "") or json.dumps(p) for p in c if isinstance(p, dict))
+        out.append((m.get("role", m.get("type")), c if isinstance(c, str) else json.dumps(c)))
+    return out
+
+MODEL = json.loads(open(recs[0]).readline())["body"]["model"]
+for rec in recs:
+    name = rec.rsplit("/", 1)[-1][: -len(".jsonl")]
+    lines = [json.loads(l) for l in open(rec)]
+    runs = {arm: [json.load(open(f"{out}/{name}-{arm}-{i}.json"))["turns"] for i in range(1, pairs + 1)]
+            for arm in ("default", "prefix")}
+    print(f"\n{name}: {pairs} pairs, medians (per-pair ratio default / prefix)\n")
+    print("| turn | floor | arm | prompt | cached | prefilled | prefilled / floor | spliced | E2E s |")
+    print("|---:|---:|---|---:|---:|---:|---:|---|---:|")
+    for t, turn in enumerate(runs["default"][0]):
+        if not turn.get("edit_turn"):
+            continue
+        seen = set(messages(lines[t - 1]["body"])) if t else set()
+        floor = 3 + sum(5 + tokens(text) for role, text in messages(lines[t]["body"]) if (role, text) not in seen)
+        e2e = {}
+        for arm in ("default", "prefix"):
+            col = lambda k: statistics.median(r[t][k] for r in runs[arm])
+            e2e[arm] = [r[t]["e2e_s"] for r in runs[arm]]
+            spliced = sum(bool(r[t]["spliced"]) for r in runs[arm])
+            print(f"| {t} | {floor} | {arm} | {col('prompt_tokens'):.0f} | {col('cached_tokens'):.0f} | "
+                  f"{col('tokens_prefilled'):.0f} | {col('tokens_prefilled') / floor:.2f} | {spliced}/{pairs} | "
+                  f"{col('e2e_s'):.3f} |")
+        ratios = [d / p for d, p in zip(e2e["default"], e2e["prefix"])]
+        print(f"| {t} | | default / prefix E2E | | | | | | {statistics.median(ratios):.2f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+EOF
