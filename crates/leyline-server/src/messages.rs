@@ -354,9 +354,6 @@ impl Blocks {
     }
 }
 
-/// How often a stream that has nothing else to send pings.
-const PING_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
-
 fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
     let Started {
         mut rx,
@@ -397,10 +394,11 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
                 blocks.push(s, &mut events);
             }
         }
-        // Until the first token, a ping every few seconds: a long prefill must not look
-        // like a dead connection to a client's idle timer.
-        let mut ping =
-            tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
+        // A ping after every `stream_keepalive` without an event: a long prefill (or a tool
+        // call held back until it is whole) must not look like a dead connection to a
+        // client's idle timer.
+        let every = st.config.stream_keepalive;
+        let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         'run: loop {
             for e in events.drain(..) {
                 if tx.send(Ok(e)).await.is_err() {
@@ -419,7 +417,7 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
                 ))),
                 _ = tx.closed() => break,
             };
-            ping.reset_after(PING_EVERY);
+            ping.reset_after(every);
             match piece {
                 Some(Piece::Text(t)) => {
                     let segments = if ctx.tool_names.is_some() {

@@ -31,11 +31,6 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-/// After this long without an event (a long prefill before the first token, or a tool call
-/// held back until it is whole), a stream sends `response.in_progress`, so clients' idle
-/// timers (which count events, not SSE comments) do not give up.
-const KEEPALIVE: Duration = Duration::from_secs(10);
-
 /// The routes, with the response store (`ServerConfig::responses_store` entries) they share.
 pub(crate) fn router(st: &Arc<AppState>) -> Router<Arc<AppState>> {
     let store = Arc::new(ResponseStore::new(st.config.responses_store));
@@ -302,7 +297,16 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
     st.metrics.streams_open.fetch_add(1, Ordering::Relaxed);
     tokio::spawn(async move {
         let _permit = permit;
-        if !pump(ctx, rx, session, st.abort.subscribe(), tx, KEEPALIVE).await {
+        if !pump(
+            ctx,
+            rx,
+            session,
+            st.abort.subscribe(),
+            tx,
+            st.config.stream_keepalive,
+        )
+        .await
+        {
             st.metrics.stream_errors.fetch_add(1, Ordering::Relaxed);
         }
         st.metrics.streams_open.fetch_sub(1, Ordering::Relaxed);

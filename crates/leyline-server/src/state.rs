@@ -31,6 +31,10 @@ pub struct ServerConfig {
     pub default_temperature: Option<f64>,
     /// Sampler seed of requests that set none (random per request when `None`).
     pub default_seed: Option<u64>,
+    /// How long a Messages or Responses stream stays without an event before it sends the
+    /// API's own keep-alive (`ping`, `response.in_progress`): clients' idle timers see
+    /// those, not SSE comments.
+    pub stream_keepalive: Duration,
     /// Largest request body in bytes.
     pub max_body_bytes: usize,
     /// Most generation requests in flight; more are refused with 429.
@@ -80,6 +84,7 @@ impl ServerConfig {
             max_output_tokens: None,
             default_temperature: None,
             default_seed: None,
+            stream_keepalive: Duration::from_secs(5),
             max_body_bytes: 4 << 20,
             max_concurrent: 64,
             default_max_tokens: 512,

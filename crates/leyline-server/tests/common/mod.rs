@@ -31,6 +31,8 @@ pub fn server() -> SocketAddr {
             sc.max_body_bytes = BODY_LIMIT;
             sc.default_max_tokens = 16;
             sc.aliases = vec![format!("{MODEL}-alias")];
+            // Keep-alive events show within a short prefill.
+            sc.stream_keepalive = Duration::from_millis(200);
         })
     })
 }

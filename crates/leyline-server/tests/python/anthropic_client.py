@@ -79,6 +79,23 @@ def streamed(expected_text):
           f"final usage from message_delta: {final.usage}")
 
 
+def pings_during_a_long_prefill():
+    """The test server pings after 200 ms without an event; a 4K-token prefill takes longer.
+    Read as raw SSE: the SDK drops ping events before its caller sees them."""
+    import json
+    import urllib.request
+    long = " ".join(f"item {i}," for i in range(600))
+    body = {"model": MODEL, "max_tokens": 4, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": long + " Which item came first?"}]}
+    req = urllib.request.Request(BASE + "/v1/messages", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "x-api-key": KEY_A})
+    kinds = [line[len(b"event: "):].strip().decode()
+             for line in urllib.request.urlopen(req, timeout=300) if line.startswith(b"event: ")]
+    check("content_block_start" in kinds, f"the stream answered: {kinds}")
+    pings = kinds[: kinds.index("content_block_start")].count("ping")
+    check(pings >= 3, f"pings before the first token of a long prefill: {kinds}")
+
+
 def stop_sequence():
     msgs = [{"role": "user", "content": "Write a sentence about the sea."}]
     r = A.messages.create(model=MODEL, max_tokens=32, messages=msgs, extra_body=GREEDY,
@@ -286,6 +303,7 @@ def forced_tool_call():
 text = plain_and_cached()
 claude_code_shapes()
 streamed(text)
+pings_during_a_long_prefill()
 stop_sequence()
 tool_blocks_in_history()
 session_edit()
