@@ -2,7 +2,37 @@
 
 Run by tests/anthropic_client.rs:
     python3 anthropic_client.py BASE_URL MODEL KEY_A KEY_B
-Exits non-zero with a message on the first failed check.
+Exits non-zero with a message on the first failed check. tests/qwen_tools.rs covers the
+rest on a model whose template renders tools (tool_use round trips, tool_choice any / tool
+forcing a call).
+
+Coverage (field or behaviour x check):
+| field / behaviour                            | check                                            |
+|----------------------------------------------|--------------------------------------------------|
+| system, messages, usage with cache reads     | plain_and_cached                                 |
+| stream=True, event order                     | streamed                                         |
+| ping keep-alive during a long prefill        | pings_during_a_long_prefill (raw SSE)            |
+| stop_sequences                               | stop_sequence                                    |
+| tool_use / tool_result blocks in history     | tool_blocks_in_history                           |
+| session_id, leyline.mode in the body         | session_edit                                     |
+| context_management clear_tool_uses_20250919  | context_editing: cleared, spliced                |
+| system messages inside messages              | claude_code_shapes: rendered (count_tokens       |
+|                                              |   differs without them)                          |
+| thinking / redacted_thinking blocks          | claude_code_shapes: accepted, none returned      |
+| thinking adaptive, output_config.effort,     | claude_code_shapes: accepted; errors: malformed  |
+|   metadata, max_tokens 32000                 |   thinking named                                 |
+| clear_thinking_20251015                      | claude_code_shapes: applied_edits reported       |
+| cache_control on system, tool and user       | claude_code_shapes: usage input + cache read +   |
+|   blocks                                     |   cache creation add up, split at the breakpoint |
+| POST /v1/messages/count_tokens               | claude_code_shapes: equals the prompt            |
+| server tools (web_search_*)                  | claude_code_shapes: leyline.unsupported_tools    |
+| X-Claude-Code-Session-Id                     | claude_code_shapes: continued turn cached >= 80%;|
+|                                              |   under another key nothing cached               |
+| --served-model-name aliases, /v1/models      | claude_code_shapes: alias served, listed         |
+| unknown fields, tool_choice without tools,   | errors: 400 invalid_request_error naming the     |
+|   image blocks, tool_result without id       |   field                                          |
+| prompt over the context                      | errors: "prompt is too long: N tokens > M"       |
+| bad key, unknown model                       | errors: authentication_error, not_found_error    |
 """
 
 import sys
