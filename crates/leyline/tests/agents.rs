@@ -3,7 +3,7 @@
 //! that must read at least 90% of its prompt from the cache with a time to first token at
 //! most 0.1x the first turn's, and a turn in which the model calls a tool, the client runs
 //! it and sends the result back. The clients come from npm at the versions
-//! `scripts/test-clients/package.json` pins; `scripts/test` (the README's test command)
+//! `scripts/test-clients/package.json` pins; `scripts/test-env` (the README's test command)
 //! installs them under `target/test-env/node` and puts them on PATH. A missing client fails
 //! the test with that instruction; nothing is skipped.
 //!
@@ -159,7 +159,7 @@ fn client(name: &str) -> &str {
         .is_ok_and(|o| o.status.success());
     assert!(
         ok,
-        "`{name}` is not on PATH: run the tests with scripts/test, which installs Claude Code \
+        "`{name}` is not on PATH: run the tests under scripts/test-env (the README's test command), which installs Claude Code \
          and Codex (scripts/test-clients/package.json) under target/test-env/node"
     );
     name
