@@ -16,8 +16,9 @@ use serde_json::{json, Value};
 /// no reasoning format: they return no thinking blocks), `cache_control` on any block (the
 /// prefix cache and implicit splices reuse KV without being asked; the breakpoints only split
 /// `usage`), `disable_parallel_tool_use`, server tools such as `web_search_*` (not offered to
-/// the model; named in `leyline.unsupported_tools`).
-pub const MESSAGES_FIELDS: [&str; 19] = [
+/// the model; named in `leyline.unsupported_tools`). Leyline's own fields
+/// ([`crate::openai::LEYLINE_FIELDS`]) come on top.
+pub const MESSAGES_FIELDS: [&str; 16] = [
     "model",
     "max_tokens",
     "messages",
@@ -34,9 +35,6 @@ pub const MESSAGES_FIELDS: [&str; 19] = [
     "thinking",
     "output_config",
     "service_tier",
-    "session_id",
-    "leyline",
-    "cache_salt",
 ];
 
 /// `POST /v1/messages` (Leyline's own fields, `session_id`, `leyline` and `cache_salt`, are
@@ -85,23 +83,6 @@ pub struct MessagesRequest {
     /// `{"effort": ...}`; checked, no effect.
     #[serde(default)]
     pub output_config: Option<Value>,
-}
-
-/// Refuses a top-level field of `body` that `known` does not list, naming it.
-///
-/// # Errors
-/// A 400 whose `param` is the first unknown field.
-pub fn refuse_unknown_fields(body: &Value, known: &[&str]) -> Result<()> {
-    let Some(obj) = body.as_object() else {
-        return Ok(());
-    };
-    match obj.keys().find(|k| !known.contains(&k.as_str())) {
-        None => Ok(()),
-        Some(k) => Err(ServerError::invalid(
-            k,
-            format!("`{k}` is not supported by this server; leave it out"),
-        )),
-    }
 }
 
 fn text_of(v: &Value, at: &str) -> Result<String> {
@@ -583,6 +564,7 @@ pub fn usage(u: &leyline_engine::Usage, breakpoint: Option<usize>) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::handler::refuse_unknown_fields;
 
     fn req(v: Value) -> MessagesRequest {
         serde_json::from_value(v).unwrap()
@@ -786,13 +768,14 @@ mod tests {
     #[test]
     fn unknown_fields_and_malformed_reasoning_fields_are_named() {
         let body = json!({"model": "m", "max_tokens": 1, "messages": [], "mcp_servers": []});
-        let e = refuse_unknown_fields(&body, &MESSAGES_FIELDS).unwrap_err();
+        let known = [&MESSAGES_FIELDS[..], &crate::openai::LEYLINE_FIELDS];
+        let e = refuse_unknown_fields(&body, &known).unwrap_err();
         assert_eq!(e.body()["error"]["param"], "mcp_servers");
         let claude_code = json!({"model": "m", "max_tokens": 32000, "messages": [],
             "thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "high"},
             "metadata": {"user_id": "u"}, "stream": true,
             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}});
-        refuse_unknown_fields(&claude_code, &MESSAGES_FIELDS).unwrap();
+        refuse_unknown_fields(&claude_code, &known).unwrap();
         check_reasoning_fields(&req(claude_code)).unwrap();
         for (field, value, param) in [
             (

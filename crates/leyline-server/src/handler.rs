@@ -78,6 +78,27 @@ pub(crate) fn parse<T: DeserializeOwned>(v: &Value) -> Result<T> {
     })
 }
 
+/// Refuses a top-level field of `body` that none of the `known` lists holds, naming it: an
+/// API that is strict about its fields never serves a request with part of it ignored.
+///
+/// # Errors
+/// A 400 whose `param` is the first unknown field.
+pub(crate) fn refuse_unknown_fields(body: &Value, known: &[&[&str]]) -> Result<()> {
+    let Some(obj) = body.as_object() else {
+        return Ok(());
+    };
+    match obj
+        .keys()
+        .find(|k| !known.iter().any(|list| list.contains(&k.as_str())))
+    {
+        None => Ok(()),
+        Some(k) => Err(ServerError::invalid(
+            k,
+            format!("`{k}` is not supported by this server; leave it out"),
+        )),
+    }
+}
+
 /// Runs `f` on the engine thread without blocking the async workers.
 pub(crate) async fn engine_call<T: Send + 'static>(
     st: &AppState,

@@ -49,7 +49,6 @@ pub(crate) async fn messages(
 
 /// A Messages request read and checked, up to its rendered prompt.
 struct Prepared {
-    req: MessagesRequest,
     fields: GenerationFields,
     gen: crate::openai::Generation,
     prompt: Vec<u32>,
@@ -79,7 +78,10 @@ async fn prepare(
             o.entry("max_tokens").or_insert(json!(1));
         }
     }
-    anthropic::refuse_unknown_fields(&v, &anthropic::MESSAGES_FIELDS)?;
+    crate::handler::refuse_unknown_fields(
+        &v,
+        &[&anthropic::MESSAGES_FIELDS, &crate::openai::LEYLINE_FIELDS],
+    )?;
     let req: MessagesRequest = parse(&v)?;
     let extra: LeylineFields = parse(&v)?;
     st.check_model(&req.model)?;
@@ -142,12 +144,18 @@ async fn prepare(
         (anthropic::ToolChoice::Tool(name), _) => Some(crate::toolcall::forced_opening(Some(name))),
         _ => None,
     };
-    let breakpoint_chat = cached_messages.map(|n| chat[..n.min(chat.len())].to_vec());
+    // A breakpoint on the last message (Claude Code's) ends where the generation prompt
+    // starts, which the message bounds give when the request has them; otherwise the
+    // messages up to it are rendered a second time to count them.
+    let all_messages = chat.len();
+    let breakpoint_chat = cached_messages.map(|n| chat[..n.min(all_messages)].to_vec());
     let offered = tools.offered.clone();
     let (mut prompt, bounds) = st.render_chat(chat, offered.clone(), &mut fields).await?;
-    let breakpoint_tokens = match breakpoint_chat {
-        Some(part) => Some(st.count_rendered(part, offered).await?.min(prompt.len())),
-        None => None,
+    let messages_end = bounds.as_ref().and_then(|b| b.last().copied());
+    let breakpoint_tokens = match (breakpoint_chat, messages_end) {
+        (None, _) => None,
+        (Some(part), Some(end)) if part.len() == all_messages => Some(end),
+        (Some(part), _) => Some(st.count_rendered(part, offered).await?.min(prompt.len())),
     };
     if let Some(open) = &forced {
         let open = open.clone();
@@ -157,7 +165,6 @@ async fn prepare(
         prompt.extend(ids);
     }
     Ok(Prepared {
-        req,
         fields,
         gen,
         prompt,
@@ -186,7 +193,6 @@ async fn handle(
         breakpoint_tokens: p.breakpoint_tokens,
         forced: p.forced,
     };
-    let _ = p.req;
     if p.gen.stream {
         Ok(stream(st, ctx, started).into_response())
     } else {
@@ -225,11 +231,9 @@ struct Ctx {
 impl Ctx {
     /// The `leyline` object, with the server tools that were not offered.
     fn leyline(&self, usage: &leyline_engine::Usage, session: &Option<SessionRun>) -> Value {
-        let mut v = serde_json::to_value(report(usage, session)).unwrap_or_else(|_| json!({}));
-        if !self.unsupported_tools.is_empty() {
-            v["unsupported_tools"] = json!(self.unsupported_tools);
-        }
-        v
+        let mut r = report(usage, session);
+        r.unsupported_tools = self.unsupported_tools.iter().map(|n| json!(n)).collect();
+        json!(r)
     }
 }
 

@@ -63,6 +63,9 @@ impl CacheMode {
     }
 }
 
+/// Leyline's own top-level request fields, the same on every API.
+pub const LEYLINE_FIELDS: [&str; 3] = ["leyline", "session_id", "cache_salt"];
+
 /// Leyline's own request options (`extra_body={"leyline": {...}}` in OpenAI clients).
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 pub struct LeylineOptions {
@@ -541,6 +544,10 @@ pub struct LeylineReport {
     /// With `leyline.context_management` in the request: `{"applied_edits": [...]}`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context_management: Option<Value>,
+    /// Tools the request listed that the model was not offered, since this server does not
+    /// run them (Anthropic's server tools by name, OpenAI's hosted tools as sent).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unsupported_tools: Vec<Value>,
 }
 
 /// An assistant message in a response.

@@ -62,9 +62,6 @@ pub const NO_EFFECT_FIELDS: [&str; 12] = [
     "top_logprobs",
 ];
 
-/// Leyline's own fields, as on the other APIs.
-pub const LEYLINE_FIELDS: [&str; 3] = ["leyline", "session_id", "cache_salt"];
-
 /// `tool_choice`: what this server can honour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ToolChoice {
@@ -154,17 +151,14 @@ impl ResponsesRequest {
         let obj = v
             .as_object()
             .ok_or_else(|| ServerError::bad_request("the request body must be a JSON object"))?;
-        for k in obj.keys() {
-            let known = APPLIED_FIELDS.contains(&k.as_str())
-                || NO_EFFECT_FIELDS.contains(&k.as_str())
-                || LEYLINE_FIELDS.contains(&k.as_str());
-            if !known {
-                return Err(refuse(
-                    k,
-                    "this server does not support this parameter; leave it out",
-                ));
-            }
-        }
+        crate::handler::refuse_unknown_fields(
+            v,
+            &[
+                &APPLIED_FIELDS,
+                &NO_EFFECT_FIELDS,
+                &crate::openai::LEYLINE_FIELDS,
+            ],
+        )?;
         check_no_effect(obj)?;
         let model: String =
             field(obj, "model")?.ok_or_else(|| refuse("model", "a model is required"))?;

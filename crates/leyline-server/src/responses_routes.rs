@@ -231,11 +231,9 @@ impl Ctx {
         }
         r["output"] = json!(out.items());
         r["usage"] = usage(u);
-        let mut leyline = serde_json::to_value(report(u, session)).unwrap_or(Value::Null);
-        if !self.unsupported.is_empty() {
-            leyline["unsupported_tools"] = json!(self.unsupported);
-        }
-        r["leyline"] = leyline;
+        let mut leyline = report(u, session);
+        leyline.unsupported_tools = self.unsupported.clone();
+        r["leyline"] = json!(leyline);
         if let Some((store, owner, mut conversation)) = self.keep.take() {
             // Output items are input items: they convert as the next request's would.
             if let Ok(reply) = input_to_chat(&json!(out.items())) {

@@ -235,7 +235,7 @@ impl AppState {
     /// off the async workers, with message bounds when the request runs in a session.
     pub(crate) async fn render_chat(
         self: &Arc<Self>,
-        mut chat: Vec<leyline_model::chat::ChatMessage>,
+        chat: Vec<leyline_model::chat::ChatMessage>,
         tools: Option<Vec<Value>>,
         fields: &mut GenerationFields,
     ) -> Result<(Vec<u32>, Option<Vec<usize>>)> {
@@ -246,6 +246,30 @@ impl AppState {
             .map(|m| m.content.as_ref().map_or(0, String::len))
             .sum();
         self.check_prompt_size(chat.len(), text_bytes)?;
+        let in_session = crate::submit::CachePlan::of(self, fields).needs_bounds();
+        self.render(chat, tools, true, in_session).await
+    }
+
+    /// Tokens of `chat` rendered without a generation prompt (as the start of a longer
+    /// conversation), with `tools`.
+    pub(crate) async fn count_rendered(
+        self: &Arc<Self>,
+        chat: Vec<leyline_model::chat::ChatMessage>,
+        tools: Option<Vec<Value>>,
+    ) -> Result<usize> {
+        Ok(self.render(chat, tools, false, false).await?.0.len())
+    }
+
+    /// Renders and tokenizes `chat` off the async workers, as the template takes it: later
+    /// system messages folded where the template has no place for them, call arguments as
+    /// objects; with message bounds when `with_bounds`.
+    async fn render(
+        self: &Arc<Self>,
+        mut chat: Vec<leyline_model::chat::ChatMessage>,
+        tools: Option<Vec<Value>>,
+        add_generation_prompt: bool,
+        with_bounds: bool,
+    ) -> Result<(Vec<u32>, Option<Vec<usize>>)> {
         if !self.mid_system {
             fold_system_messages(&mut chat);
         }
@@ -263,11 +287,10 @@ impl AppState {
             }
         }
         let opts = RenderOptions {
-            add_generation_prompt: true,
+            add_generation_prompt,
             tools,
             ..Default::default()
         };
-        let in_session = crate::submit::CachePlan::of(self, fields).needs_bounds();
         self.off_workers(move |st| {
             let template = st
                 .chat
@@ -278,40 +301,13 @@ impl AppState {
                 template,
                 &chat,
                 &opts,
-                in_session,
+                with_bounds,
             )?)
         })
         .await
     }
 
     /// Checks that `model` is one of the served ids (the name or an alias).
-    /// Tokens of `chat` rendered without a generation prompt (as the start of a longer
-    /// conversation), with `tools`.
-    pub(crate) async fn count_rendered(
-        self: &Arc<Self>,
-        mut chat: Vec<leyline_model::chat::ChatMessage>,
-        tools: Option<Vec<Value>>,
-    ) -> Result<usize> {
-        if !self.mid_system {
-            fold_system_messages(&mut chat);
-        }
-        let opts = RenderOptions {
-            add_generation_prompt: false,
-            tools,
-            ..Default::default()
-        };
-        self.off_workers(move |st| {
-            let template = st
-                .chat
-                .as_ref()
-                .ok_or_else(|| ServerError::bad_request("this model has no chat template"))?;
-            Ok(render_prompt(&st.tokenizer, template, &chat, &opts, false)?
-                .0
-                .len())
-        })
-        .await
-    }
-
     pub(crate) fn check_model(&self, model: &str) -> Result<()> {
         let c = &self.config;
         if model == c.model_name || c.aliases.iter().any(|a| a == model) {

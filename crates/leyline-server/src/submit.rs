@@ -317,6 +317,7 @@ pub(crate) fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>
         tokens_prefilled: usage.computed_tokens(),
         session_rebuilt: session.as_ref().is_some_and(|s| s.rebuilt),
         context_management: None,
+        unsupported_tools: Vec::new(),
     }
 }
 
