@@ -668,6 +668,11 @@ impl Engine {
             r.generated += 1;
             self.metrics.add(&self.metrics.generated_tokens, 1);
             r.tokens.push(next);
+            if let Some(top) = r.req.sampling.logprobs {
+                let report = crate::sampling::logprobs(&logits[k], next, top);
+                // The token's own event, next, carries the request's fate.
+                let _ = (r.req.sink)(Event::Logprobs(report));
+            }
             if (r.req.sink)(Event::Token(next)).is_break() {
                 r.finish = Some(FinishReason::Cancelled);
             } else if r.generated >= r.req.max_tokens {

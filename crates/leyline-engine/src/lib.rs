@@ -34,7 +34,7 @@ pub use render::{render_pieces, render_prompt, to_chat_message, ChatRenderer, Me
 pub use request::{
     Event, EventSink, FinishReason, ImplicitTurn, Liveness, Request, RequestId, Tenant, Usage,
 };
-pub use sampling::{argmax, Sampler, SamplingParams};
+pub use sampling::{argmax, logprobs, Sampler, SamplingParams, TokenLogprobs};
 pub use session::{
     message_edits, EditReport, SessionEdits, SessionId, SessionInfo, SessionRequest,
 };

@@ -74,6 +74,9 @@ impl Usage {
 /// What the engine tells a request's receiver.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The log-probabilities of the token that follows (requests whose sampling asks for
+    /// them, [`SamplingParams::logprobs`]).
+    Logprobs(crate::sampling::TokenLogprobs),
     /// A generated token.
     Token(u32),
     /// The request ended normally.

@@ -15,6 +15,9 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Seed of the sampler's generator.
     pub seed: u64,
+    /// Report each generated token's log-probability and this many most likely
+    /// alternatives ([`TokenLogprobs`]); `None`: no report.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -24,6 +27,7 @@ impl Default for SamplingParams {
             top_p: 1.0,
             top_k: 0,
             seed: 0,
+            logprobs: None,
         }
     }
 }
@@ -49,6 +53,58 @@ impl SamplingParams {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
         }
         Ok(())
+    }
+}
+
+/// A generated token's log-probability and the most likely tokens at its position, under
+/// the model's own distribution: the softmax of the raw logits (temperature 1, before top-k
+/// and top-p), as OpenAI's `logprobs` report it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The token chosen.
+    pub token: u32,
+    /// Its natural-log probability.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, most likely first (ties: the
+    /// lower id first); the chosen token among them where it ranks.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `token`'s log-probability under `softmax(logits)` and the `k` most likely tokens'.
+/// Non-finite logits count as probability 0. The normalizer is summed in f64.
+pub fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
+    let finite = || logits.iter().copied().filter(|x| x.is_finite());
+    let max = finite().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = finite().map(|x| (x as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    let lp = |x: f32| {
+        if x.is_finite() {
+            (x as f64 - lse) as f32
+        } else {
+            f32::NEG_INFINITY
+        }
+    };
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_logit_desc = |a: &u32, b: &u32| {
+        let (x, y) = (logits[*a as usize], logits[*b as usize]);
+        let key = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+        key(y).total_cmp(&key(x)).then(a.cmp(b))
+    };
+    let k = k.min(ids.len());
+    if k > 0 && k < ids.len() {
+        ids.select_nth_unstable_by(k - 1, by_logit_desc);
+    }
+    ids.truncate(k);
+    ids.sort_unstable_by(by_logit_desc);
+    TokenLogprobs {
+        token,
+        logprob: logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&x| lp(x)),
+        top: ids
+            .into_iter()
+            .map(|i| (i, lp(logits[i as usize])))
+            .collect(),
     }
 }
 
@@ -220,6 +276,35 @@ mod tests {
             let t = s.sample(&logits);
             assert!(t == 0 || t == 1, "{t}");
         }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_its_top() {
+        // softmax([ln 1, ln 2, ln 3, ln 4, -inf]) = [0.1, 0.2, 0.3, 0.4, 0].
+        let logits = [
+            1f32.ln(),
+            2f32.ln(),
+            3f32.ln(),
+            4f32.ln(),
+            f32::NEG_INFINITY,
+        ];
+        let r = logprobs(&logits, 1, 3);
+        assert_eq!(r.token, 1);
+        assert!((r.logprob - 0.2f32.ln()).abs() < 1e-6, "{}", r.logprob);
+        let ids: Vec<u32> = r.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [3, 2, 1]);
+        for ((_, got), want) in r.top.iter().zip([0.4f32, 0.3, 0.2]) {
+            assert!((got - want.ln()).abs() < 1e-6, "{got} vs ln {want}");
+        }
+        // A shift of every logit changes nothing; large logits do not overflow.
+        let shifted: Vec<f32> = logits.iter().map(|x| x + 80.0).collect();
+        let s = logprobs(&shifted, 1, 3);
+        assert!((s.logprob - r.logprob).abs() < 1e-5);
+        assert_eq!(logprobs(&logits, 4, 0).logprob, f32::NEG_INFINITY);
+        assert!(logprobs(&logits, 0, 9).top.len() == 5);
+        // Ties: the lower id first.
+        let tie = logprobs(&[2.0, 5.0, 5.0, 1.0], 2, 2);
+        assert_eq!(tie.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2]);
     }
 
     #[test]

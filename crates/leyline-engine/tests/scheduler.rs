@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{encode, lm, request, submit_all, Shared};
+use common::{encode, lm, request, session_with, submit_all, Shared};
 use leyline_engine::{Engine, EngineConfig, FinishReason, PrefillOrder};
 use std::sync::Arc;
 
@@ -379,4 +379,58 @@ fn a_long_prompt_passed_over_long_enough_goes_first() {
     assert!(long_prompt_answered(3, 3 + need + 1));
     // Without patience the stream of shorter prompts starves it.
     assert!(!long_prompt_answered(u32::MAX, 3 * need));
+}
+
+/// A request that asks for log-probabilities gets one report per emitted token, before it:
+/// the token's log-softmax and its top alternatives, checked against a scalar f64
+/// log-softmax of the logits the engine computes for the same context by another path
+/// (`peek_logits`). Bound: 1e-3, twenty times the 5e-5 that two exact f32 runs of SmolLM2
+/// differ by when only their prefill chunking differs (tests/lazy.rs).
+#[test]
+fn logprobs_are_reported_per_token_and_match_the_logits() {
+    let prompt = encode("The capital of France is");
+    let mut e = engine(2048);
+    let (mut req, out) = request(prompt.clone(), 4);
+    req.sampling.logprobs = Some(3);
+    e.submit(req);
+    e.run_to_completion().unwrap();
+    let o = out.lock().unwrap();
+    assert!(o.failed.is_none(), "{:?}", o.failed);
+    assert_eq!(o.logprobs.len(), o.tokens.len());
+    assert_eq!(o.tokens.len(), 4);
+    let mut ctx = prompt.clone();
+    for (lp, &t) in o.logprobs.iter().zip(&o.tokens) {
+        assert_eq!(lp.token, t);
+        assert_eq!(lp.top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(lp.top[0], (t, lp.logprob));
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1), "{:?}", lp.top);
+        let last = ctx.pop().unwrap();
+        let id = session_with(&mut e, &ctx);
+        let logits = e.peek_logits(id, &[last]).unwrap();
+        e.delete_session(id).unwrap();
+        let max = logits
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+        let lse = max
+            + logits
+                .iter()
+                .map(|&x| (x as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        for &(tok, got) in &lp.top {
+            let want = logits[tok as usize] as f64 - lse;
+            assert!(
+                (got as f64 - want).abs() < 1e-3,
+                "token {tok}: logprob {got} vs {want}"
+            );
+        }
+        ctx.push(last);
+        ctx.push(t);
+    }
+    // Without the option nothing is reported.
+    let (req, out) = request(prompt, 2);
+    e.submit(req);
+    e.run_to_completion().unwrap();
+    assert!(out.lock().unwrap().logprobs.is_empty());
 }

@@ -44,7 +44,7 @@ fn turn(
         match ev {
             Event::Token(t) => o.0.push(t),
             Event::Failed(m) => o.1 = Some(m.message),
-            Event::Finished { .. } => {}
+            Event::Finished { .. } | Event::Logprobs(_) => {}
         }
         ControlFlow::Continue(())
     });

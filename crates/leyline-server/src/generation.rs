@@ -27,6 +27,9 @@ pub enum Piece {
         tokens: Vec<u32>,
         /// The stop string that ended the text, if one did.
         stop_sequence: Option<String>,
+        /// Each generated token's log-probabilities in OpenAI's chat shape
+        /// ([`crate::logprobs::entry`]), when the sampling asked for them.
+        logprobs: Option<Vec<serde_json::Value>>,
     },
     /// The request failed; nothing follows.
     Failed(Failure),
@@ -126,6 +129,7 @@ pub fn request(
     let mut decoder = tokenizer.decode_stream(true);
     let mut matcher = StopMatcher::new(spec.stop);
     let mut stopped = false;
+    let mut logprobs = spec.sampling.logprobs.map(|_| Vec::new());
     let sink = Box::new(move |event: Event| -> ControlFlow<()> {
         let send = |p: Piece| {
             if tx.send(p).is_ok() {
@@ -135,6 +139,12 @@ pub fn request(
             }
         };
         match event {
+            Event::Logprobs(lp) => {
+                if let (Some(v), false) = (logprobs.as_mut(), stopped) {
+                    v.push(crate::logprobs::entry(&lp, &tokenizer));
+                }
+                ControlFlow::Continue(())
+            }
             Event::Token(t) => {
                 if stopped {
                     return ControlFlow::Break(());
@@ -182,6 +192,7 @@ pub fn request(
                     usage: Box::new(usage),
                     tokens,
                     stop_sequence: matcher.matched().map(str::to_string),
+                    logprobs: logprobs.take(),
                 });
                 ControlFlow::Break(())
             }

@@ -22,6 +22,7 @@ pub mod error;
 pub mod generation;
 mod guard;
 mod handler;
+pub mod logprobs;
 mod messages;
 pub mod metrics;
 pub mod openai;

@@ -230,8 +230,14 @@ struct Ctx {
 
 impl Ctx {
     /// The `leyline` object, with the server tools that were not offered.
-    fn leyline(&self, usage: &leyline_engine::Usage, session: &Option<SessionRun>) -> Value {
+    fn leyline(
+        &self,
+        usage: &leyline_engine::Usage,
+        session: &Option<SessionRun>,
+        logprobs: Option<Vec<Value>>,
+    ) -> Value {
         let mut r = report(usage, session);
+        r.logprobs = logprobs.map(Value::from);
         r.unsupported_tools = self.unsupported_tools.iter().map(|n| json!(n)).collect();
         json!(r)
     }
@@ -263,6 +269,7 @@ async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Respon
         finish_reason,
         usage,
         stop_sequence,
+        logprobs,
     } = collect_text(&st, &mut rx).await?;
     let text = match &ctx.forced {
         Some(open) => format!("{open}{text}"),
@@ -286,7 +293,7 @@ async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Respon
         "stop_reason": anthropic::stop_reason(finish_reason, stop_sequence.as_deref(), called),
         "stop_sequence": stop_sequence,
         "usage": anthropic::usage(&usage, ctx.breakpoint_tokens),
-        "leyline": ctx.leyline(&usage, &session),
+        "leyline": ctx.leyline(&usage, &session, logprobs),
     });
     if let Some(cm) = ctx.context_management {
         body["context_management"] = cm;
@@ -437,6 +444,7 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
                     finish_reason,
                     usage,
                     stop_sequence,
+                    logprobs,
                     ..
                 }) => {
                     for s in splitter.finish() {
@@ -451,7 +459,7 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
                     let mut delta = json!({"type": "message_delta",
                            "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
                            "usage": anthropic::usage(&usage, ctx.breakpoint_tokens),
-                           "leyline": ctx.leyline(&usage, &session)});
+                           "leyline": ctx.leyline(&usage, &session, logprobs)});
                     if let Some(cm) = &ctx.context_management {
                         delta["context_management"] = cm.clone();
                     }

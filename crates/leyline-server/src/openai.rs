@@ -80,6 +80,10 @@ pub struct LeylineOptions {
     /// context, and which ([`WireRepair`]); the server's `--repair` when absent.
     #[serde(default)]
     pub repair: Option<WireRepair>,
+    /// Report each generated token's log-probability and this many alternatives (0-20) in
+    /// the response's `leyline.logprobs` (OpenAI's chat `logprobs.content` shape), in any API.
+    #[serde(default)]
+    pub logprobs: Option<usize>,
 }
 
 /// A repair on the wire: a token count (the first N tokens after each edit), a string
@@ -182,7 +186,11 @@ pub struct GenerationFields {
     /// Not implemented: refused unless 1.
     #[serde(default)]
     pub repetition_penalty: Option<f64>,
-    /// Chat log probabilities: not implemented, refused unless false.
+    /// Log-probabilities: `true` on chat completions (with `top_logprobs` alternatives), a
+    /// count of alternatives (0-20) on completions.
+    #[serde(default)]
+    pub logprobs: Option<Value>,
+    /// Chat completions: alternatives per token (0-20), with `logprobs: true`.
     #[serde(default)]
     pub top_logprobs: Option<i64>,
 }
@@ -205,6 +213,11 @@ pub struct Generation {
     pub stream: bool,
     /// Send a usage chunk at the end of a stream.
     pub include_usage: bool,
+    /// The API's own log-probability field was set (chat `logprobs: true`, completions
+    /// `logprobs: N`).
+    pub logprobs: bool,
+    /// `leyline.logprobs` was set: the `leyline` object carries them (any API).
+    pub leyline_logprobs: bool,
 }
 
 impl GenerationFields {
@@ -287,6 +300,17 @@ impl GenerationFields {
             ));
         }
         self.refuse_unimplemented()?;
+        let (logprobs, top) = self.logprobs()?;
+        let leyline_top = self.leyline.as_ref().and_then(|l| l.logprobs);
+        if leyline_top.is_some_and(|n| n > crate::logprobs::MAX_TOP_LOGPROBS) {
+            return Err(ServerError::invalid(
+                "leyline.logprobs",
+                format!(
+                    "leyline.logprobs must be 0 to {}",
+                    crate::logprobs::MAX_TOP_LOGPROBS
+                ),
+            ));
+        }
         if self
             .cache_salt
             .as_ref()
@@ -314,11 +338,54 @@ impl GenerationFields {
                 top_p: top_p as f32,
                 top_k,
                 seed,
+                logprobs: match (logprobs.then_some(top), leyline_top) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    (a, b) => a.or(b),
+                },
             },
             stop,
             stream,
             include_usage,
+            logprobs,
+            leyline_logprobs: leyline_top.is_some(),
         })
+    }
+
+    /// Whether the API's own log-probabilities were asked for, and how many alternatives.
+    fn logprobs(&self) -> Result<(bool, usize)> {
+        let max = crate::logprobs::MAX_TOP_LOGPROBS as i64;
+        let top = match self.top_logprobs {
+            None => None,
+            Some(n) if (0..=max).contains(&n) => Some(n as usize),
+            Some(n) => {
+                return Err(ServerError::invalid(
+                    "top_logprobs",
+                    format!("top_logprobs must be 0 to {max}, got {n}"),
+                ))
+            }
+        };
+        match &self.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => match top {
+                Some(n) if n > 0 => Err(ServerError::invalid(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                )),
+                _ => Ok((false, 0)),
+            },
+            Some(Value::Bool(true)) => Ok((true, top.unwrap_or(0))),
+            Some(Value::Number(n)) if top.is_none() => match n.as_i64() {
+                Some(k) if (0..=max).contains(&k) => Ok((true, k as usize)),
+                _ => Err(ServerError::invalid(
+                    "logprobs",
+                    format!("logprobs must be 0 to {max}, got {n}"),
+                )),
+            },
+            Some(_) => Err(ServerError::invalid(
+                "logprobs",
+                "logprobs must be true or false (chat completions) or a count of \
+                 alternatives (completions)",
+            )),
+        }
     }
 }
 
@@ -343,9 +410,6 @@ impl GenerationFields {
             if v.is_some_and(|v| v != neutral) {
                 return refuse(field);
             }
-        }
-        if self.top_logprobs.is_some_and(|n| n != 0) {
-            return refuse("top_logprobs");
         }
         Ok(())
     }
@@ -453,9 +517,6 @@ pub struct ChatCompletionRequest {
     /// Tool schemas, passed to the chat template.
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
-    /// Log probabilities (not supported; refused unless false).
-    #[serde(default)]
-    pub logprobs: Option<bool>,
 }
 
 /// A completion prompt: text, one text in a list, or token ids.
@@ -480,9 +541,6 @@ pub struct CompletionRequest {
     /// Echo the prompt (not supported).
     #[serde(default)]
     pub echo: Option<bool>,
-    /// Log probabilities (not supported).
-    #[serde(default)]
-    pub logprobs: Option<Value>,
 }
 
 /// `usage.prompt_tokens_details`.
@@ -541,6 +599,9 @@ pub struct LeylineReport {
     /// Whether this turn named a session this server did not hold and, carrying the
     /// conversation's history, created it again (after a failover or a rebalance).
     pub session_rebuilt: bool,
+    /// With `leyline.logprobs` in the request: each generated token's log-probabilities.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Value>,
     /// With `leyline.context_management` in the request: `{"applied_edits": [...]}`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context_management: Option<Value>,
@@ -571,8 +632,9 @@ pub struct ChatChoice {
     pub message: ResponseMessage,
     /// `stop`, `length` or `tool_calls`.
     pub finish_reason: &'static str,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// `{"content": [...]}` (chat) or the legacy shape (completions) when asked for; on a
+    /// stream, every token's on the chunk with the finish reason.
+    pub logprobs: Option<Value>,
 }
 
 /// `chat.completion`.
@@ -621,8 +683,9 @@ pub struct ChunkChoice {
     pub text: Option<String>,
     /// Set on the last content chunk.
     pub finish_reason: Option<&'static str>,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// `{"content": [...]}` (chat) or the legacy shape (completions) when asked for; on a
+    /// stream, every token's on the chunk with the finish reason.
+    pub logprobs: Option<Value>,
 }
 
 /// `chat.completion.chunk` or a streamed `text_completion`.
@@ -679,8 +742,9 @@ pub struct CompletionChoice {
     pub text: String,
     /// 0.
     pub index: usize,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// `{"content": [...]}` (chat) or the legacy shape (completions) when asked for; on a
+    /// stream, every token's on the chunk with the finish reason.
+    pub logprobs: Option<Value>,
     /// `stop` or `length`.
     pub finish_reason: &'static str,
 }

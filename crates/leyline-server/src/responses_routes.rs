@@ -214,6 +214,7 @@ impl Ctx {
         finish_reason: &str,
         u: &leyline_engine::Usage,
         session: &Option<SessionRun>,
+        logprobs: Option<Vec<Value>>,
     ) -> Value {
         // A reply cut after its calls is complete as far as the client goes: it has calls to
         // run (Codex fails a turn on `incomplete`), as Anthropic's `tool_use` stop reason
@@ -233,6 +234,7 @@ impl Ctx {
         r["usage"] = usage(u);
         let mut leyline = report(u, session);
         leyline.unsupported_tools = self.unsupported.clone();
+        leyline.logprobs = logprobs.map(Value::from);
         r["leyline"] = json!(leyline);
         if let Some((store, owner, mut conversation)) = self.keep.take() {
             // Output items are input items: they convert as the next request's would.
@@ -264,6 +266,7 @@ async fn collect(st: Arc<AppState>, mut ctx: Ctx, started: Started) -> Result<Re
         text,
         finish_reason,
         usage,
+        logprobs,
         ..
     } = collect_text(&st, &mut rx).await?;
     let segments = match &ctx.tool_names {
@@ -275,7 +278,7 @@ async fn collect(st: Arc<AppState>, mut ctx: Ctx, started: Started) -> Result<Re
         out.push(s);
     }
     out.finish(finish_reason == "length");
-    Ok(Json(ctx.done(&out, finish_reason, &usage, &session)).into_response())
+    Ok(Json(ctx.done(&out, finish_reason, &usage, &session, logprobs)).into_response())
 }
 
 fn sse(e: &Value) -> Event {
@@ -365,13 +368,14 @@ async fn pump(
             Some(Piece::Done {
                 finish_reason,
                 usage,
+                logprobs,
                 ..
             }) => {
                 for s in splitter.as_mut().map(|sp| sp.finish()).unwrap_or_default() {
                     out.push(s);
                 }
                 out.finish(finish_reason == "length");
-                let r = ctx.done(&out, finish_reason, &usage, &session);
+                let r = ctx.done(&out, finish_reason, &usage, &session, logprobs);
                 let kind = if r["status"] == "incomplete" {
                     "response.incomplete"
                 } else {

@@ -372,12 +372,6 @@ async fn chat_completions(
     crate::submit::conversation_header(&headers, &mut fields)?;
     st.check_model(&req.model)?;
     let gen = st.generation(&mut fields)?;
-    if req.logprobs == Some(true) {
-        return Err(ServerError::invalid(
-            "logprobs",
-            "logprobs are not supported by this server; leave it out",
-        ));
-    }
     if st.chat.is_none() {
         return Err(ServerError::bad_request(
             "this model has no chat template; use /v1/completions",
@@ -443,16 +437,6 @@ async fn completions(
     if req.echo == Some(true) {
         return Err(ServerError::invalid("echo", "echo is not supported"));
     }
-    if req
-        .logprobs
-        .as_ref()
-        .is_some_and(|l| !l.is_null() && l != &Value::Bool(false))
-    {
-        return Err(ServerError::invalid(
-            "logprobs",
-            "logprobs are not supported",
-        ));
-    }
     let text = match req.prompt {
         Prompt::Text(t) => t,
         Prompt::Texts(mut v) if v.len() == 1 => v.remove(0),
@@ -517,6 +501,8 @@ async fn run(
         model: st.config.model_name.clone(),
         kind,
         include_usage: gen.include_usage,
+        logprobs: gen.logprobs,
+        leyline_logprobs: gen.leyline_logprobs,
     };
     if gen.stream {
         Ok(stream(st, ctx, rx, permit, session).into_response())
@@ -531,6 +517,25 @@ struct Ctx {
     model: String,
     kind: Kind,
     include_usage: bool,
+    /// The API's own `logprobs` field was set.
+    logprobs: bool,
+    /// `leyline.logprobs` was set.
+    leyline_logprobs: bool,
+}
+
+impl Ctx {
+    /// A choice's `logprobs` in this API's shape, and the `leyline` object's, from the
+    /// tokens' entries.
+    fn logprobs(&self, entries: Option<Vec<Value>>) -> (Option<Value>, Option<Value>) {
+        let Some(entries) = entries else {
+            return (None, None);
+        };
+        let api = self.logprobs.then(|| match self.kind {
+            Kind::Chat(_) => json!({ "content": entries }),
+            Kind::Completion => crate::logprobs::legacy(&entries),
+        });
+        (api, self.leyline_logprobs.then(|| json!(entries)))
+    }
 }
 
 fn now() -> u64 {
@@ -551,9 +556,12 @@ async fn collect(
         text,
         finish_reason,
         usage,
+        logprobs,
         ..
     } = collect_text(&st, &mut rx).await?;
     let mut leyline = report(&usage, &session);
+    let (logprobs, leyline_logprobs) = ctx.logprobs(logprobs);
+    leyline.logprobs = leyline_logprobs;
     let body = match &ctx.kind {
         Kind::Chat(x) => {
             leyline.context_management = x.context_management.clone();
@@ -579,7 +587,7 @@ async fn collect(
                         tool_calls,
                     },
                     finish_reason,
-                    logprobs: None,
+                    logprobs,
                 }],
                 usage: WireUsage::from(&usage),
                 leyline,
@@ -593,7 +601,7 @@ async fn collect(
             choices: vec![CompletionChoice {
                 text,
                 index: 0,
-                logprobs: None,
+                logprobs,
                 finish_reason,
             }],
             usage: WireUsage::from(&usage),
@@ -746,6 +754,7 @@ fn stream(
                 Some(Piece::Done {
                     finish_reason,
                     usage,
+                    logprobs,
                     ..
                 }) => {
                     if let Some(sp) = &mut splitter {
@@ -754,11 +763,14 @@ fn stream(
                         }
                     }
                     let mut leyline = report(&usage, &session);
+                    let (logprobs, leyline_logprobs) = ctx.logprobs(logprobs);
+                    leyline.logprobs = leyline_logprobs;
                     let finish_reason = match finish_reason {
                         "stop" if calls > 0 => "tool_calls",
                         r => r,
                     };
                     let mut last = ctx.chunk(None, false, Some(finish_reason));
+                    last.choices[0].logprobs = logprobs;
                     if let Kind::Chat(x) = &ctx.kind {
                         last.choices[0].delta = Some(Delta::default());
                         leyline.context_management = x.context_management.clone();

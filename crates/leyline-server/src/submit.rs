@@ -316,6 +316,7 @@ pub(crate) fn report(usage: &leyline_engine::Usage, session: &Option<SessionRun>
         tokens_repaired: edit.map_or(0, |e| e.repaired),
         tokens_prefilled: usage.computed_tokens(),
         session_rebuilt: session.as_ref().is_some_and(|s| s.rebuilt),
+        logprobs: None,
         context_management: None,
         unsupported_tools: Vec::new(),
     }
@@ -331,6 +332,8 @@ pub(crate) struct Collected {
     pub(crate) usage: leyline_engine::Usage,
     /// The stop string that ended the text, if one did.
     pub(crate) stop_sequence: Option<String>,
+    /// Each token's log-probabilities (chat shape), when asked for.
+    pub(crate) logprobs: Option<Vec<serde_json::Value>>,
 }
 
 /// Reads a generation to its end.
@@ -358,6 +361,7 @@ pub(crate) async fn collect_text(
                 finish_reason,
                 usage,
                 stop_sequence,
+                logprobs,
                 ..
             }) => {
                 return Ok(Collected {
@@ -365,6 +369,7 @@ pub(crate) async fn collect_text(
                     finish_reason,
                     usage: *usage,
                     stop_sequence,
+                    logprobs,
                 })
             }
         }

@@ -483,8 +483,12 @@ fn point11_parameters_the_server_cannot_honour_are_refused_by_name() {
         (json!({"logit_bias": {"50": 10}}), "logit_bias"),
         (json!({"presence_penalty": 0.5}), "presence_penalty"),
         (json!({"frequency_penalty": -1.0}), "frequency_penalty"),
-        (json!({"logprobs": true}), "logprobs"),
+        (json!({"logprobs": "yes"}), "logprobs"),
         (json!({"top_logprobs": 3}), "top_logprobs"),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
         (json!({"stop": "x".repeat(300)}), "stop"),
     ] {
         let r = post(extra.clone());

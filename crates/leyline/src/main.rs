@@ -341,6 +341,7 @@ fn params(s: &SamplingArgs, lm: &LoadedModel) -> Result<GenerateParams> {
         top_p: s.top_p,
         top_k: s.top_k,
         seed: s.seed,
+        logprobs: None,
     };
     if let Err(e) = sampling.validate() {
         bail!(e);

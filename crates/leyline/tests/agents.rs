@@ -7,6 +7,11 @@
 //! installs them under `target/test-env/node` and puts them on PATH. A missing client fails
 //! the test with that instruction; nothing is skipped.
 //!
+//! The tool turn's decision must not hang on a hair: its first request is sent again with
+//! `leyline.logprobs`, and the reply's first token must open a call (a JSON object, a code
+//! fence or `<tool_call>`, the forms the server parses as calls) with a log-probability at
+//! least [`MIN_CALL_MARGIN`] above the likeliest token that opens none.
+//!
 //! The server runs greedy (`--temperature 0 --seed 1`: neither client sets a temperature),
 //! caps replies at 256 tokens (Claude Code asks for 32000, which a small model that loops
 //! would fill) and records every request (`--record`), from which the tool round trips are read. The
@@ -22,6 +27,11 @@ use std::time::{Duration, Instant};
 
 const MODEL: &str = "qwen2.5-coder-0.5b";
 const SECRET: &str = "The secret number is 4172.";
+
+/// Least margin, in nats, of the tool turn's call over prose at the reply's first token.
+/// Fixed before measuring: a kernel change (summation order, 8-bit activations) moves
+/// logits by well under 0.5, so a margin of twice that survives one.
+const MIN_CALL_MARGIN: f64 = 1.0;
 
 /// A `leyline serve` child process, killed on drop.
 struct Server {
@@ -205,6 +215,68 @@ fn run(what: &str, cmd: &mut Command, limit: Duration) -> Output {
     out
 }
 
+/// A POST of JSON on the server: the status and the body parsed.
+fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(600)))
+        .expect("timeout");
+    let data = body.to_string();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         anthropic-version: 2023-06-01\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{data}",
+        data.len()
+    )
+    .expect("send");
+    let mut text = String::new();
+    s.read_to_string(&mut text).expect("read");
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status");
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+/// The model's decision to call a tool on a recorded request: the request is sent again,
+/// not streamed, with `leyline.logprobs`; the reply's first token must open a call, and the
+/// margin (nats) of its log-probability over the likeliest token that opens none is
+/// returned.
+fn call_margin(server: &Server, request: &Value) -> f64 {
+    let path = request["path"].as_str().expect("a path");
+    let mut body = request["body"].clone();
+    body["stream"] = Value::Bool(false);
+    let limit = if path.starts_with("/v1/responses") {
+        "max_output_tokens"
+    } else {
+        "max_tokens"
+    };
+    body[limit] = 8.into();
+    body["leyline"] = serde_json::json!({"logprobs": 20});
+    let (status, reply) = post(&server.addr, path, &body);
+    assert_eq!(status, 200, "the decision request: {reply}");
+    let first = &reply["leyline"]["logprobs"][0];
+    let opens = |t: &str| {
+        let t = t.trim_start();
+        t.starts_with('{') || t.starts_with("```") || t.starts_with("<tool_call>")
+    };
+    let token = first["token"].as_str().expect("a first token");
+    assert!(opens(token), "the reply opens a call: {first}");
+    let prose = first["top_logprobs"]
+        .as_array()
+        .expect("alternatives")
+        .iter()
+        .find(|t| !opens(t["token"].as_str().unwrap_or_default()))
+        .map_or(-9999.0, |t| t["logprob"].as_f64().expect("a logprob"));
+    let margin = first["logprob"].as_f64().expect("a logprob") - prose;
+    eprintln!(
+        "call decision: {token:?} at {}, prose at best {prose:.3}: margin {margin:.3}",
+        first["logprob"]
+    );
+    margin
+}
+
 /// The requests the server recorded, in order.
 fn recorded(server: &Server) -> Vec<Value> {
     let mut lines = Vec::new();
@@ -264,6 +336,7 @@ fn claude_code_turns_run_on_leyline() {
     check_continued("Claude Code", &turn(&m0, &m1), &turn(&m1, &m2));
 
     // A tool turn: the model calls Read, Claude Code reads the file and sends the result.
+    let before = recorded(&server).len();
     let prompt = format!(
         "Read the file {} and tell me the secret number.",
         work.join("secret.txt").display()
@@ -317,6 +390,16 @@ fn claude_code_turns_run_on_leyline() {
             && r["body"].to_string().contains("The secret number is 4172")
     });
     assert!(sent, "the tool result was sent back to the server");
+    let decision = recorded(&server)
+        .into_iter()
+        .skip(before)
+        .find(|r| r["body"].to_string().contains("tell me the secret number"))
+        .expect("the tool turn's first request was recorded");
+    let margin = call_margin(&server, &decision);
+    assert!(
+        margin >= MIN_CALL_MARGIN,
+        "Claude Code's tool call wins by {margin:.3} nats, under {MIN_CALL_MARGIN}"
+    );
 }
 
 #[test]
@@ -386,5 +469,10 @@ fn codex_turns_run_on_leyline() {
     assert!(
         round_trip,
         "a request carried the model's exec_command call and Codex's output for it"
+    );
+    let margin = call_margin(&server, &requests[before]);
+    assert!(
+        margin >= MIN_CALL_MARGIN,
+        "Codex's tool call wins by {margin:.3} nats, under {MIN_CALL_MARGIN}"
     );
 }

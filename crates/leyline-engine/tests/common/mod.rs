@@ -29,6 +29,7 @@ pub fn encode(text: &str) -> Vec<u32> {
 #[derive(Default)]
 pub struct Outcome {
     pub tokens: Vec<u32>,
+    pub logprobs: Vec<leyline_engine::TokenLogprobs>,
     pub finished: Option<(FinishReason, Usage)>,
     pub failed: Option<String>,
 }
@@ -43,6 +44,7 @@ pub fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, Shared) {
         let mut o = o.lock().unwrap();
         match e {
             Event::Token(t) => o.tokens.push(t),
+            Event::Logprobs(l) => o.logprobs.push(l),
             Event::Finished { reason, usage, .. } => o.finished = Some((reason, usage)),
             Event::Failed(m) => o.failed = Some(m.message),
         }

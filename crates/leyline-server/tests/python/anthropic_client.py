@@ -33,6 +33,8 @@ Coverage (field or behaviour x check):
 |   image blocks, tool_result without id       |   field                                          |
 | prompt over the context                      | errors: "prompt is too long: N tokens > M"       |
 | bad key, unknown model                       | errors: authentication_error, not_found_error    |
+| leyline.logprobs (extension)                 | logprobs: one entry per output token, greedy     |
+|                                              |   token first, spelling the text                 |
 """
 
 import sys
@@ -330,7 +332,24 @@ def forced_tool_call():
               f"streamed the same call: {final.content}")
 
 
+def logprobs():
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    r = A.messages.create(model=MODEL, max_tokens=6, messages=msgs,
+                          extra_body={"temperature": 0, "leyline": {"logprobs": 2}})
+    entries = (r.model_extra or {}).get("leyline", {}).get("logprobs")
+    check(isinstance(entries, list) and len(entries) == r.usage.output_tokens,
+          f"one entry per output token: {entries} vs {r.usage}")
+    check("".join(e["token"] for e in entries) == text_of(r), f"{entries} spell {text_of(r)!r}")
+    for e in entries:
+        check(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"], e)
+    e = expect(anthropic.BadRequestError, lambda: A.messages.create(
+        model=MODEL, max_tokens=2, messages=msgs, extra_body={"leyline": {"logprobs": 99}}),
+        "leyline.logprobs 99")
+    check("leyline.logprobs" in str(e), e)
+
+
 text = plain_and_cached()
+logprobs()
 claude_code_shapes()
 streamed(text)
 pings_during_a_long_prefill()

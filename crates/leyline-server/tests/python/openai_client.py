@@ -212,6 +212,56 @@ def concurrent_streams(n=16):
     check(not errors, errors)
 
 
+def logprobs():
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    r = A.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                  logprobs=True, top_logprobs=3)
+    c = r.choices[0]
+    entries = c.logprobs.content
+    check(len(entries) == r.usage.completion_tokens, f"{len(entries)} entries, {r.usage}")
+    check("".join(e.token for e in entries) == c.message.content,
+          f"tokens {[e.token for e in entries]} spell {c.message.content!r}")
+    for e in entries:
+        check(len(e.top_logprobs) == 3 and e.logprob <= 0, e)
+        # Greedy: the token chosen is the most likely one, and the list is sorted.
+        check(e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob, e)
+        check(all(a.logprob >= b.logprob for a, b in zip(e.top_logprobs, e.top_logprobs[1:])), e)
+        check(bytes(e.bytes).decode(errors="replace") == e.token, e)
+
+    stream = A.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for ch in stream for c2 in ch.choices if c2.logprobs for e in c2.logprobs.content]
+    check([e.token for e in streamed] == [e.token for e in entries], "streamed tokens")
+    check(all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(streamed, entries)),
+          "streamed logprobs")
+
+    # Without the field: none.
+    plain = A.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    check(plain.choices[0].logprobs is None, plain.choices[0])
+
+    t = A.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0,
+                             logprobs=2)
+    lp = t.choices[0].logprobs
+    check(len(lp.tokens) == t.usage.completion_tokens == len(lp.token_logprobs), lp)
+    check("".join(lp.tokens) == t.choices[0].text, lp)
+    check(all(len(d) == 2 for d in lp.top_logprobs), lp.top_logprobs)
+    check(lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0, lp.text_offset)
+
+    # Leyline's own field, the same in every API.
+    r = A.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0,
+                                  extra_body={"leyline": {"logprobs": 1}})
+    mine = leyline(r).get("logprobs")
+    check(isinstance(mine, list) and len(mine) == r.usage.completion_tokens, leyline(r))
+    check(r.choices[0].logprobs is None, "leyline.logprobs alone leaves the choice's null")
+
+    e = expect(openai.BadRequestError, lambda: A.chat.completions.create(
+        model=MODEL, messages=msgs, logprobs=True, top_logprobs=21), "top_logprobs 21")
+    check("top_logprobs" in str(e), e)
+    e = expect(openai.BadRequestError, lambda: A.chat.completions.create(
+        model=MODEL, messages=msgs, top_logprobs=2), "top_logprobs without logprobs")
+    check("top_logprobs" in str(e), e)
+
+
 def errors():
     bad = openai.OpenAI(base_url=BASE, api_key="not-a-key", max_retries=0)
     expect(openai.AuthenticationError, lambda: bad.models.list(), "wrong key")
@@ -224,7 +274,7 @@ def errors():
     check(A.chat.completions.create(model=MODEL + "-alias", messages=msgs, max_tokens=2).model == MODEL, "an alias serves the model")
 
 
-for name, fn in [("plain chat", plain_chat), ("sessions", sessions), ("stock client", stock_client), ("16 streams", concurrent_streams), ("errors", errors)]:
+for name, fn in [("plain chat", plain_chat), ("sessions", sessions), ("stock client", stock_client), ("16 streams", concurrent_streams), ("logprobs", logprobs), ("errors", errors)]:
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - the test harness reads the message

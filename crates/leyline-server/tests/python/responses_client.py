@@ -29,6 +29,8 @@ Coverage (field or behaviour x check):
 |   client_metadata, prompt_cache_key,      |   leyline.unsupported_tools; function tool echoed  |
 |   parallel_tool_calls, text.verbosity,    |                                                    |
 |   session_id header, hosted tools         |                                                    |
+| leyline.logprobs (extension)              | plain_create: one entry per output token, the      |
+|                                           |   greedy token first                               |
 """
 
 import sys
@@ -96,6 +98,12 @@ def plain_create():
     check(cut.status == "incomplete", f"cut: {cut.status}")
     check(cut.incomplete_details.reason == "max_output_tokens", f"{cut.incomplete_details}")
     check(cut.output[0].status == "incomplete", f"item status: {cut.output[0]}")
+    lp = A.responses.create(model=MODEL, input=QUESTION, max_output_tokens=8, temperature=0,
+                            extra_body={"leyline": {"logprobs": 2}})
+    entries = leyline(lp).get("logprobs")
+    check(isinstance(entries, list) and len(entries) == lp.usage.output_tokens, f"{entries}")
+    check("".join(e["token"] for e in entries) == lp.output_text, f"{entries} spell text")
+    check(all(e["top_logprobs"][0]["token"] == e["token"] for e in entries), f"{entries}")
     print("plain:", repr(r.output_text), r.usage.input_tokens, "input tokens")
     return r
 

@@ -169,7 +169,7 @@ pub fn run(
                     let s = &prepared.sessions[i];
                     bail!("{} turn {}: {msg}", s.name, s.turns[live[i].next - 1].turn)
                 }
-                Event::Token(_) => continue,
+                Event::Token(_) | Event::Logprobs(_) => continue,
             };
             let s = &mut live[i];
             let turn = &prepared.sessions[i].turns[s.next - 1];
