@@ -16,8 +16,15 @@ What one run does:
    AMORTIZE or FORGET splices; explicit directive batches (POST /v1/sessions/{id}/directives
    on the session's current token range; the conversation then restarts in that session or
    the session is deleted); deletes; disconnects (a request closed right after it is sent,
-   or a stream closed after one or two events); sessionless turns; and lookups of a session
-   under the other key, which must answer 404. A 404 for a session the server dropped, a
+   or a stream closed after one or two events); sessionless turns; lookups of a session
+   under the other key, which must answer 404; and turns of the Messages and Responses
+   APIs as Claude Code and Codex send them (system messages inside `messages`, thinking and
+   reasoning items, tool round trips, hosted tools, the conversation headers and
+   prompt_cache_key, stored responses continued by previous_response_id), with old tool
+   results cleared now and then (an edit the server splices). Once per conversation such an
+   edited request goes under the other key with the same conversation id: nothing may be
+   spliced from the first key's conversation; a stored response looked up under the other
+   key must answer 404. A 404 for a session the server dropped, a
    409 (busy) and a 503 (Retry-After) are retried or lead to a new session, never fatal.
 3. In FORGET sessions some user messages carry a unique canary (CANARY-<hex> repeated in a
    short paragraph). A later edit replaces, stubs or drops that message; once a FORGET turn
@@ -92,7 +99,7 @@ CANARY_PREFIX = "CANARY-"
 MAX_TOKENS = (8, 24)
 # Error codes of a stream that fails after its 200 (the edit or the admission comes after the
 # headers) that a small pool explains: the streamed forms of a 503 or a 409.
-SSE_RETRY = ("kv_pool_exhausted", "session_busy")
+SSE_RETRY = ("kv_pool_exhausted", "session_busy", "overloaded_error")
 # Statuses a client expects on a small pool: counted, retried or worked around.
 EXPECTED = (200, 404, 409, 429, 503, "disconnected") + tuple("sse:" + c for c in SSE_RETRY)
 RETRY = (409, 429, 503) + tuple("sse:" + c for c in SSE_RETRY)
@@ -120,6 +127,8 @@ def decoys(n):
 def route_of(path):
     """The server's metrics label of a path (session ids folded)."""
     path = path.split("?", 1)[0]
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     if path.startswith("/v1/sessions/"):
         if path.endswith("/directives"):
             return "/v1/sessions/{id}/directives"
@@ -243,13 +252,15 @@ class Api:
     def _headers(self, key):
         return {"Content-Type": "application/json", "Authorization": "Bearer " + self.keys[key]}
 
-    def request(self, method, path, body=None, key=0, timeout=None, label=None):
+    def request(self, method, path, body=None, key=0, timeout=None, label=None,
+                extra_headers=None):
         route = label or route_of(path)
         data = None if body is None else json.dumps(body).encode()
         t0 = time.perf_counter()
         conn = self._conn(timeout)
         try:
-            conn.request(method, path, body=data, headers=self._headers(key))
+            conn.request(method, path, body=data,
+                         headers={**self._headers(key), **(extra_headers or {})})
             resp = conn.getresponse()
             raw = resp.read()
             headers = {k.lower(): v for k, v in resp.getheaders()}
@@ -346,6 +357,84 @@ class Api:
         self.stats.record(route, status, dt)
         r = Resp(status, {"error": error} if error else None, dt, headers)
         r.text, r.usage, r.leyline = "".join(parts), usage, leyline
+        return r
+
+    def post_api(self, route, body, key, headers=None, stream=False):
+        """A Messages or Responses request; on 200 `usage` and `leyline` are filled in (for a
+        stream, from its final events: `message_delta` / `response.completed` or
+        `.incomplete`). A stream's
+        error event gives status `sse:TYPE` (Messages) or `sse:CODE` (Responses); one that
+        ends without its final event, `stream_cut`."""
+        extra = dict(headers or {})
+        if not stream:
+            r = self.request("POST", route, body, key, extra_headers=extra)
+            if r.ok and isinstance(r.body, dict):
+                r.usage, r.leyline = r.body.get("usage"), r.body.get("leyline")
+            return r
+        t0 = time.perf_counter()
+        conn = self._conn()
+        final = "message_stop" if route == "/v1/messages" else "response.completed"
+        usage, leyline, error, done, body_out = {}, None, None, False, None
+        try:
+            conn.request("POST", route, body=json.dumps(body).encode(),
+                         headers={**self._headers(key), **extra})
+            resp = conn.getresponse()
+            headers_in = {k.lower(): v for k, v in resp.getheaders()}
+            if resp.status != 200:
+                raw = resp.read()
+                dt = time.perf_counter() - t0
+                self.stats.record(route, resp.status, dt)
+                return Resp(resp.status, parse_body(raw), dt, headers_in)
+            while True:
+                line = resp.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                ev = json.loads(line[5:].strip())
+                kind = ev.get("type")
+                if kind == "error":
+                    e = ev.get("error") or ev
+                    error = e.get("type") or e.get("code") or "unknown"
+                    if route != "/v1/messages":
+                        error = e.get("code") or error
+                elif kind == "response.failed":
+                    error = ((ev.get("response") or {}).get("error") or {}).get("code") or "failed"
+                elif kind == "message_start":
+                    usage.update((ev.get("message") or {}).get("usage") or {})
+                    body_out = {"content": []}
+                elif kind == "content_block_start" and body_out is not None:
+                    body_out["content"].append(dict(ev.get("content_block") or {}))
+                elif kind == "content_block_delta" and body_out and body_out["content"]:
+                    block, d = body_out["content"][-1], ev.get("delta") or {}
+                    if d.get("type") == "text_delta":
+                        block["text"] = block.get("text", "") + d.get("text", "")
+                    elif d.get("type") == "input_json_delta":
+                        block["partial"] = block.get("partial", "") + d.get("partial_json", "")
+                elif kind == "message_delta":
+                    usage.update(ev.get("usage") or {})
+                    leyline = ev.get("leyline") or leyline
+                elif kind in ("response.completed", "response.incomplete"):
+                    body_out = ev.get("response") or {}
+                    usage = body_out.get("usage") or {}
+                    leyline = body_out.get("leyline")
+                if kind == final or kind == "response.incomplete":
+                    done = True
+                    break
+        except socket.timeout:
+            self.stats.record(route, "timeout", None)
+            return Resp("timeout", seconds=time.perf_counter() - t0)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            self.stats.record(route, "conn_error", None)
+            return Resp("conn_error", body=str(e), seconds=time.perf_counter() - t0)
+        finally:
+            conn.close()
+        dt = time.perf_counter() - t0
+        status = f"sse:{error}" if error else (200 if done else "stream_cut")
+        self.stats.record(route, status, dt)
+        r = Resp(status, body_out, dt, headers_in)
+        r.usage, r.leyline = usage, leyline
         return r
 
     def disconnect(self, body, key, events):
@@ -458,6 +547,30 @@ class Conv:
         self.pending = []
 
 
+class ApiConv:
+    """A Messages or Responses conversation: key, conversation id (the session header and
+    prompt_cache_key), its items in the API's own shape, the calls awaiting results."""
+
+    def __init__(self, kind, key, system, stored=False):
+        self.kind, self.key, self.system, self.stored = kind, key, system, stored
+        self.cid = str(uuid.uuid4())
+        self.items = []
+        self.open_calls = []
+        self.prompt_tokens = 0
+        self.last_id = None
+        self.cross_checked = False
+
+
+LOOKUP_SCHEMA = {"type": "object", "properties": {"query": {"type": "string"}},
+                 "required": ["query"]}
+LOOKUP_TOOL_ANTHROPIC = {"name": "lookup", "description": "Looks a word up in the archive.",
+                         "input_schema": LOOKUP_SCHEMA}
+LOOKUP_TOOL_OPENAI = {"type": "function", "name": "lookup",
+                      "description": "Looks a word up in the archive.",
+                      "parameters": LOOKUP_SCHEMA}
+CLEARED = "[Old tool result content cleared]"
+
+
 class Shared:
     """What the clients share: known sessions, canaries, peak context, the stop flag."""
 
@@ -495,6 +608,8 @@ ACTIONS = (
     ("disconnect", 6),
     ("plain", 6),
     ("isolation", 3),
+    ("messages", 10),
+    ("responses", 10),
 )
 
 
@@ -504,6 +619,7 @@ class Client(threading.Thread):
         self.api, self.shared, self.args = api, shared, args
         self.rng = random.Random(seed)
         self.convs = []
+        self.api_convs = []
         self.deadline = deadline
 
     def run(self):
@@ -876,6 +992,227 @@ class Client(threading.Thread):
                                    status=r.status, response=r.brief())
             return "violation"
         return "ok"
+
+
+    # -- Messages and Responses APIs --------------------------------------------------
+
+    def api_conv(self, kind):
+        """A Messages or Responses conversation of this client: a running one, or a new one
+        (under a random key, with its own conversation id) when there is none or by chance."""
+        convs = [c for c in self.api_convs if c.kind == kind]
+        if convs and self.rng.random() < 0.8:
+            return self.rng.choice(convs)
+        if len(convs) >= self.args.sessions_per_client:
+            self.api_convs.remove(convs[0])
+        conv = ApiConv(kind, self.rng.randrange(2), self.rng.choice(SYSTEMS),
+                       stored=kind == "responses" and self.rng.random() < 0.3)
+        self.api_convs.append(conv)
+        return conv
+
+    def api_turn(self, conv, body, headers, what):
+        """Sends one Messages or Responses turn (streamed or not) with retries; returns the
+        response, recording what a sound server never answers."""
+        stream = self.rng.random() < 0.4
+        body = dict(body, stream=True) if stream else body
+        route = "/v1/messages" if conv.kind == "messages" else "/v1/responses"
+        r = call_with_retry(
+            lambda: self.api.post_api(route, body, conv.key, headers, stream=stream),
+            self.args.retries)
+        if not r.ok:
+            self.unexpected(r, what, stream=stream)
+        elif not isinstance(r.usage, dict) or not isinstance(r.leyline, dict):
+            self.api.stats.anomaly("no_usage", request=what, stream=stream, response=r.brief())
+        return r
+
+    def check_cross_key(self, conv, body, headers, what):
+        """The conversation's edited history, sent once under the other key with the same
+        conversation id: that key never saw it, so nothing may be spliced from it."""
+        conv.cross_checked = True
+        route = "/v1/messages" if conv.kind == "messages" else "/v1/responses"
+        body = dict(body, max_tokens=1) if conv.kind == "messages" else dict(
+            body, max_output_tokens=1)
+        r = call_with_retry(
+            lambda: self.api.post_api(route, body, 1 - conv.key, headers), self.args.retries)
+        if not r.ok:
+            self.unexpected(r, what + " (other key)")
+            return f"failed_{r.status}"
+        rep = r.leyline or {}
+        if rep.get("spliced") or rep.get("directives_applied"):
+            self.api.stats.anomaly("cross_key_conversation", request=what, leyline=rep)
+            return "violation"
+        return "cross_key_ok"
+
+    def fits(self, conv):
+        return conv.prompt_tokens + 2 * MAX_TOKENS[1] + 200 < self.args.max_context
+
+    def act_messages(self):
+        """A Messages turn as Claude Code sends one: system blocks with cache_control, a
+        system message inside `messages`, thinking blocks in the history, tool round trips,
+        the session header; now and then an old tool result cleared (an edit), and once per
+        conversation the same request under the other key."""
+        conv = self.api_conv("messages")
+        rng = self.rng
+        if not self.fits(conv):
+            self.api_convs.remove(conv)
+            return "restarted"
+        history = json.loads(json.dumps(conv.items))
+        edited = False
+        results = [b for m in history if m["role"] == "user" and isinstance(m["content"], list)
+                   for b in m["content"] if b.get("type") == "tool_result"
+                   and b.get("content") != CLEARED]
+        if len(results) > 1 and rng.random() < 0.4:
+            rng.choice(results[:-1])["content"] = CLEARED
+            edited = True
+        new = []
+        if history and rng.random() < 0.3:
+            new.append({"role": "system", "content": sentence(rng, 4, 10)})
+        blocks = [{"type": "tool_result", "tool_use_id": i, "content": paragraph(rng, 1, 2)}
+                  for i in conv.open_calls]
+        if not blocks and history and rng.random() < 0.4:
+            # A call the model did not make, as a client's own history may hold: appended to
+            # the last reply, answered in the next message.
+            cid = "toolu_" + uuid.uuid4().hex[:12]
+            history[-1]["content"].append({"type": "tool_use", "id": cid, "name": "lookup",
+                                           "input": {"query": rng.choice(WORDS)}})
+            blocks = [{"type": "tool_result", "tool_use_id": cid,
+                       "content": paragraph(rng, 1, 2)}]
+        blocks.append({"type": "text", "text": paragraph(rng, 1, 3),
+                       "cache_control": {"type": "ephemeral"}})
+        new.append({"role": "user", "content": blocks})
+        body = {
+            "model": self.api.model,
+            "max_tokens": rng.randint(*MAX_TOKENS),
+            "system": [{"type": "text", "text": conv.system,
+                        "cache_control": {"type": "ephemeral"}}],
+            "messages": history + new,
+            "tools": [LOOKUP_TOOL_ANTHROPIC, {"type": "web_search_20250305",
+                                              "name": "web_search"}],
+            "thinking": {"type": rng.choice(("adaptive", "disabled"))},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                              "keep": "all"}]},
+            "metadata": {"user_id": f"soak-{conv.key}"},
+            "temperature": rng.choice((0.0, 0.7)),
+        }
+        headers = {"anthropic-version": "2023-06-01", "x-claude-code-session-id": conv.cid}
+        what = "messages" + (":edit" if edited else "")
+        if edited and not conv.cross_checked and rng.random() < 0.3:
+            return self.check_cross_key(conv, body, headers, what)
+        r = self.api_turn(conv, body, headers, what)
+        if not r.ok:
+            return f"failed_{r.status}"
+        content = []
+        for b in (r.body or {}).get("content") or []:
+            if b.get("type") == "text":
+                content.append({"type": "text", "text": b.get("text", "")})
+            elif b.get("type") == "tool_use":
+                args = b.get("input")
+                if args is None or "partial" in b:
+                    try:
+                        args = json.loads(b.get("partial") or "{}")
+                    except ValueError:
+                        self.api.stats.anomaly("bad_tool_input", response=b)
+                        args = {}
+                content.append({"type": "tool_use", "id": b.get("id"), "name": b.get("name"),
+                                "input": args})
+        if rng.random() < 0.2:
+            # What a thinking model's reply holds; the server drops it from the prompt.
+            content.insert(0, {"type": "thinking", "thinking": sentence(rng, 3, 8),
+                               "signature": uuid.uuid4().hex})
+        if not any(b["type"] == "text" for b in content):
+            content.append({"type": "text", "text": "."})
+        conv.open_calls = [b["id"] for b in content if b["type"] == "tool_use"]
+        conv.items = history + new + [{"role": "assistant", "content": content}]
+        u = r.usage or {}
+        conv.prompt_tokens = sum(int(u.get(k) or 0) for k in (
+            "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+        return "ok_spliced" if (r.leyline or {}).get("spliced") else "ok"
+
+    def act_responses(self):
+        """A Responses turn as Codex sends one: instructions, a developer message, input_text
+        parts, function_call / function_call_output / reasoning items, a hosted tool,
+        prompt_cache_key; some conversations stored and continued by previous_response_id
+        (with a lookup of the stored response under the other key, which must be a 404)."""
+        conv = self.api_conv("responses")
+        rng = self.rng
+        if not self.fits(conv):
+            self.api_convs.remove(conv)
+            if conv.last_id and rng.random() < 0.5:
+                self.api.request("DELETE", f"/v1/responses/{conv.last_id}", None, conv.key)
+            return "restarted"
+        history = json.loads(json.dumps(conv.items))
+        edited = False
+        outputs = [i for i in history if i.get("type") == "function_call_output"
+                   and i.get("output") != CLEARED]
+        if not conv.stored and len(outputs) > 1 and rng.random() < 0.4:
+            rng.choice(outputs[:-1])["output"] = CLEARED
+            edited = True
+        new = []
+        if not history:
+            new.append({"role": "developer",
+                        "content": [{"type": "input_text", "text": sentence(rng, 4, 10)}]})
+        calls = list(conv.open_calls)
+        if not calls and history and rng.random() < 0.4:
+            cid = "call_" + uuid.uuid4().hex[:12]
+            new.append({"type": "function_call", "call_id": cid, "name": "lookup",
+                        "arguments": json.dumps({"query": rng.choice(WORDS)})})
+            calls = [cid]
+        for cid in calls:
+            new.append({"type": "function_call_output", "call_id": cid,
+                        "output": paragraph(rng, 1, 2)})
+        new.append({"role": "user",
+                    "content": [{"type": "input_text", "text": paragraph(rng, 1, 3)}]})
+        body = {
+            "model": self.api.model,
+            "instructions": conv.system,
+            "input": new if conv.stored and conv.last_id else history + new,
+            "tools": [LOOKUP_TOOL_OPENAI, {"type": "web_search"}],
+            "tool_choice": "auto",
+            "parallel_tool_calls": False,
+            "reasoning": {"summary": "auto"},
+            "include": ["reasoning.encrypted_content"],
+            "store": conv.stored,
+            "prompt_cache_key": conv.cid,
+            "max_output_tokens": rng.randint(*MAX_TOKENS),
+            "temperature": rng.choice((0.0, 0.7)),
+        }
+        if conv.stored and conv.last_id:
+            body["previous_response_id"] = conv.last_id
+        headers = {"session-id": conv.cid}
+        what = "responses" + (":edit" if edited else "") + (":stored" if conv.stored else "")
+        if edited and not conv.cross_checked and rng.random() < 0.3:
+            return self.check_cross_key(conv, body, headers, what)
+        r = self.api_turn(conv, body, headers, what)
+        if r.status == 404 and conv.stored:
+            # Evicted from the store (or never stored): the client starts over.
+            self.api_convs.remove(conv)
+            return "404"
+        if not r.ok:
+            return f"failed_{r.status}"
+        out = []
+        for item in (r.body or {}).get("output") or []:
+            if item.get("type") == "message":
+                out.append({"type": "message", "role": "assistant", "content": [
+                    {"type": "output_text", "text": p.get("text", "")}
+                    for p in item.get("content") or [] if p.get("type") == "output_text"]})
+            elif item.get("type") == "function_call":
+                out.append({"type": "function_call", "call_id": item.get("call_id"),
+                            "name": item.get("name"), "arguments": item.get("arguments", "")})
+        if rng.random() < 0.2:
+            out.insert(0, {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:12],
+                           "summary": []})
+        conv.open_calls = [i["call_id"] for i in out if i["type"] == "function_call"]
+        conv.items = history + new + out
+        conv.prompt_tokens = int((r.usage or {}).get("input_tokens") or 0)
+        rid = (r.body or {}).get("id")
+        if conv.stored and rid:
+            conv.last_id = rid
+            other = self.api.request("GET", f"/v1/responses/{rid}", None, 1 - conv.key,
+                                     label="/v1/responses/{id} (other key)")
+            if other.status != 404:
+                self.api.stats.anomaly("cross_key_response", response_id=rid,
+                                       status=other.status, response=other.brief())
+                return "violation"
+        return "ok_spliced" if (r.leyline or {}).get("spliced") else "ok"
 
 
 # ---------------------------------------------------------------------------------------
