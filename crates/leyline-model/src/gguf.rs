@@ -63,6 +63,23 @@ impl GgufFile {
         Ok(())
     }
 
+    /// Every tensor's name and size in bytes as stored, in the file's order of offsets.
+    pub fn tensor_sizes(&self) -> Vec<(String, u64)> {
+        let mut v: Vec<(u64, String, u64)> = self
+            .content
+            .tensor_infos
+            .iter()
+            .map(|(name, info)| {
+                let elems = info.shape.elem_count();
+                let block = info.ggml_dtype.block_size().max(1);
+                let bytes = (elems / block) as u64 * info.ggml_dtype.type_size() as u64;
+                (info.offset, name.clone(), bytes)
+            })
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, n, b)| (n, b)).collect()
+    }
+
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path

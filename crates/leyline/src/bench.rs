@@ -21,6 +21,8 @@ pub enum BenchCommand {
     Splice(crate::bench_splice::SpliceArgs),
     /// Replay agent trajectories under a context policy: baseline vs AMORTIZE vs FORGET.
     Replay(Box<crate::replay::ReplayArgs>),
+    /// Memory read bandwidth of this machine, and the decode speed it bounds for a model.
+    Bandwidth(crate::bench_bandwidth::BandwidthArgs),
 }
 
 /// Options of `bench engine`.
@@ -56,6 +58,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Policy(a) => crate::bench_policy::run(a),
         BenchCommand::Splice(a) => crate::bench_splice::run(a),
         BenchCommand::Replay(a) => crate::replay::run(*a),
+        BenchCommand::Bandwidth(a) => crate::bench_bandwidth::run(a),
     }
 }
 

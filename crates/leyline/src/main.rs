@@ -1,6 +1,7 @@
 //! `leyline`: the command line of the Leyline serving engine.
 
 mod bench;
+mod bench_bandwidth;
 mod bench_batch;
 mod bench_policy;
 mod bench_splice;
