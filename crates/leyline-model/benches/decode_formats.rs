@@ -12,8 +12,9 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
+use leyline_kernels::qmatmul::{KernelPath, QMatrix};
 use leyline_model::linear::Linear;
-use leyline_model::qmatmul::{KernelPath, QMatrix};
+use leyline_model::quant::qmatrix;
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -56,7 +57,7 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(9)
         .max(5);
-    leyline_model::pool::init_threads(threads).expect("first use of the pools");
+    leyline_kernels::pool::init_threads(threads).expect("first use of the pools");
     // (what, format, out, in): Qwen2.5-0.5B's ffn_down (Q4_K, or Q6_K in some layers),
     // gate / up and q / o (Q5_0 in Q4_K_M files: 896 columns are no whole super-blocks),
     // then the older kinds at the same shapes for comparison.
@@ -91,7 +92,7 @@ fn main() {
             .map(|_| Linear::from_qtensor(&q, None).expect("layer"))
             .collect();
         let blocks: Vec<QMatrix> = (0..copies)
-            .map(|_| QMatrix::from_qtensor(&q).expect("a kind with kernels"))
+            .map(|_| qmatrix(&q).expect("a kind with kernels"))
             .collect();
         let path = KernelPath::best_for(blocks[0].kind());
         let (mut iq, mut ib) = (0, 0);

@@ -4,14 +4,15 @@
 //! f32 (or in a format without kernels, dequantized at load) runs gemm.
 
 use crate::error::{ModelError, Result};
-use crate::gemm::gemm_into;
 use crate::gguf::GgufFile;
-use crate::panel::Panels;
-use crate::pool::SpinPool;
-use crate::qmatmul::{GgmlKind, KernelPath, QMatrix};
+use crate::quant::{ggml_kind, qmatrix};
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Storage, Tensor};
-use leyline_kv::mem::HugeBuf;
+use leyline_kernels::gemm::gemm_into;
+use leyline_kernels::mem::HugeBuf;
+use leyline_kernels::panel::Panels;
+use leyline_kernels::pool::SpinPool;
+use leyline_kernels::qmatmul::{GgmlKind, KernelPath, QMatrix};
 
 /// A linear layer `y = x W^T + b`.
 pub struct Linear {
@@ -104,8 +105,8 @@ impl Linear {
     /// # Errors
     /// A tensor that is not 2-D, a bias of the wrong length, unreadable data.
     pub fn from_qtensor(q: &QTensor, b: Option<Tensor>) -> Result<Self> {
-        if GgmlKind::from_dtype(q.dtype()).is_some() {
-            Self::from_qmatrix(QMatrix::from_qtensor(q)?, b)
+        if ggml_kind(q.dtype()).is_some() {
+            Self::from_qmatrix(qmatrix(q)?, b)
         } else {
             Self::from_f32(q.dequantize(&Device::Cpu)?, b)
         }
@@ -370,8 +371,8 @@ impl Embedding {
     /// # Errors
     /// A tensor that is not 2-D, or unreadable data.
     pub fn from_qtensor(t: &QTensor) -> Result<Self> {
-        if GgmlKind::from_dtype(t.dtype()).is_some() {
-            Ok(Self::Quant(QMatrix::from_qtensor(t)?))
+        if ggml_kind(t.dtype()).is_some() {
+            Ok(Self::Quant(qmatrix(t)?))
         } else {
             let e = t.dequantize(&Device::Cpu)?;
             e.dims2()?;
@@ -592,7 +593,7 @@ mod tests {
             let w = q.dequantize(&Device::Cpu).unwrap();
             let layer = Linear::from_qtensor(&q, None).unwrap();
             let qm = layer.quantized().expect("a quantized form");
-            assert_eq!(Some(qm.kind()), GgmlKind::from_dtype(dt), "{dt:?}");
+            assert_eq!(Some(qm.kind()), ggml_kind(dt), "{dt:?}");
             let wv = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             for m in [1, 3, 32] {
                 let x = values(m * inp, 50 + m as u64);

@@ -5,7 +5,8 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use leyline_model::qmatmul::{KernelPath, QMatrix};
+use leyline_kernels::qmatmul::{KernelPath, QMatrix};
+use leyline_model::quant::qmatrix;
 
 #[test]
 fn all_paths_all_row_counts_match_candle() {
@@ -23,7 +24,7 @@ fn all_paths_all_row_counts_match_candle() {
         let w = Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu).unwrap();
         for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
             let q = QTensor::quantize(&w, dt).unwrap();
-            let qm = QMatrix::from_qtensor(&q).unwrap();
+            let qm = qmatrix(&q).unwrap();
             let wd = q.dequantize(&Device::Cpu).unwrap();
             for m in 1..=17usize {
                 let x = Tensor::randn(0f32, 1.0, (m, cols), &Device::Cpu).unwrap();
@@ -59,7 +60,7 @@ fn all_paths_all_row_counts_match_candle() {
 /// not split evenly.
 #[test]
 fn matmul_concat_splits_rows_across_threads_correctly() {
-    use leyline_model::pool::SpinPool;
+    use leyline_kernels::pool::SpinPool;
     let shapes = [(192usize, 576usize), (4099, 576), (13, 64)];
     let mats: Vec<(QMatrix, Tensor)> = shapes
         .iter()
@@ -67,10 +68,7 @@ fn matmul_concat_splits_rows_across_threads_correctly() {
         .map(|(&(r, c), dt)| {
             let w = Tensor::randn(0f32, 1.0, (r, c), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, dt).unwrap();
-            (
-                QMatrix::from_qtensor(&q).unwrap(),
-                q.dequantize(&Device::Cpu).unwrap(),
-            )
+            (qmatrix(&q).unwrap(), q.dequantize(&Device::Cpu).unwrap())
         })
         .collect();
     for threads in 1..=3 {

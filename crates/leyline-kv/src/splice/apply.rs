@@ -22,12 +22,12 @@
 use super::{SplicePlan, SpliceRequest};
 use crate::error::{KvError, Result};
 use crate::radix::PrefixCache;
-use crate::rope::{RopeSpec, Rotation};
-use crate::rotate::{shift_rows_with, shift_table, KernelPath};
 use crate::shift::{key_shifts, KeyShift, RotationMode};
 use crate::slots::Lineage;
 use crate::storage::{KRowsBackup, KvStorage};
 use leyline_core::DirectiveBatch;
+use leyline_kernels::rope::{RopeSpec, Rotation};
+use leyline_kernels::rotate::{shift_rows_with, shift_table, KernelPath};
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
@@ -293,7 +293,7 @@ impl Txn {
                 path,
             ) {
                 release_reversed(cache, &fresh);
-                return Err(e);
+                return Err(e.into());
             }
         }
         let copied: HashSet<u32> = plan.cow.iter().map(|&(_, dst)| dst).collect();

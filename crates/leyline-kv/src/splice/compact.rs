@@ -9,9 +9,9 @@
 use crate::error::{KvError, Result};
 
 use crate::radix::PrefixCache;
-use crate::rope::RopeSpec;
-use crate::rotate::{shift_rows_with, shift_table, KernelPath};
 use crate::storage::KvStorage;
+use leyline_kernels::rope::RopeSpec;
+use leyline_kernels::rotate::{shift_rows_with, shift_table, KernelPath};
 
 /// What [`compact`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,7 +53,7 @@ pub fn compact(
     let tables = runs
         .iter()
         .map(|r| shift_table(rope, r.offset))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<leyline_kernels::Result<Vec<_>>>()?;
     for &s in slots {
         if s as usize >= kv.capacity() {
             return Err(KvError::SlotOutOfRange {

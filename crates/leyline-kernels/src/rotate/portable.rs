@@ -4,7 +4,7 @@
 use super::{Head, Sel, Tables};
 use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::rope::{RotaryLayout, Rotation};
-use crate::storage::RowsMut;
+use crate::rows::RowsMut;
 
 /// A storage dtype: load to f32, store rounded once.
 pub(super) trait Codec {

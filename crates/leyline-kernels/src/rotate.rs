@@ -19,14 +19,12 @@
 //! by a left shift and its odd element by a mask. For interleaved pairs `(2i, 2i+1)` that
 //! puts `a` and `b` of one pair in one lane: the rotation needs no shuffles at all.
 
+use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::cpu::Features;
-use crate::error::{KvError, Result};
+use crate::error::{KernelError, Result};
 use crate::rope::{RopeSpec, RotaryLayout, Rotation};
-use crate::storage::RowsMut;
+use crate::rows::RowsMut;
 use std::ops::Range;
-
-/// The scalar converters, kept here for callers of their old path (now [`crate::convert`]).
-pub use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 /// Which compiled copy of the kernel runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -61,13 +59,14 @@ impl KernelPath {
 
 /// Rotates the key rows of `slots` by `R(delta)` in place, with the detected kernel path.
 ///
-/// `rows` is a layer's key-part buffer `[capacity, k_heads * k_head_dim]`. A slot listed
-/// twice is rotated twice.
+/// `rows` is a layer's key-part buffer `[capacity, k_heads * k_head_dim]`, and `slots` are
+/// indices of its rows (the KV pool's slots). A slot listed twice is rotated twice.
 ///
 /// # Errors
-/// [`KvError::NotShiftable`] / [`KvError::InvalidRope`] from [`RopeSpec::ensure_shiftable`],
-/// [`KvError::InvalidRope`] if `spec.head_dim != k_head_dim`, [`KvError::WidthMismatch`] if
-/// the buffer is not whole rows, [`KvError::SlotOutOfRange`] for a slot past the buffer.
+/// [`KernelError::NotShiftable`] / [`KernelError::InvalidRope`] from
+/// [`RopeSpec::ensure_shiftable`], [`KernelError::InvalidRope`] if `spec.head_dim !=
+/// k_head_dim`, [`KernelError::WidthMismatch`] if the buffer is not whole rows,
+/// [`KernelError::RowOutOfRange`] for a slot past the buffer.
 /// Nothing is written unless every check passes.
 pub fn shift_rows(
     rows: RowsMut<'_>,
@@ -125,8 +124,8 @@ pub fn shift_table(spec: &RopeSpec, delta: i64) -> Result<Rotation> {
 /// Rotates the key rows of `slots` by a prebuilt `rot` with the kernel `path`.
 ///
 /// # Errors
-/// [`KvError::InvalidRope`] if `rot` was built for another head width or `path` is not
-/// available here, [`KvError::WidthMismatch`], [`KvError::SlotOutOfRange`] as
+/// [`KernelError::InvalidRope`] if `rot` was built for another head width or `path` is not
+/// available here, [`KernelError::WidthMismatch`], [`KernelError::RowOutOfRange`] as
 /// [`shift_rows`]. Nothing is written unless every check passes.
 pub fn shift_rows_with(
     rows: RowsMut<'_>,
@@ -138,7 +137,7 @@ pub fn shift_rows_with(
 ) -> Result<()> {
     let head = check_rows(&rows, k_heads, k_head_dim, rot)?;
     if !path.available() {
-        return Err(KvError::InvalidRope(format!(
+        return Err(KernelError::InvalidRope(format!(
             "kernel path {path:?} is not available here"
         )));
     }
@@ -362,7 +361,7 @@ fn check_rows(
     rot: &Rotation,
 ) -> Result<Head> {
     if rot.head_dim != k_head_dim || rot.rotary_dim() > k_head_dim {
-        return Err(KvError::InvalidRope(format!(
+        return Err(KernelError::InvalidRope(format!(
             "rotation built for head_dim {} (rotary {}), rows have head_dim {k_head_dim}",
             rot.head_dim,
             rot.rotary_dim()
@@ -371,7 +370,7 @@ fn check_rows(
     let width = k_heads * k_head_dim;
     let len = rows_len(rows);
     if width == 0 || !len.is_multiple_of(width) {
-        return Err(KvError::WidthMismatch {
+        return Err(KernelError::WidthMismatch {
             what: "key rows (buffer length / row width)",
             expected: width,
             got: len,
@@ -389,7 +388,10 @@ fn check_slot(slot: u32, capacity: usize) -> Result<()> {
     if (slot as usize) < capacity {
         Ok(())
     } else {
-        Err(KvError::SlotOutOfRange { slot, capacity })
+        Err(KernelError::RowOutOfRange {
+            row: slot,
+            rows: capacity,
+        })
     }
 }
 

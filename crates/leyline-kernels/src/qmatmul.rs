@@ -18,9 +18,9 @@
 //! products (dequantized chunks through gemm); `scalar.rs`, `avx2.rs` and `avx512.rs`
 //! one kernel family per instruction set, `tile.rs` what the two x86 ones share.
 
+use crate::cpu::Features;
 use crate::pool::{split, SpinPool};
 use format::SLACK;
-use leyline_kv::cpu::Features;
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;

@@ -3,7 +3,7 @@
 //! products (30 layers of q, k, v, o, gate, up, down, then the head) on distinct matrices.
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use leyline_model::qmatmul::{GgmlKind, KernelPath, QMatrix};
+use leyline_kernels::qmatmul::{GgmlKind, KernelPath, QMatrix};
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -111,7 +111,7 @@ fn model_m1(c: &mut Criterion) {
     g.finish();
 }
 
-/// `QMATMUL_PROBE=1 cargo bench -p leyline-model --bench qmatmul`: best-of-N timings of a
+/// `QMATMUL_PROBE=1 cargo bench -p leyline-kernels --bench qmatmul`: best-of-N timings of a
 /// decode token's products on 1 and 2 threads (robust to a busy machine), then exit.
 /// `QMATMUL_M` lists the activation rows of those (default 1,4,16), `QMATMUL_CACHE_M` those
 /// of the cache-resident single-matrix timings (default 1), `QMATMUL_REPS` the repetitions.

@@ -4,7 +4,7 @@
 /// `2^x` for `x <= 0` (what the online softmax needs), within 2e-7 relative, and exactly 0
 /// below `2^-126` (masked scores are `-inf`). Branch-free, so loops over it vectorize.
 #[inline(always)]
-pub(crate) fn exp2(x: f32) -> f32 {
+pub fn exp2(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
     let xc = x.max(-126.0);
     // Round to nearest through the f32 mantissa: the low bits of `y` then hold `n`.
@@ -34,10 +34,10 @@ pub(crate) fn exp2(x: f32) -> f32 {
 /// `u`, `width` values each (the fused gate/up product), within a few ulp of the f64 value.
 /// Compiled once more for AVX-512 / AVX2+FMA and chosen at run time: in code built for
 /// baseline x86-64, `mul_add` is a library call per element.
-pub(crate) fn silu_mul(gu: &[f32], width: usize, out: &mut [f32]) {
+pub fn silu_mul(gu: &[f32], width: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        let f = leyline_kv::cpu::Features::get();
+        let f = crate::cpu::Features::get();
         if f.avx512f {
             // SAFETY: the CPU has AVX-512F (checked just above).
             return unsafe { silu_mul_avx512(gu, width, out) };

@@ -1,7 +1,7 @@
 //! The score products with AVX-512F intrinsics: the compiler does not keep a
 //! `[keys][lanes]` accumulator tile in registers on its own.
 
-use super::plan::KB;
+use super::task::KB;
 use std::arch::x86_64::*;
 
 /// [`super::kernel::Isa::scores`] with AVX-512F: 4 keys x 64 query lanes in 16 registers,

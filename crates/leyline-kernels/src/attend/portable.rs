@@ -1,6 +1,6 @@
 //! The portable score products: plain Rust loops that the compiler vectorizes.
 
-use super::plan::KB;
+use super::task::KB;
 
 /// `q . k`, in 16 independent accumulators so the loop vectorizes.
 #[inline(always)]

@@ -1,6 +1,6 @@
 //! The score products with AVX2 and FMA intrinsics, as `avx512.rs` has them for 16 lanes.
 
-use super::plan::KB;
+use super::task::KB;
 use std::arch::x86_64::*;
 
 /// [`super::avx512::scores_few_avx512`] with AVX2 and FMA: 8 keys at a time, summed by

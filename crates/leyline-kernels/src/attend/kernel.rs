@@ -2,8 +2,8 @@
 //! set: the per-thread buffers, the online softmax over key blocks, the value sums, and
 //! [`Isa`], which picks the score products of `portable.rs`, `avx2.rs` or `avx512.rs`.
 
-use super::plan::{direct, last_piece, offset_of, Heads, Task, KB, RB};
 use super::portable::{dot, scores_portable};
+use super::task::{direct, last_piece, offset_of, Heads, Task, KB, RB};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
 use crate::fastmath::exp2;
@@ -18,8 +18,10 @@ const DC: usize = 16;
 /// The batch's query rows: row `t` starts at `t * stride` and holds every head's query
 /// (rotated, unscaled) in its first `heads * head_dim` values; the rest of a row is not read.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Queries<'a> {
+pub struct Queries<'a> {
+    /// The rows.
     pub rows: &'a [f32],
+    /// Values from one row's start to the next's.
     pub stride: usize,
 }
 
@@ -95,7 +97,7 @@ pub(super) struct FromBf16;
 impl Load<u16> for FromBf16 {
     #[inline(always)]
     fn f32(self, b: u16) -> f32 {
-        leyline_kv::convert::bf16_to_f32(b)
+        crate::convert::bf16_to_f32(b)
     }
     #[inline(always)]
     fn in_place(self, _: &[u16]) -> Option<&[f32]> {
@@ -110,7 +112,7 @@ pub(super) struct FromF16;
 impl Load<u16> for FromF16 {
     #[inline(always)]
     fn f32(self, b: u16) -> f32 {
-        leyline_kv::convert::f16_to_f32(b)
+        crate::convert::f16_to_f32(b)
     }
     #[inline(always)]
     fn in_place(self, _: &[u16]) -> Option<&[f32]> {
@@ -123,30 +125,37 @@ pub(super) struct Job<'a> {
     pub(super) task: &'a Task<'a>,
     pub(super) q: Queries<'a>,
     /// The batch's `R(-offset)` per shifted run's offset ([`Task::pieces`] name them).
-    pub(super) rotations: &'a [(i64, leyline_kv::rope::Rotation)],
+    pub(super) rotations: &'a [(i64, crate::rope::Rotation)],
     pub(super) shape: Heads,
     pub(super) kw: usize,
     pub(super) vw: usize,
 }
 
 /// The instruction set the kernel is compiled for, picked at run time.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Isa {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, any CPU.
     Portable,
+    /// x86-64 AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// x86-64 AVX-512F.
     #[cfg(target_arch = "x86_64")]
     Avx512,
 }
 
 impl Isa {
+    /// Whether this CPU runs the variant.
+    pub fn is_available(self) -> bool {
+        Self::available().contains(&self)
+    }
+
     /// Every variant this CPU can run, the portable one first.
-    #[cfg(test)]
-    pub(super) fn available() -> Vec<Self> {
+    pub fn available() -> Vec<Self> {
         let mut v = vec![Isa::Portable];
         #[cfg(target_arch = "x86_64")]
         {
-            let f = leyline_kv::cpu::Features::get();
+            let f = crate::cpu::Features::get();
             if f.avx2_fma() {
                 v.push(Isa::Avx2);
             }
@@ -157,11 +166,11 @@ impl Isa {
         v
     }
 
-    /// The fastest variant this CPU runs, from the features `leyline_kv::cpu` detects once.
-    pub(super) fn detect() -> Self {
+    /// The fastest variant this CPU runs, from the features [`crate::cpu`] detects once.
+    pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            let f = leyline_kv::cpu::Features::get();
+            let f = crate::cpu::Features::get();
             if f.avx512f {
                 return Isa::Avx512;
             }
@@ -184,10 +193,10 @@ impl Isa {
     ) {
         match self {
             Isa::Portable => task::<T, DC>(self, job, k, v, ld, buf, out),
-            // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX-512F.
+            // SAFETY: `attend` checked that the CPU runs this variant: it has AVX-512F.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { task_avx512(self, job, k, v, ld, buf, out) },
-            // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX2 and FMA.
+            // SAFETY: `attend` checked that the CPU runs this variant: it has AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { task_avx2(self, job, k, v, ld, buf, out) },
         }
@@ -304,7 +313,6 @@ fn task<T: Copy, const W: usize>(
     } = *job;
     let (h, hd) = (shape.heads, shape.head_dim);
     let g = h / shape.kv_heads;
-    let seq = task.seq;
     let rows = task.rows(g);
     let padded = rows.div_ceil(RB) * RB;
     let lanes = lanes_of(rows);
@@ -351,14 +359,14 @@ fn task<T: Copy, const W: usize>(
     m[..lanes].fill(f32::NEG_INFINITY);
     l[..lanes].fill(0.0);
     o[..padded * hd].fill(0.0);
-    let ctx = seq.context.len();
+    let ctx = task.context.len();
     // Key and value rows both hold the kv heads side by side.
     let off = task.kv_head * hd;
     let slot = |j: usize| {
         (if j < ctx {
-            seq.context[j]
+            task.context[j]
         } else {
-            seq.new_slots[j - ctx]
+            task.new_rows[j - ctx]
         }) as usize
     };
     let (kf, vf) = (ld.in_place(k), ld.in_place(v));

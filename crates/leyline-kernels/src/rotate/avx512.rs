@@ -3,7 +3,7 @@
 
 use super::{prefetch, Head, Sel, Tables, PREFETCH_ROWS};
 use crate::rope::RotaryLayout;
-use crate::storage::RowsMut;
+use crate::rows::RowsMut;
 use std::arch::x86_64::*;
 
 /// `(a*c - b*s, b*c + a*s)` lane-wise: the order of every path.

@@ -3,15 +3,15 @@
 //! SmolLM2-135M, for bf16/f16/f32 storage and both layouts; a layer loop as the engine runs
 //! it (one `shift_table`, then `shift_rows_with` per layer).
 //!
-//! `cargo bench -p leyline-kv --bench rotate` prints criterion's numbers, then a report: per
+//! `cargo bench -p leyline-kernels --bench rotate` prints criterion's numbers, then a report: per
 //! dtype, best and median GB/s of N runs, and each rotation's ratio to the copy and to the
 //! read-modify-write. Bytes counted are the bytes of the rows (read once, written once).
 //! `ROTATE_BENCH_QUICK=1` skips criterion and prints the report only.
 
 use criterion::{Criterion, Throughput};
-use leyline_kv::rope::{RopeSpec, RotaryLayout};
-use leyline_kv::rotate::{shift_rows_with, shift_table, KernelPath};
-use leyline_kv::storage::RowsMut;
+use leyline_kernels::rope::{RopeSpec, RotaryLayout};
+use leyline_kernels::rotate::{shift_rows_with, shift_table, KernelPath};
+use leyline_kernels::rows::RowsMut;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

@@ -450,21 +450,15 @@ fn bad_input_is_refused_before_writing() {
     let spec = RopeSpec::plain(10000.0, 8, RotaryLayout::Neox);
     let mut v = vec![1.0f32; 32];
     let e = shift_rows(RowsMut::F32(&mut v), 2, 8, &[0, 2], &spec, 3).unwrap_err();
-    assert_eq!(
-        e,
-        KvError::SlotOutOfRange {
-            slot: 2,
-            capacity: 2
-        }
-    );
+    assert_eq!(e, KernelError::RowOutOfRange { row: 2, rows: 2 });
     assert!(v.iter().all(|&x| x == 1.0), "nothing written on error");
     assert!(matches!(
         shift_rows(RowsMut::F32(&mut v[..30]), 2, 8, &[0], &spec, 3),
-        Err(KvError::WidthMismatch { .. })
+        Err(KernelError::WidthMismatch { .. })
     ));
     assert!(matches!(
         shift_rows(RowsMut::F32(&mut v), 4, 4, &[0], &spec, 3),
-        Err(KvError::InvalidRope(_))
+        Err(KernelError::InvalidRope(_))
     ));
     let ntk = RopeSpec {
         scaling: RopeScaling::DynamicNtk {
@@ -475,7 +469,7 @@ fn bad_input_is_refused_before_writing() {
     };
     assert!(matches!(
         shift_rows(RowsMut::F32(&mut v), 2, 8, &[0], &ntk, 3),
-        Err(KvError::NotShiftable(_))
+        Err(KernelError::NotShiftable(_))
     ));
 }
 
