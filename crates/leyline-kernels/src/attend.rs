@@ -19,19 +19,20 @@
 //! with the queries turned back by the run's offset ([`Task::pieces`], [`Task::loads`]).
 //!
 //! Files: `task.rs` holds what a task is and the merge of split tasks' outputs; `kernel.rs`
-//! runs one task (online softmax, value sums) and picks the instruction set; `portable.rs`,
+//! runs one task (online softmax, value sums) on the [`Tier`] given; `portable.rs`,
 //! `avx2.rs` and `avx512.rs` hold the score products for each; this file runs the tasks on
 //! the pool.
 
 use crate::pool::SpinPool;
 use crate::rope::Rotation;
 use crate::rows::RowsRef;
-use kernel::{AsIs, FromBf16, FromF16, Job, Scratch};
+use crate::Tier;
+use kernel::{run, AsIs, FromBf16, FromF16, Job, Scratch};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use task::write_out;
 
-pub use kernel::{Isa, Queries};
+pub use kernel::Queries;
 pub use task::{direct, last_piece, offset_of, Heads, Task, KB, RB};
 
 #[cfg(target_arch = "x86_64")]
@@ -79,13 +80,13 @@ pub struct KvRows<'a> {
 
 /// Writes into `out: [n, heads * head_dim]` the causal attention of the batch's queries `q`
 /// over the keys and values of `rows` that `work`'s tasks name, with the kernel compiled for
-/// `isa`, on `pool`'s threads.
+/// `tier`, on `pool`'s threads.
 ///
 /// # Panics
-/// If the CPU lacks `isa`, the key and value rows differ in dtype, or `work` does not fit
+/// If the CPU does not run `tier`, the key and value rows differ in dtype, or `work` does not fit
 /// `rows`, `q` and `out` (a row index past the buffers, a scratch shorter than its tasks).
 pub fn attend(
-    isa: Isa,
+    tier: Tier,
     pool: &SpinPool,
     rows: KvRows<'_>,
     q: Queries<'_>,
@@ -93,8 +94,8 @@ pub fn attend(
     out: &mut [f32],
 ) {
     assert!(
-        isa.is_available(),
-        "attention kernel {isa:?} is not available on this CPU"
+        tier.available(),
+        "kernel tier {tier} is not available on this CPU"
     );
     let shape = work.shape;
     let (g, hd) = (shape.heads / shape.kv_heads, shape.head_dim);
@@ -129,13 +130,13 @@ pub fn attend(
                 };
                 match (kr, vr) {
                     (RowsRef::F32(k), RowsRef::F32(v)) => {
-                        isa.run(&job, k, v, AsIs, &mut buf, &mut o)
+                        run(tier, &job, k, v, AsIs, &mut buf, &mut o)
                     }
                     (RowsRef::Bf16(k), RowsRef::Bf16(v)) => {
-                        isa.run(&job, k, v, FromBf16, &mut buf, &mut o)
+                        run(tier, &job, k, v, FromBf16, &mut buf, &mut o)
                     }
                     (RowsRef::F16(k), RowsRef::F16(v)) => {
-                        isa.run(&job, k, v, FromF16, &mut buf, &mut o)
+                        run(tier, &job, k, v, FromF16, &mut buf, &mut o)
                     }
                     _ => panic!("key and value rows must share one dtype"),
                 }

@@ -1,5 +1,7 @@
 //! The one error type of `leyline-kernels`.
 
+use crate::Tier;
+
 /// What a kernel refuses before it touches any data.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum KernelError {
@@ -32,6 +34,12 @@ pub enum KernelError {
     /// Quantized weight bytes that do not form the matrix claimed (shape or length).
     #[error("{0}")]
     Quantized(String),
+    /// A kernel tier was asked for that this CPU does not run.
+    #[error("kernel tier {0} is not available on this CPU")]
+    TierUnavailable(Tier),
+    /// A tier name that is none of the tiers'.
+    #[error("unknown kernel tier {0:?} (expected portable, avx2 or avx512)")]
+    UnknownTier(String),
 }
 
 /// Result alias of this crate.

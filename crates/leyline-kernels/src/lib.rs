@@ -2,8 +2,8 @@
 //! panels ([`panel`]) and through gemm ([`gemm`]), causal attention over row buffers
 //! ([`attend`]), RoPE and the in-place rotation of cached keys ([`rope`], [`rotate`]),
 //! elementwise math ([`fastmath`]), the 16-bit float converters ([`convert`]), the buffers
-//! and thread pool they run on ([`mem`], [`pool`]), and the CPU feature detection every
-//! family dispatches from ([`cpu`]).
+//! and thread pool they run on ([`mem`], [`pool`]), and the one instruction-set [`Tier`]
+//! every family dispatches on (from the CPU features [`cpu`] detects once).
 //!
 //! This is the lowest layer beside `leyline-core`: it knows nothing of the KV pool's slot
 //! metadata or prefix tree, of models, tokenizers or HTTP, and holds no tensors. `leyline-kv`
@@ -43,5 +43,7 @@ pub mod qmatmul;
 pub mod rope;
 pub mod rotate;
 pub mod rows;
+mod tier;
 
 pub use error::{KernelError, Result};
+pub use tier::Tier;

@@ -10,6 +10,7 @@
 
 use crate::mem::HugeBuf;
 use crate::pool::SpinPool;
+use crate::Tier;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -26,9 +27,9 @@ pub struct Panels {
 }
 
 impl Panels {
-    /// Whether this CPU runs [`Panels::matmul`] (it needs AVX-512F).
+    /// Whether the kernels run AVX-512 here ([`Tier::best`]), which [`Panels::matmul`] needs.
     pub fn available() -> bool {
-        crate::cpu::Features::get().avx512f
+        Tier::best() >= Tier::Avx512
     }
 
     /// Packs `W` given column-major (`wt[k * out + i] = W(i, k)`).
@@ -63,9 +64,9 @@ impl Panels {
     /// `y: [m, out] = x: [m, in] W^T`, split over `pool` by blocks of rows.
     ///
     /// # Panics
-    /// If [`Self::available`] is false or a length does not match.
+    /// If this CPU does not run [`Tier::Avx512`] or a length does not match.
     pub fn matmul(&self, pool: &SpinPool, x: &[f32], m: usize, y: &mut [f32]) {
-        assert!(Self::available(), "panel products need AVX-512F");
+        assert!(Tier::Avx512.available(), "panel products need AVX-512F");
         let (out, inp) = (self.out, self.inp);
         assert_eq!(x.len(), m * inp, "x must be [m, in]");
         assert_eq!(y.len(), m * out, "y must be [m, out]");
@@ -202,8 +203,8 @@ mod tests {
     /// scalar f64 product.
     #[test]
     fn products_match_a_scalar_reference() {
-        if !Panels::available() {
-            eprintln!("this CPU has no AVX-512F: panel products are not used here");
+        Tier::note_lacking();
+        if !Tier::Avx512.available() {
             return;
         }
         for (out, inp) in [(64, 32), (100, 45), (17, 8), (192, 576), (130, 1)] {

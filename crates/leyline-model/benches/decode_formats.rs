@@ -1,5 +1,5 @@
 //! One decode row (m = 1) at Qwen2.5-0.5B's shapes and formats: `Linear::forward_rows` as the
-//! engine runs it (the integer kernels where the kind takes the AVX2 path) against the f32
+//! engine runs it (the integer kernels where the kind takes the AVX2 tier) against the f32
 //! tile kernels on the same blocks (`QMatrix::matmul_with`, the decode path before the
 //! integer kernels), both on the global pools.
 //!
@@ -12,7 +12,7 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use leyline_kernels::qmatmul::{KernelPath, QMatrix};
+use leyline_kernels::qmatmul::QMatrix;
 use leyline_model::linear::Linear;
 use leyline_model::quant::qmatrix;
 use std::hint::black_box;
@@ -94,7 +94,7 @@ fn main() {
         let blocks: Vec<QMatrix> = (0..copies)
             .map(|_| qmatrix(&q).expect("a kind with kernels"))
             .collect();
-        let path = KernelPath::best_for(blocks[0].kind());
+        let tier = blocks[0].kind().best_tier();
         let (mut iq, mut ib) = (0, 0);
         let x = values(inp, 7);
         let mut y = vec![0f32; out];
@@ -110,7 +110,7 @@ fn main() {
         let mut y2 = vec![0f32; out];
         let mut run_f = || {
             ib = (ib + 1) % copies;
-            blocks[ib].matmul_with(path, black_box(&x), 1, &mut y2)
+            blocks[ib].matmul_with(tier, black_box(&x), 1, &mut y2)
         };
         let once_f = sample(5, &mut run_f);
         let reps_f = ((0.02 / once_f) as usize).max(1);

@@ -12,7 +12,8 @@ use leyline_kernels::gemm::gemm_into;
 use leyline_kernels::mem::HugeBuf;
 use leyline_kernels::panel::Panels;
 use leyline_kernels::pool::SpinPool;
-use leyline_kernels::qmatmul::{GgmlKind, KernelPath, QMatrix};
+use leyline_kernels::qmatmul::{GgmlKind, QMatrix};
+use leyline_kernels::Tier;
 
 /// A linear layer `y = x W^T + b`.
 pub struct Linear {
@@ -36,8 +37,8 @@ enum F32Weight {
     /// of 17 / 128 / 512 rows took 1.16 / 3.98 / 11.1 ms that way against 0.61 / 3.51 / 11.3
     /// ms in place (1 thread, hot caches), and SmolLM2's prefill of 128 tokens gained 12%.
     ColMajor(HugeBuf<f32>),
-    /// `W` in panels of 64 outputs, streamed as they lie by [`Panels::matmul`]; where the CPU
-    /// has AVX-512F, instead of `ColMajor`.
+    /// `W` in panels of 64 outputs, streamed as they lie by [`Panels::matmul`]; where the
+    /// kernels run AVX-512 ([`Panels::available`]), instead of `ColMajor`.
     Panels(Panels),
     /// Row-major, shared with an embedding table (a tied head); packed per call.
     Shared(Tensor),
@@ -73,9 +74,9 @@ impl F32Weight {
 /// 16-32 activation rows at a time and beat gemm on f32 weights up to 96 rows (SmolLM2-135M,
 /// 2 threads: 64 / 96 / 128 tokens at 695-705 / 700-714 / 676-727 tok/s against 373-400 /
 /// 462-480 / 679-741); elsewhere their dot-product tiles crossed over near 32 rows. The
-/// bound is that of the path the kind's products take ([`KernelPath::best_for`]).
+/// bound is that of the tier the kind's products take ([`GgmlKind::best_tier`]).
 pub(crate) fn quantized_max_rows(kind: GgmlKind) -> usize {
-    if KernelPath::best_for(kind) == KernelPath::Avx512 {
+    if kind.best_tier() == Tier::Avx512 {
         96
     } else {
         32

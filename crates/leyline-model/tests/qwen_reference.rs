@@ -372,7 +372,7 @@ fn decode_steps_match_transformers() {
     // (`--int8-decode`). No other test of this file runs a one-row product, so the
     // process-wide switch touches only this test.
     let mut modes = vec![false];
-    if leyline_kernels::qmatmul::KernelPath::Avx2.is_available() {
+    if leyline_kernels::Tier::Avx2.available() {
         modes.push(true);
     }
     for int8_on in modes {

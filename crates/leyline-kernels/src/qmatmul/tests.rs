@@ -105,11 +105,10 @@ fn check(w: &[f64], rows: usize, cols: usize, x: &[f32], m: usize, y: &[f32], wh
     }
 }
 
-fn paths() -> Vec<KernelPath> {
-    [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512]
-        .into_iter()
-        .filter(|p| p.is_available())
-        .collect()
+/// The tiers to compare: every one this CPU runs (those it lacks are noted on stderr).
+fn tiers() -> Vec<Tier> {
+    Tier::note_lacking();
+    Tier::all_available()
 }
 
 /// Shapes with odd row counts (not multiples of the 2- and 4-row tiles) and several widths.
@@ -122,7 +121,7 @@ fn shapes(kind: GgmlKind) -> &'static [(usize, usize)] {
 }
 
 #[test]
-fn every_path_matches_the_f64_reference() {
+fn every_tier_matches_the_f64_reference() {
     let mut rng = Rng(7);
     for kind in GgmlKind::ALL {
         for &(rows, cols) in shapes(kind) {
@@ -131,9 +130,9 @@ fn every_path_matches_the_f64_reference() {
             let w = dequant_ref(kind, &raw);
             for m in [1, 2, 3, 4, 5, 6, 9, 16, 24, 33, 70] {
                 let x: Vec<f32> = (0..m * cols).map(|_| rng.unit()).collect();
-                for path in paths() {
+                for tier in tiers() {
                     let mut y = vec![f32::NAN; m * rows];
-                    qm.matmul_with(path, &x, m, &mut y);
+                    qm.matmul_with(tier, &x, m, &mut y);
                     check(
                         &w,
                         rows,
@@ -141,7 +140,7 @@ fn every_path_matches_the_f64_reference() {
                         &x,
                         m,
                         &y,
-                        &format!("{kind:?} {path:?} [{rows},{cols}] m={m}"),
+                        &format!("{kind:?} {tier} [{rows},{cols}] m={m}"),
                     );
                 }
             }
@@ -250,11 +249,11 @@ fn hand_built_blocks_have_their_known_values() {
         for (r, &(i, _)) in known.iter().enumerate() {
             x[r * cols + i] = 1.0;
         }
-        for path in paths() {
+        for tier in tiers() {
             let mut y = vec![f32::NAN; m];
-            qm.matmul_with(path, &x, m, &mut y);
+            qm.matmul_with(tier, &x, m, &mut y);
             for (&got, &(i, v)) in y.iter().zip(&known) {
-                assert_eq!(f64::from(got), v, "{kind:?} {path:?}, value {i}");
+                assert_eq!(f64::from(got), v, "{kind:?} {tier}, value {i}");
             }
         }
     }
@@ -358,9 +357,9 @@ fn matrices_on_shared_pages_keep_their_products() {
         let (rows, cols) = (qm.rows(), qm.cols());
         for m in [1, 6] {
             let x: Vec<f32> = (0..m * cols).map(|_| rng.unit()).collect();
-            for path in paths() {
+            for tier in tiers() {
                 let mut y = vec![f32::NAN; m * rows];
-                qm.matmul_with(path, &x, m, &mut y);
+                qm.matmul_with(tier, &x, m, &mut y);
                 check(
                     w,
                     rows,
@@ -368,7 +367,7 @@ fn matrices_on_shared_pages_keep_their_products() {
                     &x,
                     m,
                     &y,
-                    &format!("shared {path:?} [{rows},{cols}]"),
+                    &format!("shared {tier} [{rows},{cols}]"),
                 );
             }
             let mut y = vec![f32::NAN; m * rows];
@@ -494,7 +493,7 @@ fn integer_decode_products_match_the_reference_on_their_rounded_activations() {
     // across blocks. Against the f64 product of the format's weights with the activations as
     // rounded (exact but for f32 sums), and against the unrounded activations within the
     // rounding's bound: half a block's step per value.
-    if !KernelPath::Avx2.is_available() {
+    if !Tier::Avx2.available() {
         eprintln!("this CPU has no AVX2: the integer decode kernels are not used here");
         return;
     }
@@ -570,18 +569,10 @@ fn byte_layout_matches_candle() {
         assert_eq!((qm.rows(), qm.cols()), (rows, cols));
         let m = 3;
         let x: Vec<f32> = (0..m * cols).map(|_| rng.unit()).collect();
-        for path in paths() {
+        for tier in tiers() {
             let mut y = vec![0f32; m * rows];
-            qm.matmul_with(path, &x, m, &mut y);
-            check(
-                &w,
-                rows,
-                cols,
-                &x,
-                m,
-                &y,
-                &format!("candle {dt:?} {path:?}"),
-            );
+            qm.matmul_with(tier, &x, m, &mut y);
+            check(&w, rows, cols, &x, m, &y, &format!("candle {dt:?} {tier}"));
         }
     }
 }

@@ -53,7 +53,7 @@ impl Codec for F16C {
     }
 }
 
-/// The rotation of one pair, in the one order every path uses (no FMA contraction).
+/// The rotation of one pair, in the one order every tier uses (no FMA contraction).
 #[inline(always)]
 fn rot_pair(a: f32, b: f32, c: f32, s: f32) -> (f32, f32) {
     (a * c - b * s, b * c + a * s)

@@ -9,8 +9,9 @@
 //! cover the keys after it, and the parts are merged the same way. The tasks depend on the
 //! batch only, so a forward pass plans them once ([`Plan`]) for all its layers.
 
-use leyline_kernels::attend::{Isa, KvRows, Queries};
+use leyline_kernels::attend::{KvRows, Queries};
 use leyline_kernels::pool::SpinPool;
+use leyline_kernels::Tier;
 use leyline_kv::KvStorage;
 
 pub(crate) use plan::Plan;
@@ -30,12 +31,12 @@ pub(crate) fn attend(
     plan: &mut Plan<'_>,
     out: &mut [f32],
 ) {
-    attend_with(Isa::detect(), pool, kv, layer, q, plan, out)
+    attend_with(Tier::best(), pool, kv, layer, q, plan, out)
 }
 
-/// [`attend`] with the kernel compiled for `isa`, which the CPU must support.
+/// [`attend`] with the kernel compiled for `tier`, which the CPU must run.
 fn attend_with(
-    isa: Isa,
+    tier: Tier,
     pool: &SpinPool,
     kv: &KvStorage,
     layer: usize,
@@ -49,5 +50,5 @@ fn attend_with(
         k_width: kv.geometry().k_width(),
         v_width: kv.geometry().v_width,
     };
-    leyline_kernels::attend::attend(isa, pool, rows, q, &mut plan.work, out)
+    leyline_kernels::attend::attend(tier, pool, rows, q, &mut plan.work, out)
 }

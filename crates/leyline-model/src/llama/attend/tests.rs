@@ -189,7 +189,8 @@ fn check_shifted(
         .chunks_exact(h * hd)
         .flat_map(|r| r.iter().copied().chain([f32::NAN; 5]))
         .collect();
-    for isa in Isa::available() {
+    Tier::note_lacking();
+    for tier in Tier::all_available() {
         let mut out = vec![f32::NAN; n * h * hd];
         let q = Queries {
             rows: &padded,
@@ -197,8 +198,8 @@ fn check_shifted(
         };
         // The plan serves every layer: a stale output of layer 0 must not leak into layer 1.
         let mut work = Plan::new(&seqs, shape, &rope, pool.threads());
-        attend_with(isa, &pool, &kv, 0, q, &mut work, &mut out);
-        attend_with(isa, &pool, &kv, layer, q, &mut work, &mut out);
+        attend_with(tier, &pool, &kv, 0, q, &mut work, &mut out);
+        attend_with(tier, &pool, &kv, layer, q, &mut work, &mut out);
         let (mut num, mut den) = (0f64, 0f64);
         for (a, b) in out.iter().zip(&want) {
             num += (*a as f64 - b).powi(2);
@@ -207,7 +208,7 @@ fn check_shifted(
         let rel = (num / den).sqrt();
         assert!(
             rel < 2e-6,
-            "{isa:?} {dtype:?} hd={hd} plan={plan:?} shifts={shifts:?}: rel-L2 {rel:e} \
+            "{tier} {dtype:?} hd={hd} plan={plan:?} shifts={shifts:?}: rel-L2 {rel:e} \
              against the f64 reference"
         );
     }
