@@ -9,6 +9,12 @@
 //! metadata or prefix tree, of models, tokenizers or HTTP, and holds no tensors. `leyline-kv`
 //! rotates its storage with these kernels, and `leyline-model` runs its forward passes on them.
 //!
+//! Every family dispatches on [`Tier::best`]: the CPU's best tier, or a lower one that the
+//! environment variable `LEYLINE_KERNEL_TIER=portable|avx2|avx512` ([`TIER_ENV`]) forces,
+//! read once per process (a tier the CPU lacks, or an unknown name, is logged as a warning
+//! and ignored). Tests compare every tier the CPU runs whatever it says. The gemm crate and
+//! candle pick their own kernels; the variable does not reach them.
+//!
 //! Design decision: the kernels take plain typed views of row buffers ([`rows::RowsMut`],
 //! [`rows::RowsRef`]) and the RoPE description itself ([`rope::RopeSpec`]), which moved down
 //! from `leyline-kv` with them: both are pure data and math, both layers above need them, and
@@ -46,4 +52,4 @@ pub mod rows;
 mod tier;
 
 pub use error::{KernelError, Result};
-pub use tier::Tier;
+pub use tier::{Tier, TIER_ENV};

@@ -4,10 +4,18 @@
 //! compiled once per tier it has kernels for and runs the one [`Tier::best`] names, unless a
 //! caller (a test, a bench) asks for a tier explicitly. A family without kernels for a tier
 //! runs its next lower one (quantized products: AVX-512 kernels exist for some formats only).
+//!
+//! [`TIER_ENV`] (`LEYLINE_KERNEL_TIER=portable|avx2|avx512`), read once, caps
+//! [`Tier::best`]: every family then dispatches on that tier, so that a machine with AVX-512
+//! can run the portable and AVX2 kernels end to end (CI). A tier above what the CPU runs, or
+//! a name that is no tier's, is logged as a warning and the CPU's best is used.
 
 use crate::cpu::Features;
 use crate::error::KernelError;
 use std::sync::OnceLock;
+
+/// The environment variable that caps [`Tier::best`]: `portable`, `avx2` or `avx512`.
+pub const TIER_ENV: &str = "LEYLINE_KERNEL_TIER";
 
 /// An instruction-set tier, lowest first. A CPU that runs a tier runs every tier below it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -44,10 +52,22 @@ impl Tier {
         }
     }
 
-    /// The tier the kernels dispatch on: the highest this CPU runs.
+    /// The tier the kernels dispatch on: the highest this CPU runs, or the lower one
+    /// [`TIER_ENV`] names (read on the first call; a warning is logged when it names no tier
+    /// or one the CPU does not run).
     pub fn best() -> Tier {
         static BEST: OnceLock<Tier> = OnceLock::new();
-        *BEST.get_or_init(Tier::cpu_best)
+        *BEST.get_or_init(|| {
+            let var = std::env::var_os(TIER_ENV).map(|v| v.to_string_lossy().into_owned());
+            let cpu = Tier::cpu_best();
+            let (tier, warning) = ceiling(var.as_deref(), cpu);
+            match warning {
+                Some(w) => tracing::warn!("{w}"),
+                None if tier < cpu => tracing::info!("{TIER_ENV}: kernels run the {tier} tier"),
+                None => {}
+            }
+            tier
+        })
     }
 
     /// The highest tier this CPU runs.
@@ -57,7 +77,8 @@ impl Tier {
             .expect("the portable tier runs everywhere")
     }
 
-    /// Every tier this CPU runs, lowest first: what tests that compare the tiers loop over.
+    /// Every tier this CPU runs, lowest first: what tests that compare the tiers loop over
+    /// ([`TIER_ENV`] does not apply).
     pub fn all_available() -> Vec<Tier> {
         Tier::ALL.into_iter().filter(|t| t.available()).collect()
     }
@@ -72,6 +93,24 @@ impl Tier {
     }
 }
 
+/// The tier to dispatch on when [`TIER_ENV`] holds `var` and the CPU runs at most `cpu`, and
+/// the warning to log when `var` cannot be honoured. Unset or blank: `cpu`.
+fn ceiling(var: Option<&str>, cpu: Tier) -> (Tier, Option<String>) {
+    let Some(v) = var.map(str::trim).filter(|v| !v.is_empty()) else {
+        return (cpu, None);
+    };
+    match v.parse::<Tier>() {
+        Ok(t) if t <= cpu => (t, None),
+        Ok(t) => (
+            cpu,
+            Some(format!(
+                "{TIER_ENV}={t}: this CPU runs at most the {cpu} tier; using {cpu}"
+            )),
+        ),
+        Err(e) => (cpu, Some(format!("{TIER_ENV} ignored: {e}; using {cpu}"))),
+    }
+}
+
 impl std::fmt::Display for Tier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -81,10 +120,11 @@ impl std::fmt::Display for Tier {
 impl std::str::FromStr for Tier {
     type Err = KernelError;
 
+    /// A tier's [`Tier::name`], in any case.
     fn from_str(s: &str) -> Result<Tier, KernelError> {
         Tier::ALL
             .into_iter()
-            .find(|t| t.name() == s)
+            .find(|t| t.name().eq_ignore_ascii_case(s))
             .ok_or_else(|| KernelError::UnknownTier(s.to_string()))
     }
 }
@@ -98,10 +138,35 @@ mod tests {
         for t in Tier::ALL {
             assert_eq!(t.to_string().parse::<Tier>(), Ok(t));
         }
+        assert_eq!("AVX2".parse::<Tier>(), Ok(Tier::Avx2));
         assert!(Tier::Portable < Tier::Avx2 && Tier::Avx2 < Tier::Avx512);
         let e = "avx-512".parse::<Tier>().unwrap_err();
         assert_eq!(e, KernelError::UnknownTier("avx-512".into()));
         assert!(e.to_string().contains("portable, avx2 or avx512"), "{e}");
+    }
+
+    #[test]
+    fn the_override_caps_the_cpus_tier_and_warns_when_it_cannot() {
+        use Tier::*;
+        assert_eq!(ceiling(None, Avx512), (Avx512, None));
+        assert_eq!(ceiling(Some("  "), Avx2), (Avx2, None));
+        assert_eq!(ceiling(Some("portable"), Avx512), (Portable, None));
+        assert_eq!(ceiling(Some(" avx2\n"), Avx512), (Avx2, None));
+        assert_eq!(ceiling(Some("avx2"), Avx2), (Avx2, None));
+        let (t, w) = ceiling(Some("avx512"), Avx2);
+        assert_eq!(t, Avx2);
+        let w = w.expect("a warning");
+        assert!(
+            w.contains("LEYLINE_KERNEL_TIER=avx512") && w.contains("using avx2"),
+            "{w}"
+        );
+        let (t, w) = ceiling(Some("sse4"), Avx512);
+        assert_eq!(t, Avx512);
+        let w = w.expect("a warning");
+        assert!(
+            w.contains("\"sse4\"") && w.contains("portable, avx2 or avx512"),
+            "{w}"
+        );
     }
 
     #[test]
