@@ -20,7 +20,9 @@
 //! from `leyline-kv` with them: both are pure data and math, both layers above need them, and
 //! a kernel taking bare slices plus cos/sin tables would have needed a second, spec-taking
 //! entry point in every caller. Attention takes tasks with row indices
-//! ([`attend::Task`]); the planner that knows the batch stays in the model.
+//! ([`attend::Task`]); the planner that knows the batch stays in the model. candle stays out
+//! (so `leyline-kv` builds without tensors): `leyline_model::quant` turns a GGUF tensor into
+//! a [`qmatmul::QMatrix`].
 //!
 //! ```
 //! use leyline_kernels::rope::{RopeSpec, RotaryLayout};
