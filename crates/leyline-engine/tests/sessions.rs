@@ -8,7 +8,7 @@ use leyline_core::{Directive, Mode};
 use leyline_engine::{
     Engine, EngineConfig, EngineError, Event, Request, SessionEdits, SessionId, SessionRequest,
 };
-use leyline_kv::rope::RotaryLayout;
+use leyline_kernels::rope::RotaryLayout;
 use leyline_kv::slots::Lineage;
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::{ForwardSeq, LogitsFor};

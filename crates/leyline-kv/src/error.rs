@@ -1,5 +1,7 @@
 //! The one error type of `leyline-kv`.
 
+use leyline_kernels::KernelError;
+
 /// Everything that can go wrong in the KV layer.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum KvError {
@@ -77,6 +79,35 @@ pub enum KvError {
         /// Slots needed.
         needed: usize,
     },
+    /// A kernel refused an operation for a reason the variants above do not name.
+    #[error(transparent)]
+    Kernel(KernelError),
+}
+
+/// A kernel's refusal in this layer's terms: a row of the storage is a slot, so the errors
+/// callers already match on (a bad RoPE, an unshiftable one, a width or slot out of range)
+/// keep their variants.
+impl From<KernelError> for KvError {
+    fn from(e: KernelError) -> Self {
+        match e {
+            KernelError::InvalidRope(m) => KvError::InvalidRope(m),
+            KernelError::NotShiftable(m) => KvError::NotShiftable(m),
+            KernelError::WidthMismatch {
+                what,
+                expected,
+                got,
+            } => KvError::WidthMismatch {
+                what,
+                expected,
+                got,
+            },
+            KernelError::RowOutOfRange { row, rows } => KvError::SlotOutOfRange {
+                slot: row,
+                capacity: rows,
+            },
+            other => KvError::Kernel(other),
+        }
+    }
 }
 
 /// Result alias of this crate.

@@ -6,8 +6,9 @@
 //! (one "head" of `rope_dim`), `v` is the normalized latent. A splice therefore only ever
 //! rotates `k` rows and never reads `v`.
 
-use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::error::{KvError, Result};
+use leyline_kernels::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use leyline_kernels::rows::{RowsMut, RowsRef};
 
 /// Storage element type of the pool. Rotation math is always f32; this is only how the
 /// numbers rest in memory.
@@ -91,32 +92,32 @@ impl KvGeometry {
 pub const ROW_ALIGN: usize = 64;
 
 /// A zeroed buffer of `len` elements whose first one sits on a [`ROW_ALIGN`] boundary: an
-/// over-allocated [`crate::mem::HugeBuf`] and the offset of that boundary in it (0 where the
+/// over-allocated [`leyline_kernels::mem::HugeBuf`] and the offset of that boundary in it (0 where the
 /// buffer is a page-aligned mapping; it never grows, so the offset stays valid).
 #[derive(Debug)]
-struct Aligned<T: crate::mem::Zeroable> {
-    buf: crate::mem::HugeBuf<T>,
+struct Aligned<T: leyline_kernels::mem::Zeroable> {
+    buf: leyline_kernels::mem::HugeBuf<T>,
     start: usize,
     len: usize,
 }
 
-impl<T: crate::mem::Zeroable> Aligned<T> {
+impl<T: leyline_kernels::mem::Zeroable> Aligned<T> {
     fn zeroed(len: usize) -> Self {
         let size = std::mem::size_of::<T>();
-        let buf = crate::mem::HugeBuf::zeroed(len + ROW_ALIGN / size);
+        let buf = leyline_kernels::mem::HugeBuf::zeroed(len + ROW_ALIGN / size);
         let start = (ROW_ALIGN - buf.as_ptr() as usize % ROW_ALIGN) % ROW_ALIGN / size;
         Self { buf, start, len }
     }
 }
 
-impl<T: crate::mem::Zeroable> std::ops::Deref for Aligned<T> {
+impl<T: leyline_kernels::mem::Zeroable> std::ops::Deref for Aligned<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         &self.buf[self.start..self.start + self.len]
     }
 }
 
-impl<T: crate::mem::Zeroable> std::ops::DerefMut for Aligned<T> {
+impl<T: leyline_kernels::mem::Zeroable> std::ops::DerefMut for Aligned<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         &mut self.buf[self.start..self.start + self.len]
     }
@@ -128,28 +129,6 @@ enum Rows {
     F32(Aligned<f32>),
     F16(Aligned<u16>),
     Bf16(Aligned<u16>),
-}
-
-/// Mutable view of a row buffer, as handed to rotation kernels.
-#[derive(Debug)]
-pub enum RowsMut<'a> {
-    /// f32 values.
-    F32(&'a mut [f32]),
-    /// f16 bit patterns.
-    F16(&'a mut [u16]),
-    /// bf16 bit patterns.
-    Bf16(&'a mut [u16]),
-}
-
-/// Read-only view of a row buffer, for kernels that read the pool in place (attention).
-#[derive(Debug, Clone, Copy)]
-pub enum RowsRef<'a> {
-    /// f32 values.
-    F32(&'a [f32]),
-    /// f16 bit patterns.
-    F16(&'a [u16]),
-    /// bf16 bit patterns.
-    Bf16(&'a [u16]),
 }
 
 impl Rows {

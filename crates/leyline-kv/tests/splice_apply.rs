@@ -5,8 +5,8 @@
 //! bytes as one on an untouched twin, and its rotated keys equal an independent rotation.
 
 use leyline_core::{Directive, DirectiveBatch, Mode, SessionState, ValidationContext};
+use leyline_kernels::rope::{RopeScaling, RopeSpec, RotaryLayout};
 use leyline_kv::radix::{Namespace, PrefixCache};
-use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
 use leyline_kv::shift::{KeyShift, RotationMode};
 use leyline_kv::slots::Lineage;
 use leyline_kv::splice::{apply_splice, SpliceError, SpliceTarget};

@@ -1,5 +1,5 @@
 //! One decode row (m = 1) at Qwen2.5-0.5B's shapes and formats: `Linear::forward_rows` as the
-//! engine runs it (the integer kernels where the kind takes the AVX2 path) against the f32
+//! engine runs it (the integer kernels where the kind takes the AVX2 tier) against the f32
 //! tile kernels on the same blocks (`QMatrix::matmul_with`, the decode path before the
 //! integer kernels), both on the global pools.
 //!
@@ -12,8 +12,9 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
+use leyline_kernels::qmatmul::QMatrix;
 use leyline_model::linear::Linear;
-use leyline_model::qmatmul::{KernelPath, QMatrix};
+use leyline_model::quant::qmatrix;
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -56,7 +57,7 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(9)
         .max(5);
-    leyline_model::pool::init_threads(threads).expect("first use of the pools");
+    leyline_kernels::pool::init_threads(threads).expect("first use of the pools");
     // (what, format, out, in): Qwen2.5-0.5B's ffn_down (Q4_K, or Q6_K in some layers),
     // gate / up and q / o (Q5_0 in Q4_K_M files: 896 columns are no whole super-blocks),
     // then the older kinds at the same shapes for comparison.
@@ -91,9 +92,9 @@ fn main() {
             .map(|_| Linear::from_qtensor(&q, None).expect("layer"))
             .collect();
         let blocks: Vec<QMatrix> = (0..copies)
-            .map(|_| QMatrix::from_qtensor(&q).expect("a kind with kernels"))
+            .map(|_| qmatrix(&q).expect("a kind with kernels"))
             .collect();
-        let path = KernelPath::best_for(blocks[0].kind());
+        let tier = blocks[0].kind().best_tier();
         let (mut iq, mut ib) = (0, 0);
         let x = values(inp, 7);
         let mut y = vec![0f32; out];
@@ -109,7 +110,7 @@ fn main() {
         let mut y2 = vec![0f32; out];
         let mut run_f = || {
             ib = (ib + 1) % copies;
-            blocks[ib].matmul_with(path, black_box(&x), 1, &mut y2)
+            blocks[ib].matmul_with(tier, black_box(&x), 1, &mut y2)
         };
         let once_f = sample(5, &mut run_f);
         let reps_f = ((0.02 / once_f) as usize).max(1);

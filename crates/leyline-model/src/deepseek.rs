@@ -17,7 +17,7 @@ use crate::linear::Linear;
 use crate::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ops::{rms_norm, softmax_last_dim};
-use leyline_kv::rope::Rotation;
+use leyline_kernels::rope::Rotation;
 use leyline_kv::{KvGeometry, KvStorage};
 use std::path::Path;
 use std::sync::Arc;

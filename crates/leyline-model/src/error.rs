@@ -51,6 +51,10 @@ pub enum ModelError {
     /// The KV layer refused an operation.
     #[error(transparent)]
     Kv(#[from] leyline_kv::KvError),
+    /// A kernel refused its input (quantized bytes that do not form the claimed matrix, a
+    /// RoPE spec that describes no rotation).
+    #[error(transparent)]
+    Kernel(#[from] leyline_kernels::KernelError),
 }
 
 /// Result alias of this crate.

@@ -11,20 +11,16 @@
 pub mod chat;
 pub mod deepseek;
 pub mod error;
-mod fastmath;
-mod gemm;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
-mod panel;
-pub mod pool;
-pub mod qmatmul;
+pub mod quant;
 pub mod registry;
 pub mod tokenizer;
 
 pub use error::{ModelError, Result};
 
-use leyline_kv::rope::RopeSpec;
+use leyline_kernels::rope::RopeSpec;
 use leyline_kv::{KvGeometry, KvStorage};
 
 /// What the engine needs to know about a loaded model.

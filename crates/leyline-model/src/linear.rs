@@ -4,14 +4,16 @@
 //! f32 (or in a format without kernels, dequantized at load) runs gemm.
 
 use crate::error::{ModelError, Result};
-use crate::gemm::gemm_into;
 use crate::gguf::GgufFile;
-use crate::panel::Panels;
-use crate::pool::SpinPool;
-use crate::qmatmul::{GgmlKind, KernelPath, QMatrix};
+use crate::quant::{ggml_kind, qmatrix};
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Storage, Tensor};
-use leyline_kv::mem::HugeBuf;
+use leyline_kernels::gemm::gemm_into;
+use leyline_kernels::mem::HugeBuf;
+use leyline_kernels::panel::Panels;
+use leyline_kernels::pool::SpinPool;
+use leyline_kernels::qmatmul::{GgmlKind, QMatrix};
+use leyline_kernels::Tier;
 
 /// A linear layer `y = x W^T + b`.
 pub struct Linear {
@@ -35,8 +37,8 @@ enum F32Weight {
     /// of 17 / 128 / 512 rows took 1.16 / 3.98 / 11.1 ms that way against 0.61 / 3.51 / 11.3
     /// ms in place (1 thread, hot caches), and SmolLM2's prefill of 128 tokens gained 12%.
     ColMajor(HugeBuf<f32>),
-    /// `W` in panels of 64 outputs, streamed as they lie by [`Panels::matmul`]; where the CPU
-    /// has AVX-512F, instead of `ColMajor`.
+    /// `W` in panels of 64 outputs, streamed as they lie by [`Panels::matmul`]; where the
+    /// kernels run AVX-512 ([`Panels::available`]), instead of `ColMajor`.
     Panels(Panels),
     /// Row-major, shared with an embedding table (a tied head); packed per call.
     Shared(Tensor),
@@ -72,9 +74,9 @@ impl F32Weight {
 /// 16-32 activation rows at a time and beat gemm on f32 weights up to 96 rows (SmolLM2-135M,
 /// 2 threads: 64 / 96 / 128 tokens at 695-705 / 700-714 / 676-727 tok/s against 373-400 /
 /// 462-480 / 679-741); elsewhere their dot-product tiles crossed over near 32 rows. The
-/// bound is that of the path the kind's products take ([`KernelPath::best_for`]).
+/// bound is that of the tier the kind's products take ([`GgmlKind::best_tier`]).
 pub(crate) fn quantized_max_rows(kind: GgmlKind) -> usize {
-    if KernelPath::best_for(kind) == KernelPath::Avx512 {
+    if kind.best_tier() == Tier::Avx512 {
         96
     } else {
         32
@@ -104,8 +106,8 @@ impl Linear {
     /// # Errors
     /// A tensor that is not 2-D, a bias of the wrong length, unreadable data.
     pub fn from_qtensor(q: &QTensor, b: Option<Tensor>) -> Result<Self> {
-        if GgmlKind::from_dtype(q.dtype()).is_some() {
-            Self::from_qmatrix(QMatrix::from_qtensor(q)?, b)
+        if ggml_kind(q.dtype()).is_some() {
+            Self::from_qmatrix(qmatrix(q)?, b)
         } else {
             Self::from_f32(q.dequantize(&Device::Cpu)?, b)
         }
@@ -370,8 +372,8 @@ impl Embedding {
     /// # Errors
     /// A tensor that is not 2-D, or unreadable data.
     pub fn from_qtensor(t: &QTensor) -> Result<Self> {
-        if GgmlKind::from_dtype(t.dtype()).is_some() {
-            Ok(Self::Quant(QMatrix::from_qtensor(t)?))
+        if ggml_kind(t.dtype()).is_some() {
+            Ok(Self::Quant(qmatrix(t)?))
         } else {
             let e = t.dequantize(&Device::Cpu)?;
             e.dims2()?;
@@ -592,7 +594,7 @@ mod tests {
             let w = q.dequantize(&Device::Cpu).unwrap();
             let layer = Linear::from_qtensor(&q, None).unwrap();
             let qm = layer.quantized().expect("a quantized form");
-            assert_eq!(Some(qm.kind()), GgmlKind::from_dtype(dt), "{dt:?}");
+            assert_eq!(Some(qm.kind()), ggml_kind(dt), "{dt:?}");
             let wv = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             for m in [1, 3, 32] {
                 let x = values(m * inp, 50 + m as u64);

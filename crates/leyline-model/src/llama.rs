@@ -11,10 +11,10 @@ mod forward;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::linear::{Embedding, FusedLinear, Linear};
-use crate::qmatmul::QMatrix;
 use crate::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{Device, Tensor};
-use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
+use leyline_kernels::qmatmul::QMatrix;
+use leyline_kernels::rope::{RopeScaling, RopeSpec, RotaryLayout};
 use leyline_kv::{KvGeometry, KvStorage};
 
 /// Hyper-parameters of a llama-family model.

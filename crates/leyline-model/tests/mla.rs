@@ -5,8 +5,8 @@
 //! shifting `k_pe` rows with leyline-kv's kernel equals RoPE recomputed at the new positions.
 
 use candle_core::{Device, Tensor};
-use leyline_kv::rope::RotaryLayout;
-use leyline_kv::rotate::shift_rows;
+use leyline_kernels::rope::RotaryLayout;
+use leyline_kernels::rotate::shift_rows;
 use leyline_kv::{KvDtype, KvGeometry, KvStorage};
 use leyline_model::deepseek::DeepseekV2;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor, ModelError};

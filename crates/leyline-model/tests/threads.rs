@@ -1,7 +1,7 @@
 //! `pool::init_threads` sizes rayon's global pool and the global `SpinPool` alike, in a
 //! process of its own (both pools are process-wide).
 
-use leyline_model::pool::{init_threads, SpinPool, ThreadsError};
+use leyline_kernels::pool::{init_threads, SpinPool, ThreadsError};
 
 #[test]
 fn init_threads_sizes_both_pools_once() {

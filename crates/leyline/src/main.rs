@@ -131,7 +131,7 @@ pub struct ThreadsArgs {
 impl ThreadsArgs {
     /// Sizes the process's compute pools to `--threads`; call before the model loads.
     pub fn init(&self) -> Result<()> {
-        leyline_model::pool::init_threads(self.threads)?;
+        leyline_kernels::pool::init_threads(self.threads)?;
         Ok(())
     }
 }
@@ -147,7 +147,7 @@ pub struct ServeThreadsArgs {
 impl ServeThreadsArgs {
     /// Sizes the process's compute pools to `--threads`; call before the model loads.
     pub fn init(&self) -> Result<()> {
-        leyline_model::pool::init_threads(self.threads)?;
+        leyline_kernels::pool::init_threads(self.threads)?;
         Ok(())
     }
 }
@@ -294,14 +294,14 @@ fn fetch_with_progress(m: &registry::KnownModel) -> Result<PathBuf> {
 /// Resolves `--model` or the default model (fetching it on first use) and loads it with its
 /// tokenizer; a checkpoint directory (no tokenizer) is a one-line error.
 pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
-    leyline_model::qmatmul::set_int8_decode(args.int8_decode);
+    leyline_kernels::qmatmul::set_int8_decode(args.int8_decode);
     Ok(leyline_model::load_with_tokenizer(&model_path(args)?)?)
 }
 
 /// Resolves `--model` like [`load_model`] and loads whatever it names: a GGUF file with its
 /// tokenizer, or a DeepSeek-V2 checkpoint directory without one.
 pub fn load_any_model(args: &ModelArgs) -> Result<AnyModel> {
-    leyline_model::qmatmul::set_int8_decode(args.int8_decode);
+    leyline_kernels::qmatmul::set_int8_decode(args.int8_decode);
     Ok(leyline_model::load_model_path(&model_path(args)?)?)
 }
 

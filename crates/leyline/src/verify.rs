@@ -457,7 +457,7 @@ fn model_keys(lm: &AnyModel, prompt: &[u32], n: usize) -> Result<Vec<f32>> {
 
 /// Drift of the model's cached key rows: for MLA those are `k_pe` alone (one rotary head),
 /// for llama-family models every KV head; [`chained_shift_drift`] counts the rotary dims of
-/// each head as the model's [`leyline_kv::rope::RopeSpec`] gives them.
+/// each head as the model's [`leyline_kernels::rope::RopeSpec`] gives them.
 fn drift(lm: &AnyModel, prompt: &[u32], a: &VerifyArgs) -> Result<Vec<Drift>> {
     let info = lm.model().info();
     let g = info.geometry;

@@ -428,7 +428,9 @@ impl Engine {
         repair: Repair,
     ) -> Result<(EditReport, Vec<Range<usize>>)> {
         let info = self.model.info().clone();
-        info.rope.ensure_shiftable()?;
+        info.rope
+            .ensure_shiftable()
+            .map_err(leyline_kv::KvError::from)?;
         let n_repl: usize = batch.directives().iter().map(|d| d.replacement.len()).sum();
         let mut forward = std::time::Duration::ZERO;
         let spliced = loop {
@@ -494,7 +496,7 @@ impl Engine {
     fn compact_if_needed(
         &mut self,
         id: SessionId,
-        rope: &leyline_kv::rope::RopeSpec,
+        rope: &leyline_kernels::rope::RopeSpec,
         report: &mut EditReport,
     ) -> Result<()> {
         if self.cfg.rotation != RotationMode::Lazy {
@@ -528,7 +530,7 @@ impl Engine {
         &mut self,
         id: SessionId,
         batch: &DirectiveBatch,
-        rope: &leyline_kv::rope::RopeSpec,
+        rope: &leyline_kernels::rope::RopeSpec,
         forward: &mut std::time::Duration,
     ) -> std::result::Result<Spliced, SpliceError<leyline_model::ModelError>> {
         let s = self

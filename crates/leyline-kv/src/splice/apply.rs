@@ -22,12 +22,13 @@
 use super::{SplicePlan, SpliceRequest};
 use crate::error::{KvError, Result};
 use crate::radix::PrefixCache;
-use crate::rope::{RopeSpec, Rotation};
-use crate::rotate::{shift_rows_with, shift_table, KernelPath};
 use crate::shift::{key_shifts, KeyShift, RotationMode};
 use crate::slots::Lineage;
 use crate::storage::{KRowsBackup, KvStorage};
 use leyline_core::DirectiveBatch;
+use leyline_kernels::rope::{RopeSpec, Rotation};
+use leyline_kernels::rotate::{shift_rows_with, shift_table};
+use leyline_kernels::Tier;
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
@@ -167,7 +168,7 @@ struct Txn {
     /// Slots the sequence owns alone (rotated in place, not copied).
     owned: HashSet<u32>,
     backups: Vec<KRowsBackup>,
-    path: KernelPath,
+    tier: Tier,
     lineage: Lineage,
     clean_len: usize,
     evicted: usize,
@@ -281,19 +282,19 @@ impl Txn {
             .map(|s| (s.new_range.clone(), tables[&s.delta].clone()))
             .collect();
         // Every kernel call below is checked now, so the mutation cannot fail half-way.
-        let path = KernelPath::detect();
+        let tier = Tier::best();
         for rot in tables.values() {
-            // Zero slots: checks the shapes and the path, rotates nothing.
+            // Zero slots: checks the shapes and the tier, rotates nothing.
             if let Err(e) = shift_rows_with(
                 kv.k_rows_mut(0),
                 geometry.k_heads,
                 geometry.k_head_dim,
                 &[],
                 rot,
-                path,
+                tier,
             ) {
                 release_reversed(cache, &fresh);
-                return Err(e);
+                return Err(e.into());
             }
         }
         let copied: HashSet<u32> = plan.cow.iter().map(|&(_, dst)| dst).collect();
@@ -312,7 +313,7 @@ impl Txn {
             rotated: 0,
             owned,
             backups: Vec::new(),
-            path,
+            tier,
             lineage: target.lineage,
             clean_len: target.clean_len.min(first.start + first.replacement.len()),
             evicted,
@@ -344,8 +345,8 @@ impl Txn {
                     }
                 }
             }
-            // Shapes, path and slots were checked in `plan`.
-            rotate_checked(kv, slots, rot, self.path);
+            // Shapes, tier and slots were checked in `plan`.
+            rotate_checked(kv, slots, rot, self.tier);
             self.rotated += 1;
         }
     }
@@ -394,8 +395,8 @@ impl Txn {
 }
 
 /// Rotates the keys of `slots` in every layer by `rot`; the caller has checked the slots,
-/// the table's shape and the path (a zero-slot [`shift_rows_with`] call), so nothing fails.
-pub(super) fn rotate_checked(kv: &mut KvStorage, slots: &[u32], rot: &Rotation, path: KernelPath) {
+/// the table's shape and the tier (a zero-slot [`shift_rows_with`] call), so nothing fails.
+pub(super) fn rotate_checked(kv: &mut KvStorage, slots: &[u32], rot: &Rotation, tier: Tier) {
     let g = kv.geometry();
     for layer in 0..g.layers {
         let _ = shift_rows_with(
@@ -404,7 +405,7 @@ pub(super) fn rotate_checked(kv: &mut KvStorage, slots: &[u32], rot: &Rotation, 
             g.k_head_dim,
             slots,
             rot,
-            path,
+            tier,
         );
     }
 }

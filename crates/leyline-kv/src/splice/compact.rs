@@ -9,9 +9,10 @@
 use crate::error::{KvError, Result};
 
 use crate::radix::PrefixCache;
-use crate::rope::RopeSpec;
-use crate::rotate::{shift_rows_with, shift_table, KernelPath};
 use crate::storage::KvStorage;
+use leyline_kernels::rope::RopeSpec;
+use leyline_kernels::rotate::{shift_rows_with, shift_table};
+use leyline_kernels::Tier;
 
 /// What [`compact`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,7 +54,7 @@ pub fn compact(
     let tables = runs
         .iter()
         .map(|r| shift_table(rope, r.offset))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<leyline_kernels::Result<Vec<_>>>()?;
     for &s in slots {
         if s as usize >= kv.capacity() {
             return Err(KvError::SlotOutOfRange {
@@ -63,10 +64,10 @@ pub fn compact(
         }
     }
     let g = kv.geometry();
-    let path = KernelPath::detect();
+    let tier = Tier::best();
     for rot in &tables {
-        // Zero slots: checks the shapes and the path, rotates nothing.
-        shift_rows_with(kv.k_rows_mut(0), g.k_heads, g.k_head_dim, &[], rot, path)?;
+        // Zero slots: checks the shapes and the tier, rotates nothing.
+        shift_rows_with(kv.k_rows_mut(0), g.k_heads, g.k_head_dim, &[], rot, tier)?;
     }
     let pool = cache.pool();
     let shared: Vec<usize> = runs
@@ -85,7 +86,7 @@ pub fn compact(
     }
     for (run, rot) in runs.iter().zip(&tables) {
         let moved = &out.slots[run.range.clone()];
-        super::apply::rotate_checked(kv, moved, rot, path);
+        super::apply::rotate_checked(kv, moved, rot, tier);
         out.rotated += moved.len();
     }
     let pool = cache.pool_mut();

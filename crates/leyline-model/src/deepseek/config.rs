@@ -2,7 +2,7 @@
 //! or the legacy `rope_scaling` + top-level `rope_theta` of the official configs).
 
 use crate::error::{ModelError, Result};
-use leyline_kv::rope::{yarn_get_mscale, RopeScaling, RopeSpec, RotaryLayout};
+use leyline_kernels::rope::{yarn_get_mscale, RopeScaling, RopeSpec, RotaryLayout};
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
 

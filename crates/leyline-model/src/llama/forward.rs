@@ -12,8 +12,10 @@
 use super::attend;
 use super::Llama;
 use crate::error::Result;
-use crate::pool::SpinPool;
 use crate::{ForwardSeq, Ran};
+use leyline_kernels::attend::{Heads, Queries};
+use leyline_kernels::fastmath::silu_mul;
+use leyline_kernels::pool::SpinPool;
 use leyline_kv::KvStorage;
 
 /// `out = x / rms(x) * w`, row by row.
@@ -66,7 +68,7 @@ impl Llama {
         let mut gate_up = vec![0f32; n * 2 * ffn];
         let mut act = vec![0f32; n * ffn];
         let mut y = vec![0f32; n * hid];
-        let shape = attend::Heads {
+        let shape = Heads {
             heads: h,
             kv_heads: kvh,
             head_dim: hd,
@@ -88,7 +90,7 @@ impl Llama {
             for (row, &slot) in qkv.chunks_exact(qkv_w).zip(&new_slots) {
                 kv.write(li, slot, &row[qw..qw + w], &row[qw + w..qw + 2 * w])?;
             }
-            let q = attend::Queries {
+            let q = Queries {
                 rows: &qkv,
                 stride: qkv_w,
             };
@@ -97,7 +99,7 @@ impl Llama {
             add_into(&mut x, &y);
             rms_norm(&x, &b.ffn_norm_vals, eps, &mut xn);
             b.gate_up.forward(&xn, n, &mut gate_up)?;
-            crate::fastmath::silu_mul(&gate_up, ffn, &mut act);
+            silu_mul(&gate_up, ffn, &mut act);
             b.down.forward_rows(&act, n, &mut y)?;
             add_into(&mut x, &y);
         }

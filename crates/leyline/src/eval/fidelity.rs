@@ -19,12 +19,11 @@ use leyline_engine::{
     EditReport, Engine, EngineError, Event, Request, Result, SessionEdits, SessionId,
     SessionRequest,
 };
-use leyline_kv::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
-use leyline_kv::rope::{RopeSpec, RotaryLayout};
-use leyline_kv::rotate::shift_rows;
-use leyline_kv::rotate::shift_rows_lowprec;
-use leyline_kv::storage::RowsMut;
-use leyline_kv::KvDtype;
+use leyline_kernels::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use leyline_kernels::rope::{RopeSpec, RotaryLayout};
+use leyline_kernels::rotate::{shift_rows, shift_rows_lowprec};
+use leyline_kernels::rows::RowsMut;
+use leyline_kv::{KvDtype, KvError};
 use leyline_policy::{diff_rendered, Edit, Renderer, Role, Trajectory};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -603,13 +602,13 @@ pub fn chained_shift_drift(
     let mut half_buf: Vec<u16>;
     let got: Vec<f32> = {
         let shift = |rows: RowsMut<'_>, delta: i64| -> Result<()> {
-            match math {
-                RotationMath::F32 => shift_rows(rows, k_heads, head_dim, &slots, spec, delta)?,
+            let shifted = match math {
+                RotationMath::F32 => shift_rows(rows, k_heads, head_dim, &slots, spec, delta),
                 RotationMath::Storage => {
-                    shift_rows_lowprec(rows, k_heads, head_dim, &slots, spec, delta)?
+                    shift_rows_lowprec(rows, k_heads, head_dim, &slots, spec, delta)
                 }
-            }
-            Ok(())
+            };
+            Ok(shifted.map_err(KvError::from)?)
         };
         match storage {
             KvDtype::F32 => {

@@ -1,74 +1,20 @@
-//! Planning an attention call: the block sizes, the tasks (sequence, kv head, query rows,
-//! stretch of keys) a batch splits into, the grouping of decodes that share a context
-//! prefix, and the merge of split tasks' partial sums into the output.
+//! Planning an attention call: the tasks (sequence, kv head, query rows, stretch of keys) a
+//! batch splits into, and the grouping of decodes that share a context prefix. The kernels
+//! run the tasks and merge split tasks' partial sums ([`leyline_kernels::attend`]).
 
 use crate::ForwardSeq;
-use leyline_kv::rope::{RopeSpec, Rotation};
+use leyline_kernels::attend::{direct, last_piece, offset_of, Heads, Task, Work, KB, RB};
+use leyline_kernels::rope::{RopeSpec, Rotation};
 use leyline_kv::shift::KeyShift;
 use std::cmp::Reverse;
 
-/// Keys per block.
-pub(super) const KB: usize = 64;
 /// Query tokens per task.
 pub(super) const QB: usize = 64;
-/// Query rows per register block.
-pub(super) const RB: usize = 4;
-/// Whether a task of `rows` query rows takes dot products straight from the key rows: with
-/// one register block of rows or fewer, the transposed product's lanes would be mostly
-/// padding. The direct product costs what a block's keys cost, so its blocks may end short.
-pub(super) fn direct(rows: usize) -> bool {
-    rows <= RB
-}
 
 /// Fewest context keys a split task covers.
 const MIN_SPLIT: usize = 4 * KB;
 /// Tasks per thread below which the context is split.
 const TASKS_PER_THREAD: usize = 4;
-
-/// Head counts of an attention call.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Heads {
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-}
-
-/// One piece of the work: the query tokens of one sequence (a block of its new tokens) or of
-/// several decoding sequences that share a context prefix, one kv head, and a stretch of keys.
-pub(super) struct Task<'a> {
-    /// The sequence whose context and new slots hold the keys (for a shared prefix: any of
-    /// the sequences, they hold the same slots there).
-    pub(super) seq: &'a ForwardSeq<'a>,
-    pub(super) kv_head: usize,
-    /// Per query token: its row in the flat batch, and where its `g` rows' partial sums
-    /// go in the merge buffers (unread unless `merged`).
-    pub(super) toks: Vec<(usize, usize)>,
-    /// Keys from here on are masked for some rows: row `r` sees key `j` iff
-    /// `j < diag + r / g + 1`.
-    pub(super) diag: usize,
-    /// Keys `k0..k1` of `seq`'s context followed by its new tokens.
-    pub(super) k0: usize,
-    pub(super) k1: usize,
-    /// Whether other tasks cover other keys of the same query rows (partial sums merged).
-    pub(super) merged: bool,
-    /// Whether this is the task with the first keys of its rows (it finishes the merge).
-    pub(super) first: bool,
-    /// The task's keys as consecutive pieces of one offset each: a piece ends at `.0`, and
-    /// `.1` names the [`Plan::rotations`] entry that turns the queries back by its run's
-    /// offset (`None`: keys at their own positions).
-    pub(super) pieces: Vec<(usize, Option<usize>)>,
-    /// Where the queries are turned (again): from key `.0` on they are turned back by the
-    /// offset of rotation `.1`, and a key block's keys of other offsets are turned to it by
-    /// the difference. A key block ends at the next entry; see [`Plan::pieces`] for where
-    /// they are.
-    pub(super) loads: Vec<(usize, Option<usize>)>,
-}
-
-impl Task<'_> {
-    pub(super) fn rows(&self, g: usize) -> usize {
-        self.toks.len() * g
-    }
-}
 
 /// How a split task's partial sums are merged with the other parts of its rows.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -81,20 +27,10 @@ enum Merge {
     Joins,
 }
 
-/// The work of one attention call, the same on every layer of a forward pass: the tasks,
-/// and the buffers their outputs merge in.
+/// The tasks of one attention call, the same on every layer of a forward pass, and the
+/// RoPE that turns queries back for the keys of shifted runs.
 pub(crate) struct Plan<'a> {
-    pub(super) shape: Heads,
-    pub(super) tasks: Vec<Task<'a>>,
-    /// Query rows whose partial sums are merged.
-    pub(super) merge_rows: usize,
-    /// The most query rows of one task.
-    pub(super) max_rows: usize,
-    /// Task-major output: task i owns its rows' `head_dim` values, then each row's running
-    /// max and sum. Every task writes all of its piece, so layers reuse it as it is.
-    pub(super) scratch: Vec<f32>,
-    /// `R(-offset)` for each distinct offset of the batch's shifted runs.
-    pub(super) rotations: Vec<(i64, Rotation)>,
+    pub(super) work: Work<'a>,
     rope: &'a RopeSpec,
 }
 
@@ -116,12 +52,14 @@ impl<'a> Plan<'a> {
         let units: usize = seqs.iter().map(|s| s.tokens.len().div_ceil(QB) * kvh).sum();
         let wanted = TASKS_PER_THREAD * threads;
         let mut plan = Self {
-            shape,
-            tasks: Vec::new(),
-            merge_rows: 0,
-            max_rows: 0,
-            scratch: Vec::new(),
-            rotations: Vec::new(),
+            work: Work {
+                shape,
+                tasks: Vec::new(),
+                merge_rows: 0,
+                max_rows: 0,
+                scratch: Vec::new(),
+                rotations: Vec::new(),
+            },
             rope,
         };
         let rows_at: Vec<usize> = seqs
@@ -140,8 +78,8 @@ impl<'a> Plan<'a> {
             for chunk in members.chunks(QB) {
                 for &i in chunk {
                     shared[i] = len;
-                    base[i] = plan.merge_rows;
-                    plan.merge_rows += kvh * g;
+                    base[i] = plan.work.merge_rows;
+                    plan.work.merge_rows += kvh * g;
                 }
                 let parts = wanted
                     .div_ceil(kvh * members.len().div_ceil(QB))
@@ -187,28 +125,30 @@ impl<'a> Plan<'a> {
                 let t1 = (t0 + QB).min(t);
                 let mut cuts: Vec<usize> = (0..parts).map(|p| p * ctx / parts / KB * KB).collect();
                 cuts.push(ctx + t1);
-                let at = plan.merge_rows;
+                let at = plan.work.merge_rows;
                 plan.push(s, ctx + t0, &cuts, merge, |kv_head| {
                     (t0..t1)
                         .map(|i| (row + i, at + (kv_head * (t1 - t0) + i - t0) * g))
                         .collect()
                 });
                 if merge != Merge::Alone {
-                    plan.merge_rows += kvh * (t1 - t0) * g;
+                    plan.work.merge_rows += kvh * (t1 - t0) * g;
                 }
             }
         }
         // Costliest first (keys times rows, plus a per-key share), so the dynamic hand-out
         // ends with cheap tasks.
-        plan.tasks
+        plan.work
+            .tasks
             .sort_by_key(|t| std::cmp::Reverse((t.k1 - t.k0) * (t.rows(g) + 2 * RB)));
-        plan.max_rows = plan.tasks.iter().map(|t| t.rows(g)).max().unwrap_or(0);
+        plan.work.max_rows = plan.work.tasks.iter().map(|t| t.rows(g)).max().unwrap_or(0);
         let len = plan
+            .work
             .tasks
             .iter()
             .map(|t| t.rows(g) * (shape.head_dim + 2))
             .sum();
-        plan.scratch = vec![0f32; len];
+        plan.work.scratch = vec![0f32; len];
         plan
     }
 
@@ -222,16 +162,17 @@ impl<'a> Plan<'a> {
         merge: Merge,
         toks: impl Fn(usize) -> Vec<(usize, usize)>,
     ) {
-        let rows = toks(0).len() * (self.shape.heads / self.shape.kv_heads);
+        let rows = toks(0).len() * (self.work.shape.heads / self.work.shape.kv_heads);
         let pieces: Vec<_> = cuts
             .windows(2)
             .map(|keys| self.pieces(seq.shifts, keys[0], keys[1], rows))
             .collect();
-        for kv_head in 0..self.shape.kv_heads {
+        for kv_head in 0..self.work.shape.kv_heads {
             let toks = toks(kv_head);
             for (p, keys) in cuts.windows(2).enumerate() {
-                self.tasks.push(Task {
-                    seq,
+                self.work.tasks.push(Task {
+                    context: seq.context,
+                    new_rows: seq.new_slots,
                     kv_head,
                     toks: toks.clone(),
                     diag,
@@ -318,28 +259,19 @@ impl<'a> Plan<'a> {
 
     /// The offset of a piece's run ([`Task::pieces`]).
     fn offset(&self, rot: Option<usize>) -> i64 {
-        offset_of(&self.rotations, rot)
+        offset_of(&self.work.rotations, rot)
     }
 
-    /// The index in [`Self::rotations`] of `R(-offset)`, added on first use.
+    /// The index in [`Work::rotations`] of `R(-offset)`, added on first use.
     fn rotation(&mut self, offset: i64) -> usize {
-        if let Some(at) = self.rotations.iter().position(|r| r.0 == offset) {
+        if let Some(at) = self.work.rotations.iter().position(|r| r.0 == offset) {
             return at;
         }
-        self.rotations
+        self.work
+            .rotations
             .push((offset, Rotation::new(self.rope, -offset)));
-        self.rotations.len() - 1
+        self.work.rotations.len() - 1
     }
-}
-
-/// The offset of the run a piece's rotation entry turns back (0 for `None`).
-pub(super) fn offset_of(rotations: &[(i64, Rotation)], rot: Option<usize>) -> i64 {
-    rot.map_or(0, |i| rotations[i].0)
-}
-
-/// The last of `pieces` (which end in order) that keys before `j1` reach.
-pub(super) fn last_piece(pieces: &[(usize, Option<usize>)], j1: usize) -> usize {
-    pieces.partition_point(|p| p.0 < j1).min(pieces.len() - 1)
 }
 
 /// Fewest context keys that sequences must share for [`shared_prefixes`] to group them.
@@ -414,66 +346,4 @@ pub(super) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
             .zip(&b[whole..n])
             .take_while(|(x, y)| x == y)
             .count()
-}
-
-/// Copies each task's rows from the task-major `scratch` to their places in `out`, merging
-/// the parts of split tasks: `out = sum_p w_p o_p / sum_p w_p` with
-/// `w_p = l_p 2^(m_p - max_p m_p)`, where each part's `o_p` is already divided by its sum `l_p`.
-pub(super) fn write_out(
-    tasks: &[Task<'_>],
-    scratch: &[f32],
-    shape: Heads,
-    merge_rows: usize,
-    out: &mut [f32],
-) {
-    let (h, hd) = (shape.heads, shape.head_dim);
-    let g = h / shape.kv_heads;
-    let mut max = vec![f32::NEG_INFINITY; merge_rows];
-    let mut den = vec![0f32; merge_rows];
-    // Where row `r` of task `t` goes in `out`, and its merge index.
-    let place = |t: &Task<'_>, r: usize| {
-        let head = t.kv_head * g + r % g;
-        t.toks[r / g].0 * h * hd + head * hd
-    };
-    let merge_at = |t: &Task<'_>, r: usize| t.toks[r / g].1 + r % g;
-    let mut off = 0;
-    for t in tasks {
-        let rows = t.rows(g);
-        if t.merged {
-            let m = &scratch[off + rows * hd..off + rows * (hd + 1)];
-            for (r, &mr) in m.iter().enumerate() {
-                let a = &mut max[merge_at(t, r)];
-                *a = a.max(mr);
-                out[place(t, r)..][..hd].fill(0.0);
-            }
-        }
-        off += rows * (hd + 2);
-    }
-    let mut off = 0;
-    for t in tasks {
-        let rows = t.rows(g);
-        let (o, ml) = scratch[off..off + rows * (hd + 2)].split_at(rows * hd);
-        for (r, src) in o.chunks_exact(hd).enumerate() {
-            let dst = &mut out[place(t, r)..][..hd];
-            if !t.merged {
-                dst.copy_from_slice(src);
-                continue;
-            }
-            let mr = merge_at(t, r);
-            let w = ml[rows + r] * (ml[r] - max[mr]).exp2();
-            den[mr] += w;
-            for (d, &x) in dst.iter_mut().zip(src) {
-                *d += w * x;
-            }
-        }
-        off += rows * (hd + 2);
-    }
-    for t in tasks.iter().filter(|t| t.merged && t.first) {
-        for r in 0..t.rows(g) {
-            let inv = 1.0 / den[merge_at(t, r)];
-            for d in &mut out[place(t, r)..][..hd] {
-                *d *= inv;
-            }
-        }
-    }
 }

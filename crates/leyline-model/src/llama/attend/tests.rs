@@ -1,8 +1,8 @@
 use super::plan::{common_prefix, shared_prefixes, QB};
 use super::*;
 use crate::{ForwardSeq, LogitsFor};
-use leyline_kv::cpu::Features;
-use leyline_kv::rope::{RopeSpec, RotaryLayout};
+use leyline_kernels::attend::Heads;
+use leyline_kernels::rope::{RopeSpec, RotaryLayout};
 use leyline_kv::shift::KeyShift;
 use leyline_kv::storage::{KvDtype, KvGeometry};
 
@@ -189,7 +189,8 @@ fn check_shifted(
         .chunks_exact(h * hd)
         .flat_map(|r| r.iter().copied().chain([f32::NAN; 5]))
         .collect();
-    for isa in Isa::available() {
+    Tier::note_lacking();
+    for tier in Tier::all_available() {
         let mut out = vec![f32::NAN; n * h * hd];
         let q = Queries {
             rows: &padded,
@@ -197,8 +198,8 @@ fn check_shifted(
         };
         // The plan serves every layer: a stale output of layer 0 must not leak into layer 1.
         let mut work = Plan::new(&seqs, shape, &rope, pool.threads());
-        attend_with(isa, &pool, &kv, 0, q, &mut work, &mut out);
-        attend_with(isa, &pool, &kv, layer, q, &mut work, &mut out);
+        attend_with(tier, &pool, &kv, 0, q, &mut work, &mut out);
+        attend_with(tier, &pool, &kv, layer, q, &mut work, &mut out);
         let (mut num, mut den) = (0f64, 0f64);
         for (a, b) in out.iter().zip(&want) {
             num += (*a as f64 - b).powi(2);
@@ -207,55 +208,9 @@ fn check_shifted(
         let rel = (num / den).sqrt();
         assert!(
             rel < 2e-6,
-            "{isa:?} {dtype:?} hd={hd} plan={plan:?} shifts={shifts:?}: rel-L2 {rel:e} \
+            "{tier} {dtype:?} hd={hd} plan={plan:?} shifts={shifts:?}: rel-L2 {rel:e} \
              against the f64 reference"
         );
-    }
-}
-
-/// The lane-sum trees alone ([`avx512::sum16`], [`avx2::sum8`]). Lane i of vector j holds
-/// `1024 j + 2^i`, so every sum is exact in f32 and a lane taken from another vector,
-/// dropped or counted twice changes it.
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn lane_sum_trees_put_each_vectors_sum_in_its_lane() {
-    use std::arch::x86_64::*;
-    fn check<const N: usize>(sum: impl Fn(&[[f32; N]; N]) -> [f32; N]) {
-        let rows: [[f32; N]; N] = std::array::from_fn(|j| {
-            std::array::from_fn(|i| j as f32 * 1024.0 + (1u32 << i) as f32)
-        });
-        let want: [f32; N] = std::array::from_fn(|j| rows[j].iter().sum());
-        assert_eq!(sum(&rows), want, "{N}-way lane sums");
-    }
-    let mut ran = false;
-    if Features::get().avx512f {
-        check::<16>(|rows| {
-            let mut out = [0f32; 16];
-            // SAFETY: the CPU has AVX-512F; each load reads one 16-float row and the
-            // store writes the 16 floats of `out`.
-            unsafe {
-                let a: [__m512; 16] = std::array::from_fn(|j| _mm512_loadu_ps(rows[j].as_ptr()));
-                _mm512_storeu_ps(out.as_mut_ptr(), avx512::sum16(&a));
-            }
-            out
-        });
-        ran = true;
-    }
-    if Features::get().avx2 {
-        check::<8>(|rows| {
-            let mut out = [0f32; 8];
-            // SAFETY: the CPU has AVX2; each load reads one 8-float row and the store
-            // writes the 8 floats of `out`.
-            unsafe {
-                let a: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(rows[j].as_ptr()));
-                _mm256_storeu_ps(out.as_mut_ptr(), avx2::sum8(&a));
-            }
-            out
-        });
-        ran = true;
-    }
-    if !ran {
-        eprintln!("this CPU has neither AVX-512F nor AVX2, where the lane-sum trees are used");
     }
 }
 

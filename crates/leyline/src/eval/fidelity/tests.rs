@@ -105,7 +105,7 @@ fn drift_of_mla_k_pe_rows_with_yarn() {
         head_dim: 8,
         rotary_dim: 8,
         layout: RotaryLayout::Interleaved,
-        scaling: leyline_kv::rope::RopeScaling::Yarn {
+        scaling: leyline_kernels::rope::RopeScaling::Yarn {
             factor: 4.0,
             original_max_position: 128.0,
             beta_fast: 32.0,

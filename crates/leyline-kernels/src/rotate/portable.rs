@@ -4,7 +4,7 @@
 use super::{Head, Sel, Tables};
 use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::rope::{RotaryLayout, Rotation};
-use crate::storage::RowsMut;
+use crate::rows::RowsMut;
 
 /// A storage dtype: load to f32, store rounded once.
 pub(super) trait Codec {
@@ -53,7 +53,7 @@ impl Codec for F16C {
     }
 }
 
-/// The rotation of one pair, in the one order every path uses (no FMA contraction).
+/// The rotation of one pair, in the one order every tier uses (no FMA contraction).
 #[inline(always)]
 fn rot_pair(a: f32, b: f32, c: f32, s: f32) -> (f32, f32) {
     (a * c - b * s, b * c + a * s)

@@ -3,15 +3,16 @@
 //! SmolLM2-135M, for bf16/f16/f32 storage and both layouts; a layer loop as the engine runs
 //! it (one `shift_table`, then `shift_rows_with` per layer).
 //!
-//! `cargo bench -p leyline-kv --bench rotate` prints criterion's numbers, then a report: per
+//! `cargo bench -p leyline-kernels --bench rotate` prints criterion's numbers, then a report: per
 //! dtype, best and median GB/s of N runs, and each rotation's ratio to the copy and to the
 //! read-modify-write. Bytes counted are the bytes of the rows (read once, written once).
 //! `ROTATE_BENCH_QUICK=1` skips criterion and prints the report only.
 
 use criterion::{Criterion, Throughput};
-use leyline_kv::rope::{RopeSpec, RotaryLayout};
-use leyline_kv::rotate::{shift_rows_with, shift_table, KernelPath};
-use leyline_kv::storage::RowsMut;
+use leyline_kernels::rope::{RopeSpec, RotaryLayout};
+use leyline_kernels::rotate::{shift_rows_with, shift_table};
+use leyline_kernels::rows::RowsMut;
+use leyline_kernels::Tier;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -90,19 +91,12 @@ fn bytes<T>() -> f64 {
     (LAYERS * SLOTS * HEADS * DIM * std::mem::size_of::<T>()) as f64
 }
 
-fn paths() -> Vec<KernelPath> {
-    [KernelPath::Portable, KernelPath::Avx2, KernelPath::Avx512]
-        .into_iter()
-        .filter(|p| p.available())
-        .collect()
-}
-
 /// What the engine does per edit: one table, then every layer's key rows.
-fn rotate_all<T: Dt>(ls: &mut [Vec<T>], slots: &[u32], path: KernelPath, layout: RotaryLayout) {
+fn rotate_all<T: Dt>(ls: &mut [Vec<T>], slots: &[u32], tier: Tier, layout: RotaryLayout) {
     let spec = RopeSpec::plain(100000.0, DIM, layout);
     let rot = shift_table(&spec, -37).expect("shiftable");
     for l in ls.iter_mut() {
-        shift_rows_with(T::rows(l), HEADS, DIM, slots, &rot, path).expect("valid");
+        shift_rows_with(T::rows(l), HEADS, DIM, slots, &rot, tier).expect("valid");
     }
 }
 
@@ -129,9 +123,9 @@ fn criterion_dtype<T: Dt>(c: &mut Criterion) {
     let mut g = c.benchmark_group(format!("rotate_{}_4096x3x64x30", T::NAME));
     g.throughput(Throughput::Bytes(bytes::<T>() as u64));
     for layout in LAYOUTS {
-        for path in paths() {
-            g.bench_function(format!("{layout:?}/{path:?}"), |b| {
-                b.iter(|| rotate_all(&mut ls, &slots, path, layout))
+        for tier in Tier::all_available() {
+            g.bench_function(format!("{layout:?}/{tier:?}"), |b| {
+                b.iter(|| rotate_all(&mut ls, &slots, tier, layout))
             });
         }
     }
@@ -176,22 +170,22 @@ fn report_dtype<T: Dt>(n: usize) {
         b / 1e6
     );
     for layout in LAYOUTS {
-        for path in paths() {
-            let (r, m) = gbps(b, n, || rotate_all(&mut ls, &slots, path, layout));
+        for tier in Tier::all_available() {
+            let (r, m) = gbps(b, n, || rotate_all(&mut ls, &slots, tier, layout));
             println!(
                 "  {:<11} {:<8} {r:6.1} GB/s (median {m:5.1}) = {:.2} x copy, {:.2} x rmw",
                 format!("{layout:?}"),
-                format!("{path:?}"),
+                format!("{tier:?}"),
                 r / copy,
                 r / rmw
             );
         }
-        let path = KernelPath::detect();
-        let (r, m) = gbps(b, n, || rotate_all(&mut ls, &shuffled, path, layout));
+        let tier = Tier::best();
+        let (r, m) = gbps(b, n, || rotate_all(&mut ls, &shuffled, tier, layout));
         println!(
             "  {:<11} {:<8} {r:6.1} GB/s (median {m:5.1}) = {:.2} x copy  [slots shuffled]",
             format!("{layout:?}"),
-            format!("{path:?}"),
+            format!("{tier:?}"),
             r / copy
         );
     }
@@ -210,16 +204,16 @@ fn report_cached<T: Dt>(n: usize) {
     let slots: Vec<u32> = (0..ROWS as u32).collect();
     let (copy, _) = gbps(b, n, || (0..REPS).for_each(|_| copy_all(&mut dst, &ls)));
     let (rmw, _) = gbps(b, n, || (0..REPS).for_each(|_| rmw_all(&mut ls)));
-    let path = KernelPath::detect();
+    let tier = Tier::best();
     let mut line = format!(
         "  L2-resident ({} KB): memcpy {copy:.1}, rmw {rmw:.1}",
         b / REPS as f64 / 1e3
     );
     for layout in LAYOUTS {
         let (r, _) = gbps(b, n, || {
-            (0..REPS).for_each(|_| rotate_all(&mut ls, &slots, path, layout))
+            (0..REPS).for_each(|_| rotate_all(&mut ls, &slots, tier, layout))
         });
-        line += &format!(", {layout:?} {path:?} {r:.1}");
+        line += &format!(", {layout:?} {tier:?} {r:.1}");
     }
     println!("{line} GB/s");
 }

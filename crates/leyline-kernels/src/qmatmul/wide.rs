@@ -10,9 +10,10 @@
 //! same bytes but round the activations too.
 
 use super::format::SLACK;
-use super::{scalar, KernelPath, QMatrix};
+use super::{scalar, QMatrix};
 use crate::gemm::gemm_into;
 use crate::pool::SpinPool;
+use crate::Tier;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -41,9 +42,10 @@ impl QMatrix {
         // From row r0 to the end of the data, slack included.
         let rows = &self.data[r0 * g.stride..];
         #[cfg(target_arch = "x86_64")]
-        if KernelPath::Avx2.is_available() {
-            // SAFETY: the CPU has AVX2, FMA and F16C (checked just above); `rows` holds the n
-            // rows and the slack after the last row of the matrix.
+        if Tier::best() >= Tier::Avx2 {
+            // SAFETY: the CPU runs the AVX2 tier (`best` never exceeds what it runs, and a CPU
+            // runs every tier below one it runs): it has AVX2, FMA and F16C. `rows` holds the
+            // n rows and the slack after the last row of the matrix.
             unsafe { super::avx2::dequant_rows(self.kind, g, rows, w) };
             return;
         }

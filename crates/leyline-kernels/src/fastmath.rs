@@ -1,10 +1,12 @@
 //! Branch-free elementwise functions that the compiler vectorizes (libm's `expf` is a
 //! call per element).
 
+use crate::Tier;
+
 /// `2^x` for `x <= 0` (what the online softmax needs), within 2e-7 relative, and exactly 0
 /// below `2^-126` (masked scores are `-inf`). Branch-free, so loops over it vectorize.
 #[inline(always)]
-pub(crate) fn exp2(x: f32) -> f32 {
+pub fn exp2(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
     let xc = x.max(-126.0);
     // Round to nearest through the f32 mantissa: the low bits of `y` then hold `n`.
@@ -32,22 +34,30 @@ pub(crate) fn exp2(x: f32) -> f32 {
 
 /// SwiGLU: `out = g * sigmoid(g) * u` elementwise, where each row of `gu` holds `g` and then
 /// `u`, `width` values each (the fused gate/up product), within a few ulp of the f64 value.
-/// Compiled once more for AVX-512 / AVX2+FMA and chosen at run time: in code built for
+/// Compiled once more for AVX-512 / AVX2+FMA and run on [`Tier::best`]: in code built for
 /// baseline x86-64, `mul_add` is a library call per element.
-pub(crate) fn silu_mul(gu: &[f32], width: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let f = leyline_kv::cpu::Features::get();
-        if f.avx512f {
-            // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { silu_mul_avx512(gu, width, out) };
-        }
-        if f.avx2_fma() {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { silu_mul_avx2(gu, width, out) };
-        }
+pub fn silu_mul(gu: &[f32], width: usize, out: &mut [f32]) {
+    silu_mul_with(Tier::best(), gu, width, out);
+}
+
+/// [`silu_mul`] on the code compiled for `tier`.
+///
+/// # Panics
+/// If this CPU does not run `tier`.
+fn silu_mul_with(tier: Tier, gu: &[f32], width: usize, out: &mut [f32]) {
+    assert!(
+        tier.available(),
+        "kernel tier {tier} is not available on this CPU"
+    );
+    match tier {
+        // SAFETY: the CPU runs the AVX-512 tier (asserted just above): it has AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 => unsafe { silu_mul_avx512(gu, width, out) },
+        // SAFETY: the CPU runs the AVX2 tier (asserted just above): it has AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => unsafe { silu_mul_avx2(gu, width, out) },
+        _ => silu_mul_portable(gu, width, out),
     }
-    silu_mul_portable(gu, width, out);
 }
 
 /// # Safety
@@ -106,15 +116,22 @@ mod tests {
         let gu: Vec<f32> = xs.iter().chain(&us).copied().collect();
         let mut g = vec![f32::NAN; xs.len()];
         silu_mul(&gu, xs.len(), &mut g);
-        // The portable loop is what runs on CPUs without AVX2; same values.
+        // Every tier computes the portable loop's values.
         let mut portable = vec![f32::NAN; xs.len()];
         silu_mul_portable(&gu, xs.len(), &mut portable);
-        for ((&x, &u), (&got, &p)) in xs.iter().zip(&us).zip(g.iter().zip(&portable)) {
-            assert_eq!(
-                got.to_bits(),
-                p.to_bits(),
-                "x = {x}: dispatched {got}, portable {p}"
-            );
+        Tier::note_lacking();
+        for tier in Tier::all_available() {
+            let mut t = vec![f32::NAN; xs.len()];
+            silu_mul_with(tier, &gu, xs.len(), &mut t);
+            for ((&x, &got), &p) in xs.iter().zip(&t).zip(&portable) {
+                assert_eq!(
+                    got.to_bits(),
+                    p.to_bits(),
+                    "x = {x}: {tier} {got}, portable {p}"
+                );
+            }
+        }
+        for ((&x, &u), &got) in xs.iter().zip(&us).zip(&g) {
             let (x, u) = (f64::from(x), f64::from(u));
             let want = x / (1.0 + (-x).exp()) * u;
             // The f32 argument `-|x| log2(e)` carries a relative rounding of 2^-24, which

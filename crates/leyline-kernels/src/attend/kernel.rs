@@ -1,12 +1,13 @@
-//! One task's kernel, generic over the storage dtype and compiled once per instruction
-//! set: the per-thread buffers, the online softmax over key blocks, the value sums, and
-//! [`Isa`], which picks the score products of `portable.rs`, `avx2.rs` or `avx512.rs`.
+//! One task's kernel, generic over the storage dtype and compiled once per [`Tier`]: the
+//! per-thread buffers, the online softmax over key blocks, the value sums, and the choice of
+//! the score products of `portable.rs`, `avx2.rs` or `avx512.rs`.
 
-use super::plan::{direct, last_piece, offset_of, Heads, Task, KB, RB};
 use super::portable::{dot, scores_portable};
+use super::task::{direct, last_piece, offset_of, Heads, Task, KB, RB};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
 use crate::fastmath::exp2;
+use crate::Tier;
 
 // `turned` marks a block's keys in a u64.
 const _: () = assert!(KB <= 64);
@@ -18,8 +19,10 @@ const DC: usize = 16;
 /// The batch's query rows: row `t` starts at `t * stride` and holds every head's query
 /// (rotated, unscaled) in its first `heads * head_dim` values; the rest of a row is not read.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Queries<'a> {
+pub struct Queries<'a> {
+    /// The rows.
     pub rows: &'a [f32],
+    /// Values from one row's start to the next's.
     pub stride: usize,
 }
 
@@ -95,7 +98,7 @@ pub(super) struct FromBf16;
 impl Load<u16> for FromBf16 {
     #[inline(always)]
     fn f32(self, b: u16) -> f32 {
-        leyline_kv::convert::bf16_to_f32(b)
+        crate::convert::bf16_to_f32(b)
     }
     #[inline(always)]
     fn in_place(self, _: &[u16]) -> Option<&[f32]> {
@@ -110,7 +113,7 @@ pub(super) struct FromF16;
 impl Load<u16> for FromF16 {
     #[inline(always)]
     fn f32(self, b: u16) -> f32 {
-        leyline_kv::convert::f16_to_f32(b)
+        crate::convert::f16_to_f32(b)
     }
     #[inline(always)]
     fn in_place(self, _: &[u16]) -> Option<&[f32]> {
@@ -123,139 +126,99 @@ pub(super) struct Job<'a> {
     pub(super) task: &'a Task<'a>,
     pub(super) q: Queries<'a>,
     /// The batch's `R(-offset)` per shifted run's offset ([`Task::pieces`] name them).
-    pub(super) rotations: &'a [(i64, leyline_kv::rope::Rotation)],
+    pub(super) rotations: &'a [(i64, crate::rope::Rotation)],
     pub(super) shape: Heads,
     pub(super) kw: usize,
     pub(super) vw: usize,
 }
 
-/// The instruction set the kernel is compiled for, picked at run time.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Isa {
-    Portable,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
+/// Runs one task with the kernel of `tier`, which the CPU runs ([`super::attend`] checked).
+pub(super) fn run<T: Copy>(
+    tier: Tier,
+    job: &Job<'_>,
+    k: &[T],
+    v: &[T],
+    ld: impl Load<T>,
+    buf: &mut Scratch,
+    out: &mut [f32],
+) {
+    match tier {
+        Tier::Portable => task::<T, DC>(tier, job, k, v, ld, buf, out),
+        // SAFETY: `attend` checked that the CPU runs this tier: it has AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 => unsafe { task_avx512(tier, job, k, v, ld, buf, out) },
+        // SAFETY: `attend` checked that the CPU runs this tier: it has AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => unsafe { task_avx2(tier, job, k, v, ld, buf, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("only the portable tier is available off x86-64"),
+    }
 }
 
-impl Isa {
-    /// Every variant this CPU can run, the portable one first.
-    #[cfg(test)]
-    pub(super) fn available() -> Vec<Self> {
-        let mut v = vec![Isa::Portable];
+/// `st[j][r] = q[r] . k[j]` for one key block and the first `rows` query rows of `qb:
+/// [lanes][hd]` (scaled, untransposed); lanes from `rows` on are zero, and so may be the
+/// scores of keys from `nb` on (the caller masks them).
+#[allow(clippy::too_many_arguments)]
+fn scores_direct(
+    tier: Tier,
+    qb: &[f32],
+    rows: usize,
+    lanes: usize,
+    krows: &[&[f32]; KB],
+    nb: usize,
+    st: &mut [f32],
+    hd: usize,
+) {
+    assert!(rows <= lanes && qb.len() >= rows * hd && st.len() >= KB * lanes);
+    assert!(krows.iter().all(|r| r.len() >= hd));
+    match tier {
+        // SAFETY: the CPU has AVX-512F (see [`run`]), `hd` is a multiple of 16, and the
+        // asserts above are the bounds `scores_few_avx512` relies on.
         #[cfg(target_arch = "x86_64")]
-        {
-            let f = leyline_kv::cpu::Features::get();
-            if f.avx2_fma() {
-                v.push(Isa::Avx2);
-            }
-            if f.avx512f {
-                v.push(Isa::Avx512);
-            }
-        }
-        v
-    }
-
-    /// The fastest variant this CPU runs, from the features `leyline_kv::cpu` detects once.
-    pub(super) fn detect() -> Self {
+        Tier::Avx512 if hd.is_multiple_of(16) => unsafe {
+            avx512::scores_few_avx512(qb, rows, lanes, krows, nb, st, hd)
+        },
+        // SAFETY: the CPU has AVX2 and FMA (see [`run`]), `hd` is a multiple of 8, and the
+        // asserts above are the bounds `scores_few_avx2` relies on.
         #[cfg(target_arch = "x86_64")]
-        {
-            let f = leyline_kv::cpu::Features::get();
-            if f.avx512f {
-                return Isa::Avx512;
-            }
-            if f.avx2_fma() {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Portable
-    }
-
-    /// Runs one task with this variant's kernel.
-    pub(super) fn run<T: Copy>(
-        self,
-        job: &Job<'_>,
-        k: &[T],
-        v: &[T],
-        ld: impl Load<T>,
-        buf: &mut Scratch,
-        out: &mut [f32],
-    ) {
-        match self {
-            Isa::Portable => task::<T, DC>(self, job, k, v, ld, buf, out),
-            // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX-512F.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { task_avx512(self, job, k, v, ld, buf, out) },
-            // SAFETY: only `detect` and `available` make this variant, after the CPU reported AVX2 and FMA.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { task_avx2(self, job, k, v, ld, buf, out) },
-        }
-    }
-
-    /// `st[j][r] = q[r] . k[j]` for one key block and the first `rows` query rows of `qb:
-    /// [lanes][hd]` (scaled, untransposed); lanes from `rows` on are zero, and so may be the
-    /// scores of keys from `nb` on (the caller masks them).
-    #[allow(clippy::too_many_arguments)]
-    fn scores_direct(
-        self,
-        qb: &[f32],
-        rows: usize,
-        lanes: usize,
-        krows: &[&[f32]; KB],
-        nb: usize,
-        st: &mut [f32],
-        hd: usize,
-    ) {
-        assert!(rows <= lanes && qb.len() >= rows * hd && st.len() >= KB * lanes);
-        assert!(krows.iter().all(|r| r.len() >= hd));
-        match self {
-            // SAFETY: the CPU has AVX-512F (see `run`), `hd` is a multiple of 16, and the
-            // asserts above are the bounds `scores_few_avx512` relies on.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if hd.is_multiple_of(16) => unsafe {
-                avx512::scores_few_avx512(qb, rows, lanes, krows, nb, st, hd)
-            },
-            // SAFETY: the CPU has AVX2 and FMA (see `run`), `hd` is a multiple of 8, and the
-            // asserts above are the bounds `scores_few_avx2` relies on.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 if hd.is_multiple_of(8) => unsafe {
-                avx2::scores_few_avx2(qb, rows, lanes, krows, nb, st, hd)
-            },
-            _ => {
-                for (srow, kr) in st.chunks_exact_mut(lanes).zip(krows) {
-                    for (r, x) in srow.iter_mut().enumerate() {
-                        *x = if r < rows {
-                            dot(&qb[r * hd..(r + 1) * hd], kr)
-                        } else {
-                            0.0
-                        };
-                    }
+        Tier::Avx2 if hd.is_multiple_of(8) => unsafe {
+            avx2::scores_few_avx2(qb, rows, lanes, krows, nb, st, hd)
+        },
+        _ => {
+            for (srow, kr) in st.chunks_exact_mut(lanes).zip(krows) {
+                for (r, x) in srow.iter_mut().enumerate() {
+                    *x = if r < rows {
+                        dot(&qb[r * hd..(r + 1) * hd], kr)
+                    } else {
+                        0.0
+                    };
                 }
             }
         }
     }
+}
 
-    /// `st[j][r] = q[r] . k[j]` for one key block, from the transposed queries
-    /// `qt: [hd][lanes]` (`lanes` a multiple of 16).
-    fn scores(self, qt: &[f32], lanes: usize, krows: &[&[f32]; KB], st: &mut [f32], hd: usize) {
-        assert!(lanes.is_multiple_of(16) && qt.len() >= hd * lanes && st.len() >= KB * lanes);
-        assert!(krows.iter().all(|r| r.len() >= hd));
-        match self {
-            Isa::Portable => scores_portable(qt, lanes, krows, st, hd),
-            // SAFETY: the CPU has AVX-512F (see `run`), and the asserts above are the bounds
-            // `scores_avx512` relies on.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::scores_avx512(qt, lanes, krows, st, hd) },
-            // SAFETY: the CPU has AVX2 and FMA (see `run`), and the asserts above are the
-            // bounds `scores_avx2` relies on.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { avx2::scores_avx2(qt, lanes, krows, st, hd) },
-        }
+/// `st[j][r] = q[r] . k[j]` for one key block, from the transposed queries
+/// `qt: [hd][lanes]` (`lanes` a multiple of 16).
+fn scores(tier: Tier, qt: &[f32], lanes: usize, krows: &[&[f32]; KB], st: &mut [f32], hd: usize) {
+    assert!(lanes.is_multiple_of(16) && qt.len() >= hd * lanes && st.len() >= KB * lanes);
+    assert!(krows.iter().all(|r| r.len() >= hd));
+    match tier {
+        Tier::Portable => scores_portable(qt, lanes, krows, st, hd),
+        // SAFETY: the CPU has AVX-512F (see [`run`]), and the asserts above are the bounds
+        // `scores_avx512` relies on.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 => unsafe { avx512::scores_avx512(qt, lanes, krows, st, hd) },
+        // SAFETY: the CPU has AVX2 and FMA (see [`run`]), and the asserts above are the
+        // bounds `scores_avx2` relies on.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => unsafe { avx2::scores_avx2(qt, lanes, krows, st, hd) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("only the portable tier is available off x86-64"),
     }
 }
 
-/// `task` compiled for an instruction set; callers must have checked that the CPU has it.
+/// `task` compiled for a tier; callers must have checked that the CPU runs it.
 /// `$w` is the value accumulators' width per row: [`RB`] rows of it take 16 of AVX-512's 32
 /// registers, and 8 of AVX2's 16 (at 16 registers, all of them, AVX2 spilled: prefill
 /// attention took 2.5x as long).
@@ -264,7 +227,7 @@ macro_rules! task_for {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name<T: Copy>(
-            isa: Isa,
+            tier: Tier,
             job: &Job<'_>,
             k: &[T],
             v: &[T],
@@ -272,7 +235,7 @@ macro_rules! task_for {
             buf: &mut Scratch,
             out: &mut [f32],
         ) {
-            task::<T, $w>(isa, job, k, v, ld, buf, out)
+            task::<T, $w>(tier, job, k, v, ld, buf, out)
         }
     };
 }
@@ -286,7 +249,7 @@ task_for!(task_avx2, "avx2,fma", 16);
 /// are prefixes of a key's row. With f32 storage the key and value rows are read in place.
 #[inline(always)]
 fn task<T: Copy, const W: usize>(
-    isa: Isa,
+    tier: Tier,
     job: &Job<'_>,
     k: &[T],
     v: &[T],
@@ -304,7 +267,6 @@ fn task<T: Copy, const W: usize>(
     } = *job;
     let (h, hd) = (shape.heads, shape.head_dim);
     let g = h / shape.kv_heads;
-    let seq = task.seq;
     let rows = task.rows(g);
     let padded = rows.div_ceil(RB) * RB;
     let lanes = lanes_of(rows);
@@ -351,14 +313,14 @@ fn task<T: Copy, const W: usize>(
     m[..lanes].fill(f32::NEG_INFINITY);
     l[..lanes].fill(0.0);
     o[..padded * hd].fill(0.0);
-    let ctx = seq.context.len();
+    let ctx = task.context.len();
     // Key and value rows both hold the kv heads side by side.
     let off = task.kv_head * hd;
     let slot = |j: usize| {
         (if j < ctx {
-            seq.context[j]
+            task.context[j]
         } else {
-            seq.new_slots[j - ctx]
+            task.new_rows[j - ctx]
         }) as usize
     };
     let (kf, vf) = (ld.in_place(k), ld.in_place(v));
@@ -429,9 +391,9 @@ fn task<T: Copy, const W: usize>(
         let krows = block_rows(kf, turned, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
         let vrows = block_rows(vf, 0, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
         if direct {
-            isa.scores_direct(qb, rows, lanes, &krows, nb, st, hd);
+            scores_direct(tier, qb, rows, lanes, &krows, nb, st, hd);
         } else {
-            isa.scores(qt, lanes, &krows, st, hd);
+            scores(tier, qt, lanes, &krows, st, hd);
         }
         // Rows past a short block's `nb` keys are not read from here on.
         if j0 + nb > diag {

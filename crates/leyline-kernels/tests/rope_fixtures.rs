@@ -1,9 +1,9 @@
 //! RoPE against transformers' numbers (fixtures copied from the shared reference set; see
 //! tests/fixtures/README.md).
 
-use leyline_kv::rope::{RopeScaling, RopeSpec, RotaryLayout};
-use leyline_kv::rotate::shift_rows;
-use leyline_kv::storage::RowsMut;
+use leyline_kernels::rope::{RopeScaling, RopeSpec, RotaryLayout};
+use leyline_kernels::rotate::shift_rows;
+use leyline_kernels::rows::RowsMut;
 use serde_json::Value;
 
 fn fixture(name: &str) -> Value {

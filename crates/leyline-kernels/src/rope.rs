@@ -6,7 +6,7 @@
 //! ([`crate::rotate`]). Sequence-length-dependent scaling (dynamic NTK) breaks that and is
 //! refused by [`RopeSpec::ensure_shiftable`].
 
-use crate::error::{KvError, Result};
+use crate::error::{KernelError, Result};
 use std::f64::consts::PI;
 
 /// Which dims form a rotating pair inside the first `rotary_dim` dims of a head.
@@ -105,10 +105,10 @@ impl RopeSpec {
     /// Checks that the spec describes a rotation.
     ///
     /// # Errors
-    /// [`KvError::InvalidRope`] for a non-positive or non-finite theta or factor, a zero, odd
+    /// [`KernelError::InvalidRope`] for a non-positive or non-finite theta or factor, a zero, odd
     /// or oversized `rotary_dim`.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(KvError::InvalidRope(m));
+        let bad = |m: String| Err(KernelError::InvalidRope(m));
         if !(self.theta.is_finite() && self.theta > 1.0) {
             return bad(format!("theta {} must be finite and > 1", self.theta));
         }
@@ -251,12 +251,12 @@ impl RopeSpec {
     /// Checks that cached keys can be moved by a relative rotation.
     ///
     /// # Errors
-    /// [`KvError::NotShiftable`] for dynamic NTK (frequencies depend on the sequence length,
-    /// so `R(a) R(b) != R(a + b)` across lengths), [`KvError::InvalidRope`] for a bad spec.
+    /// [`KernelError::NotShiftable`] for dynamic NTK (frequencies depend on the sequence length,
+    /// so `R(a) R(b) != R(a + b)` across lengths), [`KernelError::InvalidRope`] for a bad spec.
     pub fn ensure_shiftable(&self) -> Result<()> {
         self.validate()?;
         if let RopeScaling::DynamicNtk { .. } = self.scaling {
-            return Err(KvError::NotShiftable(
+            return Err(KernelError::NotShiftable(
                 "dynamic NTK RoPE scaling depends on the sequence length; use FORGET mode".into(),
             ));
         }
@@ -431,13 +431,13 @@ mod tests {
             original_max_position: 4096.0,
         };
         let e = spec.ensure_shiftable().unwrap_err();
-        assert!(matches!(e, KvError::NotShiftable(_)), "{e}");
+        assert!(matches!(e, KernelError::NotShiftable(_)), "{e}");
         assert!(e.to_string().contains("dynamic NTK"));
         let odd = RopeSpec {
             rotary_dim: 7,
             ..RopeSpec::plain(10000.0, 64, RotaryLayout::Neox)
         };
-        assert!(matches!(odd.validate(), Err(KvError::InvalidRope(_))));
+        assert!(matches!(odd.validate(), Err(KernelError::InvalidRope(_))));
         let wide = RopeSpec {
             rotary_dim: 66,
             ..odd

@@ -9,7 +9,7 @@
 // The shape, the weight with its strides, the activations and the thread count: one call's
 // parameters, each used once; a struct would only rename them.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_into(
+pub fn gemm_into(
     out: usize,
     inp: usize,
     w: &[f32],

@@ -245,8 +245,8 @@ fn yarn_norms_survive_100_shifts() {
     }
 }
 
-/// Every available SIMD path equals the portable path bit for bit (odd shapes, specials),
-/// except for the sign/payload of a NaN computed from two NaNs.
+/// Every SIMD tier this CPU runs equals the portable tier bit for bit (odd shapes,
+/// specials), except for the sign/payload of a NaN computed from two NaNs.
 #[test]
 fn simd_paths_equal_portable() {
     let specials = [
@@ -261,9 +261,9 @@ fn simd_paths_equal_portable() {
         -f32::NAN,
     ];
     let mut tested = 0;
-    for path in [KernelPath::Avx2, KernelPath::Avx512] {
-        if !path.available() {
-            eprintln!("skipping {path:?}: not available on this CPU");
+    Tier::note_lacking();
+    for tier in Tier::all_available() {
+        if tier == Tier::Portable {
             continue;
         }
         for (k_heads, head_dim, rd) in [
@@ -298,20 +298,13 @@ fn simd_paths_equal_portable() {
                         let rot = shift_table(&spec, delta).unwrap();
                         let slots = [0u32, 2, 3, 8, 5];
                         let (mut a, mut b) = (Buf::from_f64(dt, &v), Buf::from_f64(dt, &v));
-                        shift_rows_with(
-                            a.rows(),
-                            k_heads,
-                            head_dim,
-                            &slots,
-                            &rot,
-                            KernelPath::Portable,
-                        )
-                        .unwrap();
-                        shift_rows_with(b.rows(), k_heads, head_dim, &slots, &rot, path).unwrap();
+                        shift_rows_with(a.rows(), k_heads, head_dim, &slots, &rot, Tier::Portable)
+                            .unwrap();
+                        shift_rows_with(b.rows(), k_heads, head_dim, &slots, &rot, tier).unwrap();
                         assert_eq!(
                             a.bits_nan_as_one(),
                             b.bits_nan_as_one(),
-                            "{path:?} {dt:?} {layout:?} {head_dim}/{rd}"
+                            "{tier} {dt:?} {layout:?} {head_dim}/{rd}"
                         );
                         tested += 1;
                     }
@@ -322,9 +315,10 @@ fn simd_paths_equal_portable() {
     eprintln!("{tested} SIMD comparisons");
 }
 
-/// Contiguous ranges run the same kernels as lists, on every path.
+/// Contiguous ranges run the same kernels as lists, on every tier.
 #[test]
-fn range_selection_on_every_path() {
+fn range_selection_on_every_tier() {
+    Tier::note_lacking();
     for layout in [RotaryLayout::Interleaved, RotaryLayout::Neox] {
         let spec = RopeSpec::plain(10000.0, 64, layout);
         let rot = shift_table(&spec, 333).unwrap();
@@ -333,16 +327,13 @@ fn range_selection_on_every_path() {
         for dt in [Dt::F32, Dt::F16, Dt::Bf16] {
             let mut want = Buf::from_f64(dt, &v);
             let list: Vec<u32> = (3..17).collect();
-            shift_rows_with(want.rows(), 3, 64, &list, &rot, KernelPath::Portable).unwrap();
-            for path in [KernelPath::Portable, KernelPath::Avx2, KernelPath::Avx512] {
-                if !path.available() {
-                    continue;
-                }
+            shift_rows_with(want.rows(), 3, 64, &list, &rot, Tier::Portable).unwrap();
+            for tier in Tier::all_available() {
                 let mut got = Buf::from_f64(dt, &v);
                 let rows = got.rows();
                 let head = check_rows(&rows, 3, 64, &rot).unwrap();
-                dispatch(rows, head, &Sel::Range(3..17), &rot, path);
-                assert_eq!(got.bits(), want.bits(), "{path:?} {dt:?} {layout:?}");
+                dispatch(rows, head, &Sel::Range(3..17), &rot, tier);
+                assert_eq!(got.bits(), want.bits(), "{tier} {dt:?} {layout:?}");
             }
         }
     }
@@ -365,26 +356,32 @@ fn simd_conversions_equal_scalar() {
     xs.extend([f32::from_bits(0x7f80_0001), f32::from_bits(0x7fff_ffff)]);
     xs.extend([f32::from_bits(0xffa0_1234), f32::MAX, f32::MIN_POSITIVE]);
     let mut checked = 0;
-    if KernelPath::Avx512.available() {
-        for x in xs.chunks_exact(16) {
-            let x: &[f32; 16] = x.try_into().unwrap();
-            let (h, b) = avx512::convert(x);
-            for k in 0..16 {
-                assert_eq!(h[k], f32_to_f16(x[k]), "f16 of {:#x}", x[k].to_bits());
-                assert_eq!(b[k], f32_to_bf16(x[k]), "bf16 of {:#x}", x[k].to_bits());
+    Tier::note_lacking();
+    for tier in Tier::all_available() {
+        match tier {
+            Tier::Portable => {}
+            Tier::Avx2 => {
+                for x in xs.chunks_exact(8) {
+                    let x: &[f32; 8] = x.try_into().unwrap();
+                    let (h, b) = avx2::convert(x);
+                    for k in 0..8 {
+                        assert_eq!(h[k], f32_to_f16(x[k]), "f16 of {:#x}", x[k].to_bits());
+                        assert_eq!(b[k], f32_to_bf16(x[k]), "bf16 of {:#x}", x[k].to_bits());
+                    }
+                    checked += 1;
+                }
             }
-            checked += 1;
-        }
-    }
-    if KernelPath::Avx2.available() {
-        for x in xs.chunks_exact(8) {
-            let x: &[f32; 8] = x.try_into().unwrap();
-            let (h, b) = avx2::convert(x);
-            for k in 0..8 {
-                assert_eq!(h[k], f32_to_f16(x[k]), "f16 of {:#x}", x[k].to_bits());
-                assert_eq!(b[k], f32_to_bf16(x[k]), "bf16 of {:#x}", x[k].to_bits());
+            Tier::Avx512 => {
+                for x in xs.chunks_exact(16) {
+                    let x: &[f32; 16] = x.try_into().unwrap();
+                    let (h, b) = avx512::convert(x);
+                    for k in 0..16 {
+                        assert_eq!(h[k], f32_to_f16(x[k]), "f16 of {:#x}", x[k].to_bits());
+                        assert_eq!(b[k], f32_to_bf16(x[k]), "bf16 of {:#x}", x[k].to_bits());
+                    }
+                    checked += 1;
+                }
             }
-            checked += 1;
         }
     }
     eprintln!("{checked} SIMD conversion blocks");
@@ -450,21 +447,15 @@ fn bad_input_is_refused_before_writing() {
     let spec = RopeSpec::plain(10000.0, 8, RotaryLayout::Neox);
     let mut v = vec![1.0f32; 32];
     let e = shift_rows(RowsMut::F32(&mut v), 2, 8, &[0, 2], &spec, 3).unwrap_err();
-    assert_eq!(
-        e,
-        KvError::SlotOutOfRange {
-            slot: 2,
-            capacity: 2
-        }
-    );
+    assert_eq!(e, KernelError::RowOutOfRange { row: 2, rows: 2 });
     assert!(v.iter().all(|&x| x == 1.0), "nothing written on error");
     assert!(matches!(
         shift_rows(RowsMut::F32(&mut v[..30]), 2, 8, &[0], &spec, 3),
-        Err(KvError::WidthMismatch { .. })
+        Err(KernelError::WidthMismatch { .. })
     ));
     assert!(matches!(
         shift_rows(RowsMut::F32(&mut v), 4, 4, &[0], &spec, 3),
-        Err(KvError::InvalidRope(_))
+        Err(KernelError::InvalidRope(_))
     ));
     let ntk = RopeSpec {
         scaling: RopeScaling::DynamicNtk {
@@ -475,7 +466,7 @@ fn bad_input_is_refused_before_writing() {
     };
     assert!(matches!(
         shift_rows(RowsMut::F32(&mut v), 2, 8, &[0], &ntk, 3),
-        Err(KvError::NotShiftable(_))
+        Err(KernelError::NotShiftable(_))
     ));
 }
 

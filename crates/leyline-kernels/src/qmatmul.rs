@@ -8,10 +8,10 @@
 //! rounding. Few rows meet a tile of weight rows in dot products, the
 //! weights read once per 32 activation rows; from 13 rows, where little of a vector would be
 //! padding, AVX-512 broadcasts each weight against 16 transposed activation rows per vector,
-//! up to 64 rows per pass over the weights. Output rows are split over the threads; the SIMD
-//! path (AVX-512F, AVX2+FMA+F16C, scalar) is chosen at run time. AVX-512 kernels exist for
-//! Q4_1 and Q8_0 only; the other kinds run the AVX2 ones on an AVX-512 CPU
-//! ([`KernelPath::best_for`]).
+//! up to 64 rows per pass over the weights. Output rows are split over the threads; the
+//! kernels' [`Tier`] (AVX-512, AVX2+FMA+F16C, portable) is chosen at run time. AVX-512
+//! kernels exist for Q4_1 and Q8_0 only; the other kinds run the AVX2 ones on an AVX-512 CPU
+//! ([`GgmlKind::best_tier`]).
 //!
 //! Files: `format.rs` holds the block formats and the repacked [`QMatrix`]; this file the
 //! few-row products, their threading and the kernel dispatch; `wide.rs` the many-row
@@ -19,8 +19,8 @@
 //! one kernel family per instruction set, `tile.rs` what the two x86 ones share.
 
 use crate::pool::{split, SpinPool};
+use crate::Tier;
 use format::SLACK;
-use leyline_kv::cpu::Features;
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -47,83 +47,46 @@ mod tests;
 /// Below this many weight bytes (times min(m, 4)) a product runs on the calling thread.
 const SERIAL_BYTES: usize = 96 * 1024;
 
-/// A SIMD code path of the kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum KernelPath {
-    /// Portable Rust, any CPU.
-    Scalar,
-    /// x86-64 AVX2 + FMA + F16C.
-    Avx2,
-    /// x86-64 AVX-512F.
-    Avx512,
+impl GgmlKind {
+    /// The tier the products of a matrix of this kind take when `tier` is asked for: `tier`,
+    /// or AVX2 where `tier` is AVX-512 and it has no kernel for the kind (a CPU that runs
+    /// AVX-512 runs AVX2).
+    pub fn tier_on(self, tier: Tier) -> Tier {
+        if tier == Tier::Avx512 && !has_avx512_kernels(self) {
+            Tier::Avx2
+        } else {
+            tier
+        }
+    }
+
+    /// The tier the engine's products of a matrix of this kind take ([`Tier::best`]).
+    pub fn best_tier(self) -> Tier {
+        self.tier_on(Tier::best())
+    }
 }
 
-impl KernelPath {
-    /// Whether this CPU can run the path (detected once, then cached).
-    pub fn is_available(self) -> bool {
-        let f = Features::get();
-        match self {
-            KernelPath::Scalar => true,
-            KernelPath::Avx2 => f.avx2_fma_f16c(),
-            KernelPath::Avx512 => f.avx512f,
-        }
-    }
+#[cfg(target_arch = "x86_64")]
+fn has_avx512_kernels(kind: GgmlKind) -> bool {
+    avx512::has_kernels(kind)
+}
 
-    /// The path the products of a `kind` matrix take on `self`'s request: `self`, or the
-    /// AVX2 path (scalar without AVX2) where `self` is AVX-512 and it has no kernel for
-    /// `kind`.
-    pub fn for_kind(self, kind: GgmlKind) -> Self {
-        if self == KernelPath::Avx512 && !Self::has_avx512_kernels(kind) {
-            if Features::get().avx2_fma_f16c() {
-                KernelPath::Avx2
-            } else {
-                KernelPath::Scalar
-            }
-        } else {
-            self
-        }
-    }
-
-    /// The path the engine's products of a `kind` matrix take on this CPU.
-    pub fn best_for(kind: GgmlKind) -> Self {
-        Self::best().for_kind(kind)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    fn has_avx512_kernels(kind: GgmlKind) -> bool {
-        avx512::has_kernels(kind)
-    }
-
-    #[cfg(not(target_arch = "x86_64"))]
-    fn has_avx512_kernels(_: GgmlKind) -> bool {
-        false
-    }
-
-    /// The fastest path this CPU supports, from the [`Features`] detected once.
-    pub fn best() -> Self {
-        let f = Features::get();
-        if f.avx512f {
-            KernelPath::Avx512
-        } else if f.avx2_fma_f16c() {
-            KernelPath::Avx2
-        } else {
-            KernelPath::Scalar
-        }
-    }
+#[cfg(not(target_arch = "x86_64"))]
+fn has_avx512_kernels(_: GgmlKind) -> bool {
+    false
 }
 
 impl QMatrix {
-    /// `y = x W^T` for `x: [m, cols]` and `y: [m, rows]` (row-major) on a chosen kernel
-    /// path, split over rayon's threads: for tests and benchmarks that compare the paths. The
-    /// engine's products go through [`Self::matmul_concat`].
+    /// `y = x W^T` for `x: [m, cols]` and `y: [m, rows]` (row-major) on the kernels of
+    /// `tier` (lowered by [`GgmlKind::tier_on`] where it has none for the kind), split over
+    /// rayon's threads: for tests and benchmarks that compare the tiers. The engine's products go through
+    /// [`Self::matmul_concat`].
     ///
     /// # Panics
-    /// If the path is not available on this CPU, `x.len() != m * cols` or
-    /// `y.len() != m * rows`.
-    pub fn matmul_with(&self, path: KernelPath, x: &[f32], m: usize, y: &mut [f32]) {
+    /// If this CPU does not run `tier`, `x.len() != m * cols` or `y.len() != m * rows`.
+    pub fn matmul_with(&self, tier: Tier, x: &[f32], m: usize, y: &mut [f32]) {
         assert!(
-            path.is_available(),
-            "kernel path {path:?} is not available on this CPU"
+            tier.available(),
+            "kernel tier {tier} is not available on this CPU"
         );
         assert_eq!(x.len(), m * self.cols, "x must be [m, cols]");
         assert_eq!(y.len(), m * self.rows, "y must be [m, rows]");
@@ -132,7 +95,7 @@ impl QMatrix {
         }
         let serial = self.weight_bytes() * m.min(4) < SERIAL_BYTES;
         let mut xt = Vec::new();
-        prepare(None, path.for_kind(self.kind), x, m, self.cols, &mut xt);
+        prepare(None, self.kind.tier_on(tier), x, m, self.cols, &mut xt);
         let xt = xt.as_slice();
         // Rows per task: about four tasks per thread, a multiple of 4 rows.
         let tile = (self
@@ -144,10 +107,10 @@ impl QMatrix {
         if m == 1 {
             // y is already [rows, 1]: write it in place.
             if serial {
-                self.rows_into(path, 0, x, xt, 1, y);
+                self.rows_into(tier, 0, x, xt, 1, y);
             } else {
                 y.par_chunks_mut(tile).enumerate().for_each(|(t, out)| {
-                    self.rows_into(path, t * tile, x, xt, 1, out);
+                    self.rows_into(tier, t * tile, x, xt, 1, out);
                 });
             }
             return;
@@ -155,12 +118,12 @@ impl QMatrix {
         // Compute [rows, m], then transpose into [m, rows].
         let mut yt = vec![0f32; self.rows * m];
         if serial {
-            self.rows_into(path, 0, x, xt, m, &mut yt);
+            self.rows_into(tier, 0, x, xt, m, &mut yt);
         } else {
             yt.par_chunks_mut(tile * m)
                 .enumerate()
                 .for_each(|(t, out)| {
-                    self.rows_into(path, t * tile, x, xt, m, out);
+                    self.rows_into(tier, t * tile, x, xt, m, out);
                 });
         }
         feature_major_to_rows(&yt, m, y, self.rows, 0);
@@ -179,7 +142,7 @@ impl QMatrix {
         for w in mats {
             assert_eq!(x.len(), m * w.cols, "x must be [m, cols]");
         }
-        let path = KernelPath::best();
+        let tier = Tier::best();
         if m == 1 {
             // One row: each product is a slice of it, already in the kernels' [rows_i, 1].
             let mut targets = Vec::with_capacity(mats.len());
@@ -189,14 +152,14 @@ impl QMatrix {
                 targets.push((w, head));
                 rest = tail;
             }
-            let act = Q8Act::for_row(path, mats, x);
-            Self::feature_major_many(pool, path, x, &[], 1, act.get(), targets.into_iter());
+            let act = Q8Act::for_row(tier, mats, x);
+            Self::feature_major_many(pool, tier, x, &[], 1, act.get(), targets.into_iter());
             return;
         }
         SCRATCH.with_borrow_mut(|Scratch { xt, yt }| {
             // One transposition (if a kernel wants one) serves every matrix and thread.
-            if let Some(w) = mats.iter().find(|w| path.for_kind(w.kind) == path) {
-                prepare(Some(pool), path, x, m, w.cols, xt);
+            if let Some(w) = mats.iter().find(|w| w.kind.tier_on(tier) == tier) {
+                prepare(Some(pool), tier, x, m, w.cols, xt);
             }
             if yt.len() < m * width {
                 yt.resize(m * width, 0.0);
@@ -208,7 +171,7 @@ impl QMatrix {
                 targets.push((w, head));
                 rest = tail;
             }
-            Self::feature_major_many(pool, path, x, xt, m, None, targets.into_iter());
+            Self::feature_major_many(pool, tier, x, xt, m, None, targets.into_iter());
             let (mut col, mut at) = (0, 0);
             for w in mats {
                 feature_major_to_rows(&yt[at..at + w.rows * m], m, y, width, col);
@@ -221,7 +184,7 @@ impl QMatrix {
     /// The products of [`Self::matmul_concat`] into feature-major `[rows_i, m]` targets.
     fn feature_major_many<'a>(
         pool: &SpinPool,
-        path: KernelPath,
+        tier: Tier,
         x: &[f32],
         xt: &[f32],
         m: usize,
@@ -250,45 +213,37 @@ impl QMatrix {
                 }
                 let mut out = piece[tid].lock().unwrap_or_else(|e| e.into_inner());
                 match act {
-                    Some(act) if act.serves(path, w.kind) => w.rows_int8(r.start, act, &mut out),
-                    _ => w.rows_into(path, r.start, x, xt, m, &mut out),
+                    Some(act) if act.serves(tier, w.kind) => w.rows_int8(r.start, act, &mut out),
+                    _ => w.rows_into(tier, r.start, x, xt, m, &mut out),
                 }
             }
         });
     }
 
     /// Computes rows `r0 .. r0 + out.len() / m` into `out: [n, m]`.
-    /// `xt` is `x` as [`prepare`] leaves it for `path` at `m` rows.
-    fn rows_into(
-        &self,
-        path: KernelPath,
-        r0: usize,
-        x: &[f32],
-        xt: &[f32],
-        m: usize,
-        out: &mut [f32],
-    ) {
+    /// `xt` is `x` as [`prepare`] leaves it for `tier` at `m` rows.
+    fn rows_into(&self, tier: Tier, r0: usize, x: &[f32], xt: &[f32], m: usize, out: &mut [f32]) {
         let n = out.len() / m;
         assert!(r0 + n <= self.rows && out.len() == n * m && x.len() == m * self.cols);
         let g = Self::geom_of(self.kind, self.cols);
         let rows = &self.data[r0 * g.stride..(r0 + n) * g.stride + SLACK];
-        match path.for_kind(self.kind) {
-            KernelPath::Scalar => scalar::rows(self.kind, g, rows, x, m, out),
+        match self.kind.tier_on(tier) {
+            Tier::Portable => scalar::rows(self.kind, g, rows, x, m, out),
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2 => {
-                // SAFETY: the path is AVX2 because `matmul_with` asserted it is available,
-                // `matmul_concat` found it the best, or `for_kind` chose it; each checked that
-                // the CPU has AVX2, FMA and F16C. The slice lengths were asserted above.
+            Tier::Avx2 => {
+                // SAFETY: the tier is AVX2 because `matmul_with` asserted it is available,
+                // `matmul_concat` took `Tier::best`, or `tier_on` lowered AVX-512 to it; each
+                // means the CPU has AVX2, FMA and F16C. The slice lengths were asserted above.
                 unsafe { avx2::rows(self.kind, g, rows, x, m, out) }
             }
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx512 => {
-                // SAFETY: as above, the CPU has AVX-512F; `for_kind` kept the path, so the
+            Tier::Avx512 => {
+                // SAFETY: as above, the CPU has AVX-512F; `tier_on` kept the tier, so the
                 // module has kernels for this kind.
                 unsafe { avx512::rows(self.kind, g, rows, x, xt, m, out) }
             }
             #[cfg(not(target_arch = "x86_64"))]
-            _ => unreachable!("only the scalar path is available off x86-64"),
+            _ => unreachable!("only the portable tier is available off x86-64"),
         }
     }
 }
@@ -297,7 +252,7 @@ impl QMatrix {
 static INT8_DECODE: AtomicBool = AtomicBool::new(false);
 
 /// Lets one-row products (decode steps of one sequence) run the integer kernels where the
-/// kind takes the AVX2 path: faster, but their activations are rounded to 8 bits per block
+/// kind takes the AVX2 tier: faster, but their activations are rounded to 8 bits per block
 /// of 32, so a sequence decoded alone no longer computes what it computes batched with
 /// others (more rows take the f32 kernels). Off by default; process-wide.
 pub fn set_int8_decode(on: bool) {
@@ -309,11 +264,11 @@ pub fn set_int8_decode(on: bool) {
 pub fn decodes_in_int8(kind: GgmlKind) -> bool {
     INT8_DECODE.load(Ordering::Relaxed)
         && cfg!(target_arch = "x86_64")
-        && KernelPath::best_for(kind) == KernelPath::Avx2
+        && kind.best_tier() == Tier::Avx2
 }
 
 /// A decode row's activations quantized to 8 bits, for the integer kernels (`int8.rs`),
-/// which serve every kind whose products take the AVX2 path; the kinds with AVX-512 kernels
+/// which serve every kind whose products take the AVX2 tier; the kinds with AVX-512 kernels
 /// keep theirs.
 struct Q8Act {
     #[cfg(target_arch = "x86_64")]
@@ -322,20 +277,18 @@ struct Q8Act {
 
 impl Q8Act {
     /// The quantized row, when some matrix of `mats` takes the integer kernels.
-    fn for_row(path: KernelPath, mats: &[&QMatrix], x: &[f32]) -> Self {
+    fn for_row(tier: Tier, mats: &[&QMatrix], x: &[f32]) -> Self {
         #[cfg(target_arch = "x86_64")]
         {
             let used = INT8_DECODE.load(Ordering::Relaxed)
-                && mats
-                    .iter()
-                    .any(|w| path.for_kind(w.kind) == KernelPath::Avx2);
+                && mats.iter().any(|w| w.kind.tier_on(tier) == Tier::Avx2);
             Self {
                 row: used.then(|| int8::Q8Row::quantize(x)),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = (path, mats, x);
+            let _ = (tier, mats, x);
             Self {}
         }
     }
@@ -347,9 +300,9 @@ impl Q8Act {
         None
     }
 
-    /// Whether a product of a `kind` matrix on `path` runs the integer kernels.
-    fn serves(&self, path: KernelPath, kind: GgmlKind) -> bool {
-        path.for_kind(kind) == KernelPath::Avx2
+    /// Whether a product of a `kind` matrix on `tier` runs the integer kernels.
+    fn serves(&self, tier: Tier, kind: GgmlKind) -> bool {
+        kind.tier_on(tier) == Tier::Avx2
     }
 }
 
@@ -362,8 +315,8 @@ impl QMatrix {
             assert!(r0 + n <= self.rows && row.q.len() == self.cols);
             let g = Self::geom_of(self.kind, self.cols);
             let rows = &self.data[r0 * g.stride..(r0 + n) * g.stride + SLACK];
-            // SAFETY: `serves` chose this because the kind's products take the AVX2 path,
-            // which `for_kind` gives only where the CPU has AVX2, FMA and F16C.
+            // SAFETY: `serves` chose this because the kind's products take the AVX2 tier,
+            // which `tier_on` gives only where the CPU runs it (AVX2, FMA and F16C).
             unsafe { int8::rows(self.kind, g, rows, row, out) };
             return;
         }
@@ -381,7 +334,7 @@ impl QMatrix {
     /// If `x.len() != cols` or `y.len() != rows`.
     pub fn matvec_int8(&self, x: &[f32], y: &mut [f32]) -> Option<()> {
         assert!(x.len() == self.cols && y.len() == self.rows);
-        if !KernelPath::Avx2.is_available() {
+        if !Tier::Avx2.available() {
             return None;
         }
         #[cfg(target_arch = "x86_64")]
@@ -408,19 +361,19 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
 
-/// Puts `x: [m, cols]` into `xt` in the layout the kernel of `path` wants at `m` rows, if it
+/// Puts `x: [m, cols]` into `xt` in the layout the kernel of `tier` wants at `m` rows, if it
 /// wants one other than `x` itself (AVX-512's broadcast tiles: transposed groups of 32 rows),
 /// the columns split over `pool`'s threads (or serial without a pool). `xt` only grows.
 fn prepare(
     pool: Option<&SpinPool>,
-    path: KernelPath,
+    tier: Tier,
     x: &[f32],
     m: usize,
     cols: usize,
     xt: &mut Vec<f32>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if path == KernelPath::Avx512 && avx512::bcast_pays(m) {
+    if tier == Tier::Avx512 && avx512::bcast_pays(m) {
         let len = avx512::transposed_len(m, cols);
         if xt.len() < len {
             xt.resize(len, 0.0);
@@ -441,7 +394,7 @@ fn prepare(
         let job = |tid: usize, _: usize| {
             for (i0, c, dst) in pieces.iter().skip(tid).step_by(parts) {
                 let mut dst = dst.lock().unwrap_or_else(|e| e.into_inner());
-                // SAFETY: the path is AVX-512, which the caller checked this CPU has.
+                // SAFETY: the tier is AVX-512, which the caller checked this CPU runs.
                 unsafe { avx512::transpose_cols(x, m, cols, *i0, c.clone(), &mut dst) };
             }
         };
@@ -451,7 +404,7 @@ fn prepare(
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (pool, path, x, m, cols, xt);
+    let _ = (pool, tier, x, m, cols, xt);
 }
 
 /// Transposes the kernels' feature-major output `yt: [rows, m]` into columns `col ..` of

@@ -3,7 +3,8 @@
 //! products (30 layers of q, k, v, o, gate, up, down, then the head) on distinct matrices.
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use leyline_model::qmatmul::{GgmlKind, KernelPath, QMatrix};
+use leyline_kernels::qmatmul::{GgmlKind, QMatrix};
+use leyline_kernels::Tier;
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -31,6 +32,13 @@ fn random_matrix(kind: GgmlKind, rows: usize, cols: usize, seed: u64) -> QMatrix
     QMatrix::from_ggml(kind, &raw, rows, cols).expect("valid bytes")
 }
 
+/// The tiers above the portable one that this CPU runs.
+fn simd_tiers() -> impl Iterator<Item = Tier> {
+    Tier::all_available()
+        .into_iter()
+        .filter(|&t| t != Tier::Portable)
+}
+
 fn activations(m: usize, cols: usize) -> Vec<f32> {
     (0..m * cols)
         .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
@@ -45,10 +53,7 @@ fn shapes(c: &mut Criterion) {
         ("q4_1 1536->576", GgmlKind::Q4_1, 576, 1536),
         ("q8_0 576->49152", GgmlKind::Q8_0, 49152, 576),
     ];
-    let paths: Vec<KernelPath> = [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512]
-        .into_iter()
-        .filter(|p| p.is_available())
-        .collect();
+    let paths = Tier::all_available();
     let mut g = c.benchmark_group("qmatmul");
     g.warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(1))
@@ -96,10 +101,7 @@ fn model_m1(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(3))
         .sample_size(20);
     g.throughput(Throughput::Bytes(bytes as u64));
-    for p in [KernelPath::Avx2, KernelPath::Avx512]
-        .into_iter()
-        .filter(|p| p.is_available())
-    {
+    for p in simd_tiers() {
         g.bench_function(format!("decode token m=1 {p:?}"), |b| {
             b.iter(|| {
                 for ((w, x), y) in mats.iter().zip(&xs).zip(ys.iter_mut()) {
@@ -111,7 +113,7 @@ fn model_m1(c: &mut Criterion) {
     g.finish();
 }
 
-/// `QMATMUL_PROBE=1 cargo bench -p leyline-model --bench qmatmul`: best-of-N timings of a
+/// `QMATMUL_PROBE=1 cargo bench -p leyline-kernels --bench qmatmul`: best-of-N timings of a
 /// decode token's products on 1 and 2 threads (robust to a busy machine), then exit.
 /// `QMATMUL_M` lists the activation rows of those (default 1,4,16), `QMATMUL_CACHE_M` those
 /// of the cache-resident single-matrix timings (default 1), `QMATMUL_REPS` the repetitions.
@@ -149,10 +151,7 @@ fn probe() {
             .num_threads(threads)
             .build()
             .expect("pool");
-        for p in [KernelPath::Avx2, KernelPath::Avx512]
-            .into_iter()
-            .filter(|p| p.is_available())
-        {
+        for p in simd_tiers() {
             let ms: Vec<usize> = std::env::var("QMATMUL_M")
                 .ok()
                 .map(|v| v.split(',').filter_map(|t| t.parse().ok()).collect())
@@ -195,10 +194,7 @@ fn probe() {
         .unwrap_or(vec![1]);
     for (kind, rows, cols) in [(GgmlKind::Q4_1, 576, 576), (GgmlKind::Q8_0, 1024, 576)] {
         let w = random_matrix(kind, rows, cols, 5);
-        for p in [KernelPath::Avx2, KernelPath::Avx512]
-            .into_iter()
-            .filter(|p| p.is_available())
-        {
+        for p in simd_tiers() {
             for &m in &in_cache_ms {
                 let x = activations(m, cols);
                 let mut y = vec![0f32; m * rows];

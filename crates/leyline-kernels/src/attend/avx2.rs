@@ -1,6 +1,6 @@
 //! The score products with AVX2 and FMA intrinsics, as `avx512.rs` has them for 16 lanes.
 
-use super::plan::KB;
+use super::task::KB;
 use std::arch::x86_64::*;
 
 /// [`super::avx512::scores_few_avx512`] with AVX2 and FMA: 8 keys at a time, summed by
@@ -65,7 +65,7 @@ pub(super) fn sum8(a: &[__m256; 8]) -> __m256 {
     )
 }
 
-/// [`super::kernel::Isa::scores`] with AVX2 and FMA: 4 keys x 16 query lanes (8 registers).
+/// [`super::kernel::scores`] with AVX2 and FMA: 4 keys x 16 query lanes (8 registers).
 ///
 /// # Safety
 /// As [`super::avx512::scores_avx512`], with AVX2 and FMA instead of AVX-512F.

@@ -4,10 +4,10 @@
 use super::portable::{pair_scalar, Bf16C, F16C, F32C};
 use super::{prefetch, Head, Sel, Tables, PREFETCH_ROWS};
 use crate::rope::RotaryLayout;
-use crate::storage::RowsMut;
+use crate::rows::RowsMut;
 use std::arch::x86_64::*;
 
-/// `(a*c - b*s, b*c + a*s)` lane-wise: the order of every path.
+/// `(a*c - b*s, b*c + a*s)` lane-wise: the order of every tier.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn rot(a: __m256, b: __m256, c: __m256, s: __m256) -> (__m256, __m256) {
@@ -204,7 +204,7 @@ pub(super) unsafe fn run(rows: RowsMut<'_>, g: Head, sel: &Sel<'_>, t: &Tables) 
 /// The store conversions on their own, for tests against the scalar ones.
 #[cfg(test)]
 pub(super) fn convert(x: &[f32; 8]) -> ([u16; 8], [u16; 8]) {
-    assert!(super::KernelPath::Avx2.available());
+    assert!(crate::Tier::Avx2.available());
     let (mut h, mut b) = ([0u16; 8], [0u16; 8]);
     // SAFETY: features detected just above; the arrays hold 8 elements each.
     unsafe { convert_inner(x, &mut h, &mut b) };

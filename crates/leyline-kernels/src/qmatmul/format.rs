@@ -3,10 +3,9 @@
 //! per row, on its own or on huge pages shared by a model's matrices. Blocks of 32 are
 //! repacked (scales first, then quant bytes); K-quant rows keep GGML's super-blocks as they are.
 
-use crate::error::{ModelError, Result};
-use candle_core::quantized::{GgmlDType, QTensor};
+use crate::error::{KernelError, Result};
+use crate::mem::HugeBuf;
 use half::f16;
-use leyline_kv::mem::HugeBuf;
 use std::ops::Deref;
 use std::sync::Arc;
 
@@ -88,20 +87,6 @@ impl GgmlKind {
     /// Whether this is a K-quant (super-blocks of 256).
     pub(super) const fn is_k(self) -> bool {
         self.block_len() == SUPER
-    }
-
-    /// The kind of a candle dtype, if [`QMatrix`] supports it.
-    pub fn from_dtype(dtype: GgmlDType) -> Option<Self> {
-        Some(match dtype {
-            GgmlDType::Q4_0 => Self::Q4_0,
-            GgmlDType::Q4_1 => Self::Q4_1,
-            GgmlDType::Q5_0 => Self::Q5_0,
-            GgmlDType::Q8_0 => Self::Q8_0,
-            GgmlDType::Q4K => Self::Q4K,
-            GgmlDType::Q5K => Self::Q5K,
-            GgmlDType::Q6K => Self::Q6K,
-            _ => return None,
-        })
     }
 
     /// Bytes of quant values (without scales) per block of 32 (Q4_0, Q4_1, Q5_0's nibbles,
@@ -235,12 +220,12 @@ impl QMatrix {
     /// Repacks raw GGML block bytes of a `[rows, cols]` matrix (row-major blocks).
     ///
     /// # Errors
-    /// [`ModelError::Input`] when `cols` is not a positive multiple of the kind's block
+    /// [`KernelError::Quantized`] when `cols` is not a positive multiple of the kind's block
     /// length (32, or 256 for the K-quants) or `raw` has the wrong length.
     pub fn from_ggml(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize) -> Result<Self> {
         let len = kind.block_len();
         if cols == 0 || !cols.is_multiple_of(len) {
-            return Err(ModelError::Input(format!(
+            return Err(KernelError::Quantized(format!(
                 "quantized matrix {kind:?}: {cols} columns is not a positive multiple of {len}"
             )));
         }
@@ -248,9 +233,9 @@ impl QMatrix {
         let want = rows
             .checked_mul(cols / len)
             .and_then(|b| b.checked_mul(kind.block_bytes()))
-            .ok_or_else(|| ModelError::Input("quantized matrix: size overflows".into()))?;
+            .ok_or_else(|| KernelError::Quantized("quantized matrix: size overflows".into()))?;
         if raw.len() != want {
-            return Err(ModelError::Input(format!(
+            return Err(KernelError::Quantized(format!(
                 "quantized matrix {kind:?} [{rows}, {cols}]: {} bytes, expected {want}",
                 raw.len()
             )));
@@ -320,24 +305,6 @@ impl QMatrix {
                 len,
             };
         }
-    }
-
-    /// Repacks a 2-D [`QTensor`] of shape `[rows, cols]` of a kind [`GgmlKind::from_dtype`]
-    /// knows.
-    ///
-    /// # Errors
-    /// Another dtype or rank, or unreadable data.
-    pub fn from_qtensor(t: &QTensor) -> Result<Self> {
-        let kind = GgmlKind::from_dtype(t.dtype()).ok_or_else(|| {
-            ModelError::Input(format!(
-                "quantized matrix: dtype {:?} is not supported (Q4_0, Q4_1, Q5_0, Q8_0, \
-                 Q4_K, Q5_K, Q6_K)",
-                t.dtype()
-            ))
-        })?;
-        let (rows, cols) = t.shape().dims2()?;
-        let data = t.data()?;
-        Self::from_ggml(kind, &data, rows, cols)
     }
 
     pub(super) fn geom_of(kind: GgmlKind, cols: usize) -> RowGeom {

@@ -8,34 +8,35 @@
 //! rows and walks every panel over it, so a panel (147 KB at 576 inputs) is read from the
 //! shared cache once per block and then from its own L2 for each tile of the block.
 
+use crate::mem::HugeBuf;
 use crate::pool::SpinPool;
-use leyline_kv::mem::HugeBuf;
+use crate::Tier;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// Outputs per panel: four 16-lane vectors.
-pub(crate) const PANEL: usize = 64;
+pub const PANEL: usize = 64;
 /// Activation rows per register tile.
 const TILE: usize = 6;
 
 /// A weight `W: [out, in]` in panels of [`PANEL`] outputs.
-pub(crate) struct Panels {
+pub struct Panels {
     data: HugeBuf<f32>,
     out: usize,
     inp: usize,
 }
 
 impl Panels {
-    /// Whether this CPU runs [`Panels::matmul`] (it needs AVX-512F).
-    pub(crate) fn available() -> bool {
-        leyline_kv::cpu::Features::get().avx512f
+    /// Whether the kernels run AVX-512 here ([`Tier::best`]), which [`Panels::matmul`] needs.
+    pub fn available() -> bool {
+        Tier::best() >= Tier::Avx512
     }
 
     /// Packs `W` given column-major (`wt[k * out + i] = W(i, k)`).
     ///
     /// # Panics
     /// If `wt.len() != out * inp`.
-    pub(crate) fn from_col_major(wt: &[f32], out: usize, inp: usize) -> Self {
+    pub fn from_col_major(wt: &[f32], out: usize, inp: usize) -> Self {
         assert_eq!(wt.len(), out * inp, "weight must be [in, out]");
         let panels = out.div_ceil(PANEL);
         let mut data = HugeBuf::zeroed(panels * inp * PANEL);
@@ -49,7 +50,7 @@ impl Panels {
     }
 
     /// The weight column-major again (`[in, out]`), as [`Self::from_col_major`] took it.
-    pub(crate) fn to_col_major(&self) -> Vec<f32> {
+    pub fn to_col_major(&self) -> Vec<f32> {
         let mut wt = vec![0f32; self.out * self.inp];
         for (p, panel) in self.data.chunks_exact(self.inp * PANEL).enumerate() {
             let (i0, i1) = (p * PANEL, ((p + 1) * PANEL).min(self.out));
@@ -63,9 +64,9 @@ impl Panels {
     /// `y: [m, out] = x: [m, in] W^T`, split over `pool` by blocks of rows.
     ///
     /// # Panics
-    /// If [`Self::available`] is false or a length does not match.
-    pub(crate) fn matmul(&self, pool: &SpinPool, x: &[f32], m: usize, y: &mut [f32]) {
-        assert!(Self::available(), "panel products need AVX-512F");
+    /// If this CPU does not run [`Tier::Avx512`] or a length does not match.
+    pub fn matmul(&self, pool: &SpinPool, x: &[f32], m: usize, y: &mut [f32]) {
+        assert!(Tier::Avx512.available(), "panel products need AVX-512F");
         let (out, inp) = (self.out, self.inp);
         assert_eq!(x.len(), m * inp, "x must be [m, in]");
         assert_eq!(y.len(), m * out, "y must be [m, out]");
@@ -202,8 +203,8 @@ mod tests {
     /// scalar f64 product.
     #[test]
     fn products_match_a_scalar_reference() {
-        if !Panels::available() {
-            eprintln!("this CPU has no AVX-512F: panel products are not used here");
+        Tier::note_lacking();
+        if !Tier::Avx512.available() {
             return;
         }
         for (out, inp) in [(64, 32), (100, 45), (17, 8), (192, 576), (130, 1)] {

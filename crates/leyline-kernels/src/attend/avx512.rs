@@ -1,10 +1,10 @@
 //! The score products with AVX-512F intrinsics: the compiler does not keep a
 //! `[keys][lanes]` accumulator tile in registers on its own.
 
-use super::plan::KB;
+use super::task::KB;
 use std::arch::x86_64::*;
 
-/// [`super::kernel::Isa::scores`] with AVX-512F: 4 keys x 64 query lanes in 16 registers,
+/// [`super::kernel::scores`] with AVX-512F: 4 keys x 64 query lanes in 16 registers,
 /// then 4 x 32 and 4 x 16 for the lanes left over.
 ///
 /// # Safety
@@ -79,7 +79,7 @@ unsafe fn group_avx512<const N: usize>(
     }
 }
 
-/// [`super::kernel::Isa::scores_direct`] with AVX-512F: per query row, 16 keys' dot products
+/// [`super::kernel::scores_direct`] with AVX-512F: per query row, 16 keys' dot products
 /// in 16 accumulators, summed across lanes together by [`sum16`] and scattered into the
 /// block's score rows: no per-score chain of horizontal adds. Groups of 16 keys that
 /// start at or past `nb` are left at zero.

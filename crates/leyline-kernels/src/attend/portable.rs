@@ -1,6 +1,6 @@
 //! The portable score products: plain Rust loops that the compiler vectorizes.
 
-use super::plan::KB;
+use super::task::KB;
 
 /// `q . k`, in 16 independent accumulators so the loop vectorizes.
 #[inline(always)]
@@ -19,7 +19,7 @@ pub(super) fn dot(q: &[f32], k: &[f32]) -> f32 {
     sum
 }
 
-/// [`super::kernel::Isa::scores`] without SIMD intrinsics: four keys against 16 query lanes
+/// [`super::kernel::scores`] without SIMD intrinsics: four keys against 16 query lanes
 /// at a time.
 pub(super) fn scores_portable(
     qt: &[f32],

@@ -6,11 +6,12 @@
 //! bake in a YaRN attention factor), the math is f32, and each element is rounded once into
 //! the storage dtype.
 //!
-//! Paths, picked at run time from the CPU's [`Features`]: a portable generic kernel
-//! (`rotate/portable.rs`), and hand-written AVX2+FMA+F16C (`avx2.rs`) and AVX-512 F/BW/VL
-//! (`avx512.rs`) kernels. Every path computes, for each rotary pair `(a, b)`
+//! One kernel per [`Tier`], [`Tier::best`] picked at run time: a portable generic kernel
+//! (`rotate/portable.rs`), and hand-written AVX2+FMA+F16C (`avx2.rs`; FMA is enabled for the
+//! target, never used for contraction) and AVX-512 F/BW/VL (`avx512.rs`) kernels. Every tier
+//! computes, for each rotary pair `(a, b)`
 //! with `(c, s)`, exactly `a' = a*c - b*s` and `b' = b*c + a*s` in f32 (two products, one
-//! sum, no FMA contraction) and rounds once to nearest-even, so all paths agree bit for bit;
+//! sum, no FMA contraction) and rounds once to nearest-even, so all tiers agree bit for bit;
 //! the tests check it. (Only which sign/payload a NaN computed from two NaNs carries is left
 //! to the compiler, which may commute a sum.) The SIMD kernels expand cos/sin once
 //! per call into per-layout tables (`Tables`) reused over every row and head.
@@ -19,55 +20,23 @@
 //! by a left shift and its odd element by a mask. For interleaved pairs `(2i, 2i+1)` that
 //! puts `a` and `b` of one pair in one lane: the rotation needs no shuffles at all.
 
-use crate::cpu::Features;
-use crate::error::{KvError, Result};
+use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::error::{KernelError, Result};
 use crate::rope::{RopeSpec, RotaryLayout, Rotation};
-use crate::storage::RowsMut;
+use crate::rows::RowsMut;
+use crate::Tier;
 use std::ops::Range;
 
-/// The scalar converters, kept here for callers of their old path (now [`crate::convert`]).
-pub use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
-
-/// Which compiled copy of the kernel runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KernelPath {
-    /// Baseline target features (whatever the compiler vectorizes for the default target).
-    Portable,
-    /// x86-64 AVX2 (+ FMA, F16C; FMA is enabled for the target, never used for contraction).
-    Avx2,
-    /// x86-64 AVX-512 F/BW/VL.
-    Avx512,
-}
-
-impl KernelPath {
-    /// Whether this machine can run the path.
-    pub fn available(self) -> bool {
-        let f = Features::get();
-        match self {
-            KernelPath::Portable => true,
-            KernelPath::Avx2 => f.avx2_fma_f16c(),
-            KernelPath::Avx512 => f.avx512_f_bw_vl(),
-        }
-    }
-
-    /// The fastest path this machine runs (from the features [`Features::get`] caches).
-    pub fn detect() -> KernelPath {
-        [KernelPath::Avx512, KernelPath::Avx2]
-            .into_iter()
-            .find(|p| p.available())
-            .unwrap_or(KernelPath::Portable)
-    }
-}
-
-/// Rotates the key rows of `slots` by `R(delta)` in place, with the detected kernel path.
+/// Rotates the key rows of `slots` by `R(delta)` in place, on the kernels of [`Tier::best`].
 ///
-/// `rows` is a layer's key-part buffer `[capacity, k_heads * k_head_dim]`. A slot listed
-/// twice is rotated twice.
+/// `rows` is a layer's key-part buffer `[capacity, k_heads * k_head_dim]`, and `slots` are
+/// indices of its rows (the KV pool's slots). A slot listed twice is rotated twice.
 ///
 /// # Errors
-/// [`KvError::NotShiftable`] / [`KvError::InvalidRope`] from [`RopeSpec::ensure_shiftable`],
-/// [`KvError::InvalidRope`] if `spec.head_dim != k_head_dim`, [`KvError::WidthMismatch`] if
-/// the buffer is not whole rows, [`KvError::SlotOutOfRange`] for a slot past the buffer.
+/// [`KernelError::NotShiftable`] / [`KernelError::InvalidRope`] from
+/// [`RopeSpec::ensure_shiftable`], [`KernelError::InvalidRope`] if `spec.head_dim !=
+/// k_head_dim`, [`KernelError::WidthMismatch`] if the buffer is not whole rows,
+/// [`KernelError::RowOutOfRange`] for a slot past the buffer.
 /// Nothing is written unless every check passes.
 pub fn shift_rows(
     rows: RowsMut<'_>,
@@ -84,7 +53,7 @@ pub fn shift_rows(
         k_head_dim,
         slots,
         &shift_table(spec, delta)?,
-        KernelPath::detect(),
+        Tier::best(),
     )
 }
 
@@ -108,7 +77,7 @@ pub fn shift_rows_range(
     }
     check_slot(slots.end - 1, head.capacity)?;
     let sel = Sel::Range(slots.start as usize..slots.end as usize);
-    dispatch(rows, head, &sel, &rot, KernelPath::detect());
+    dispatch(rows, head, &sel, &rot, Tier::best());
     Ok(())
 }
 
@@ -122,30 +91,28 @@ pub fn shift_table(spec: &RopeSpec, delta: i64) -> Result<Rotation> {
     Ok(Rotation::new(spec, delta))
 }
 
-/// Rotates the key rows of `slots` by a prebuilt `rot` with the kernel `path`.
+/// Rotates the key rows of `slots` by a prebuilt `rot` with the kernel of `tier`.
 ///
 /// # Errors
-/// [`KvError::InvalidRope`] if `rot` was built for another head width or `path` is not
-/// available here, [`KvError::WidthMismatch`], [`KvError::SlotOutOfRange`] as
-/// [`shift_rows`]. Nothing is written unless every check passes.
+/// [`KernelError::InvalidRope`] if `rot` was built for another head width,
+/// [`KernelError::TierUnavailable`] if this CPU does not run `tier`,
+/// [`KernelError::WidthMismatch`], [`KernelError::RowOutOfRange`] as [`shift_rows`]. Nothing is written unless every check passes.
 pub fn shift_rows_with(
     rows: RowsMut<'_>,
     k_heads: usize,
     k_head_dim: usize,
     slots: &[u32],
     rot: &Rotation,
-    path: KernelPath,
+    tier: Tier,
 ) -> Result<()> {
     let head = check_rows(&rows, k_heads, k_head_dim, rot)?;
-    if !path.available() {
-        return Err(KvError::InvalidRope(format!(
-            "kernel path {path:?} is not available here"
-        )));
+    if !tier.available() {
+        return Err(KernelError::TierUnavailable(tier));
     }
     for &s in slots {
         check_slot(s, head.capacity)?;
     }
-    dispatch(rows, head, &Sel::List(slots), rot, path);
+    dispatch(rows, head, &Sel::List(slots), rot, tier);
     Ok(())
 }
 
@@ -190,7 +157,7 @@ pub fn shift_rows_lowprec(
     };
     match rows {
         RowsMut::F32(_) => {
-            return shift_rows_with(rows, k_heads, k_head_dim, slots, &rot, KernelPath::Portable)
+            return shift_rows_with(rows, k_heads, k_head_dim, slots, &rot, Tier::Portable)
         }
         RowsMut::Bf16(b) => run(b, bf16_to_f32, f32_to_bf16),
         RowsMut::F16(b) => run(b, f16_to_f32, f32_to_f16),
@@ -362,7 +329,7 @@ fn check_rows(
     rot: &Rotation,
 ) -> Result<Head> {
     if rot.head_dim != k_head_dim || rot.rotary_dim() > k_head_dim {
-        return Err(KvError::InvalidRope(format!(
+        return Err(KernelError::InvalidRope(format!(
             "rotation built for head_dim {} (rotary {}), rows have head_dim {k_head_dim}",
             rot.head_dim,
             rot.rotary_dim()
@@ -371,7 +338,7 @@ fn check_rows(
     let width = k_heads * k_head_dim;
     let len = rows_len(rows);
     if width == 0 || !len.is_multiple_of(width) {
-        return Err(KvError::WidthMismatch {
+        return Err(KernelError::WidthMismatch {
             what: "key rows (buffer length / row width)",
             expected: width,
             got: len,
@@ -389,33 +356,36 @@ fn check_slot(slot: u32, capacity: usize) -> Result<()> {
     if (slot as usize) < capacity {
         Ok(())
     } else {
-        Err(KvError::SlotOutOfRange { slot, capacity })
+        Err(KernelError::RowOutOfRange {
+            row: slot,
+            rows: capacity,
+        })
     }
 }
 
-/// Runs the kernel `path` over the checked rows.
+/// Runs the kernel of `tier` over the checked rows.
 ///
 /// Preconditions (checked by every caller): `head` came from [`check_rows`] for `rows` and
-/// `rot`, every selected slot passed [`check_slot`], and `path.available()`.
-fn dispatch(rows: RowsMut<'_>, head: Head, sel: &Sel<'_>, rot: &Rotation, path: KernelPath) {
-    debug_assert!(path.available());
+/// `rot`, every selected slot passed [`check_slot`], and `tier.available()`.
+fn dispatch(rows: RowsMut<'_>, head: Head, sel: &Sel<'_>, rot: &Rotation, tier: Tier) {
+    debug_assert!(tier.available());
     debug_assert_eq!(head.capacity * head.width, rows_len(&rows));
     debug_assert!(rot.rotary_dim() <= head.dim);
     if rot.cos.is_empty() {
         return;
     }
-    match path {
-        KernelPath::Portable => portable::run(rows, head, sel, rot),
+    match tier {
+        Tier::Portable => portable::run(rows, head, sel, rot),
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2 => {
+        Tier::Avx2 => {
             let t = Tables::new(rot);
-            // SAFETY: `path.available()` (checked by callers) means avx2, fma and f16c were
+            // SAFETY: `tier.available()` (checked by callers) means avx2, fma and f16c were
             // detected; the rows, slots and rotation width were checked against `head` as the
             // precondition above states, which is what the kernel's pointer arithmetic needs.
             unsafe { avx2::run(rows, head, sel, &t) }
         }
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx512 => {
+        Tier::Avx512 => {
             let t = Tables::new(rot);
             // SAFETY: as above, with avx512f/bw/vl detected.
             unsafe { avx512::run(rows, head, sel, &t) }

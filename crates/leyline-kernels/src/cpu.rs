@@ -1,8 +1,7 @@
-//! The CPU features every kernel family picks its code path from, detected once.
+//! The CPU features the kernels' tiers are made of, detected once.
 //!
-//! Each family (rotation here; quantized products, attention, panels and elementwise math in
-//! `leyline-model`) needs its own combination of x86-64 extensions; [`Features`] names the
-//! combinations, so they are spelled in one place. Off x86-64 every feature reads as absent.
+//! [`crate::Tier`] names the combinations the kernel families dispatch on, so they are
+//! spelled in one place. Off x86-64 every feature reads as absent.
 
 use std::sync::OnceLock;
 
@@ -46,20 +45,5 @@ impl Features {
     #[cfg(not(target_arch = "x86_64"))]
     fn detect() -> Features {
         Features::default()
-    }
-
-    /// AVX2 and FMA.
-    pub fn avx2_fma(self) -> bool {
-        self.avx2 && self.fma
-    }
-
-    /// AVX2, FMA and F16C.
-    pub fn avx2_fma_f16c(self) -> bool {
-        self.avx2_fma() && self.f16c
-    }
-
-    /// AVX-512 F, BW and VL.
-    pub fn avx512_f_bw_vl(self) -> bool {
-        self.avx512f && self.avx512bw && self.avx512vl
     }
 }

@@ -3,10 +3,10 @@
 
 use super::{prefetch, Head, Sel, Tables, PREFETCH_ROWS};
 use crate::rope::RotaryLayout;
-use crate::storage::RowsMut;
+use crate::rows::RowsMut;
 use std::arch::x86_64::*;
 
-/// `(a*c - b*s, b*c + a*s)` lane-wise: the order of every path.
+/// `(a*c - b*s, b*c + a*s)` lane-wise: the order of every tier.
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn rot(a: __m512, b: __m512, c: __m512, s: __m512) -> (__m512, __m512) {
@@ -306,7 +306,7 @@ pub(super) unsafe fn run(rows: RowsMut<'_>, g: Head, sel: &Sel<'_>, t: &Tables) 
 /// The store conversions on their own, for tests against the scalar ones.
 #[cfg(test)]
 pub(super) fn convert(x: &[f32; 16]) -> ([u16; 16], [u16; 16]) {
-    assert!(super::KernelPath::Avx512.available());
+    assert!(crate::Tier::Avx512.available());
     let (mut h, mut b) = ([0u16; 16], [0u16; 16]);
     // SAFETY: features detected just above; the arrays hold 16 elements each.
     unsafe { convert_inner(x, &mut h, &mut b) };
