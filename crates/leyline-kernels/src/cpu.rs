@@ -20,6 +20,8 @@ pub struct Features {
     pub avx512bw: bool,
     /// AVX-512 Vector Length extensions.
     pub avx512vl: bool,
+    /// AVX-512 Vector Neural Network Instructions (`vpdpbusd`).
+    pub avx512vnni: bool,
 }
 
 impl Features {
@@ -39,6 +41,7 @@ impl Features {
             avx512f: has!("avx512f"),
             avx512bw: has!("avx512bw"),
             avx512vl: has!("avx512vl"),
+            avx512vnni: has!("avx512vnni"),
         }
     }
 

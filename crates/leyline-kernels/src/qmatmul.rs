@@ -1,22 +1,20 @@
 //! CPU matrix products with GGML-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
-//! Q6_K) and f32 activations, for decode steps and short prefills (up to 96 activation rows
-//! with AVX-512, 32 elsewhere).
+//! Q6_K), for decode steps and short prefills (a sequence's rows up to 32 per product).
 //!
-//! Design decision: activations stay f32 and the weights are dequantized in registers or
-//! into an L1 buffer (`w = d * q + m`, every kind reduced to that form with exact f32 scales,
-//! see `format::row_scales`), so results match the f32-dequantized weights up to float
-//! rounding. Few rows meet a tile of weight rows in dot products, the
-//! weights read once per 32 activation rows; from 13 rows, where little of a vector would be
-//! padding, AVX-512 broadcasts each weight against 16 transposed activation rows per vector,
-//! up to 64 rows per pass over the weights. Output rows are split over the threads; the
-//! kernels' [`Tier`] (AVX-512, AVX2+FMA+F16C, portable) is chosen at run time. AVX-512
-//! kernels exist for Q4_1 and Q8_0 only; the other kinds run the AVX2 ones on an AVX-512 CPU
-//! ([`GgmlKind::best_tier`]).
+//! Design decision: with [`set_int8`] (`--int8-decode`), from the AVX2 tier up, the products
+//! run on 8-bit activations, as llama.cpp's do: each activation row is quantized per block of 32 and meets the weights'
+//! quants in integer dot products (`int8.rs`: AVX2 `maddubs`, or `vpdpbusd` on the AVX-512
+//! VNNI tier), every kind reduced to `w = d * q + m` (`format::row_scales`). The rounding is
+//! the row's own, and every (weight row, activation row) pair takes the same instructions
+//! whatever the batch, so a row computes the same bits alone or batched with others. The
+//! f32 kernels (weights dequantized in registers against f32 activations; AVX-512 broadcast
+//! tiles for Q4_1 and Q8_0) serve the default and the portable tier.
 //!
 //! Files: `format.rs` holds the block formats and the repacked [`QMatrix`]; this file the
-//! few-row products, their threading and the kernel dispatch; `wide.rs` the many-row
-//! products (dequantized chunks through gemm); `scalar.rs`, `avx2.rs` and `avx512.rs`
-//! one kernel family per instruction set, `tile.rs` what the two x86 ones share.
+//! few-row products, their threading and the kernel dispatch; `int8.rs` the integer
+//! kernels; `wide.rs` the many-row products (dequantized chunks through gemm); `scalar.rs`,
+//! `avx2.rs` and `avx512.rs` the f32 kernels per instruction set, `tile.rs` what the two x86
+//! ones share.
 
 use crate::pool::{split, SpinPool};
 use crate::Tier;
@@ -48,10 +46,11 @@ mod tests;
 const SERIAL_BYTES: usize = 96 * 1024;
 
 impl GgmlKind {
-    /// The tier the products of a matrix of this kind take when `tier` is asked for: `tier`,
-    /// or AVX2 where `tier` is AVX-512 and it has no kernel for the kind (a CPU that runs
-    /// AVX-512 runs AVX2).
+    /// The tier the f32 kernels of this kind take when `tier` is asked for: `tier` (AVX-512
+    /// for AVX-512 VNNI, which adds nothing to them), or AVX2 where it is AVX-512 and there is
+    /// no AVX-512 kernel for the kind (a CPU that runs AVX-512 runs AVX2).
     pub fn tier_on(self, tier: Tier) -> Tier {
+        let tier = tier.min(Tier::Avx512);
         if tier == Tier::Avx512 && !has_avx512_kernels(self) {
             Tier::Avx2
         } else {
@@ -143,6 +142,11 @@ impl QMatrix {
             assert_eq!(x.len(), m * w.cols, "x must be [m, cols]");
         }
         let tier = Tier::best();
+        let int8 = if few_rows_in_int8() {
+            Int8::on(tier, x, m, mats.first().map_or(0, |w| w.cols))
+        } else {
+            None
+        };
         if m == 1 {
             // One row: each product is a slice of it, already in the kernels' [rows_i, 1].
             let mut targets = Vec::with_capacity(mats.len());
@@ -152,14 +156,21 @@ impl QMatrix {
                 targets.push((w, head));
                 rest = tail;
             }
-            let act = Q8Act::for_row(tier, mats, x);
-            Self::feature_major_many(pool, tier, x, &[], 1, act.get(), targets.into_iter());
+            let act = match &int8 {
+                Some(q) => Act::Int8(q),
+                None => Act::F32 { x, xt: &[] },
+            };
+            Self::feature_major_many(pool, tier, act, 1, targets.into_iter());
             return;
         }
         SCRATCH.with_borrow_mut(|Scratch { xt, yt }| {
             // One transposition (if a kernel wants one) serves every matrix and thread.
-            if let Some(w) = mats.iter().find(|w| w.kind.tier_on(tier) == tier) {
-                prepare(Some(pool), tier, x, m, w.cols, xt);
+            if int8.is_none() {
+                // The f32 kernels' tier (AVX-512 VNNI adds nothing to them).
+                let ft = tier.min(Tier::Avx512);
+                if let Some(w) = mats.iter().find(|w| w.kind.tier_on(tier) == ft) {
+                    prepare(Some(pool), ft, x, m, w.cols, xt);
+                }
             }
             if yt.len() < m * width {
                 yt.resize(m * width, 0.0);
@@ -171,7 +182,11 @@ impl QMatrix {
                 targets.push((w, head));
                 rest = tail;
             }
-            Self::feature_major_many(pool, tier, x, xt, m, None, targets.into_iter());
+            let act = match &int8 {
+                Some(q) => Act::Int8(q),
+                None => Act::F32 { x, xt },
+            };
+            Self::feature_major_many(pool, tier, act, m, targets.into_iter());
             let (mut col, mut at) = (0, 0);
             for w in mats {
                 feature_major_to_rows(&yt[at..at + w.rows * m], m, y, width, col);
@@ -185,10 +200,8 @@ impl QMatrix {
     fn feature_major_many<'a>(
         pool: &SpinPool,
         tier: Tier,
-        x: &[f32],
-        xt: &[f32],
+        act: Act<'_>,
         m: usize,
-        act: Option<&Q8Act>,
         targets: impl Iterator<Item = (&'a QMatrix, &'a mut [f32])>,
     ) {
         let parts = pool.threads();
@@ -213,8 +226,8 @@ impl QMatrix {
                 }
                 let mut out = piece[tid].lock().unwrap_or_else(|e| e.into_inner());
                 match act {
-                    Some(act) if act.serves(tier, w.kind) => w.rows_int8(r.start, act, &mut out),
-                    _ => w.rows_into(tier, r.start, x, xt, m, &mut out),
+                    Act::Int8(q) => w.rows_int8(r.start, q, &mut out),
+                    Act::F32 { x, xt } => w.rows_into(tier, r.start, x, xt, m, &mut out),
                 }
             }
         });
@@ -237,7 +250,7 @@ impl QMatrix {
                 unsafe { avx2::rows(self.kind, g, rows, x, m, out) }
             }
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 => {
+            Tier::Avx512 | Tier::Avx512Vnni => {
                 // SAFETY: as above, the CPU has AVX-512F; `tier_on` kept the tier, so the
                 // module has kernels for this kind.
                 unsafe { avx512::rows(self.kind, g, rows, x, xt, m, out) }
@@ -248,102 +261,131 @@ impl QMatrix {
     }
 }
 
-/// Whether one-row products may run the integer kernels ([`set_int8_decode`]).
-static INT8_DECODE: AtomicBool = AtomicBool::new(false);
-
-/// Lets one-row products (decode steps of one sequence) run the integer kernels where the
-/// kind takes the AVX2 tier: faster, but their activations are rounded to 8 bits per block
-/// of 32, so a sequence decoded alone no longer computes what it computes batched with
-/// others (more rows take the f32 kernels). Off by default; process-wide.
-pub fn set_int8_decode(on: bool) {
-    INT8_DECODE.store(on, Ordering::Relaxed);
+/// The activations a product's kernels read.
+#[derive(Clone, Copy)]
+enum Act<'a> {
+    /// f32 rows and, where the tier's kernel wants one, their transposition ([`prepare`]).
+    F32 { x: &'a [f32], xt: &'a [f32] },
+    /// The rows quantized for the integer kernels.
+    Int8(&'a Int8),
 }
 
-/// Whether a one-row product of a `kind` matrix runs the integer kernels now, on this CPU,
-/// its activations rounded to 8 bits per block of 32 (`int8.rs`).
-pub fn decodes_in_int8(kind: GgmlKind) -> bool {
-    INT8_DECODE.load(Ordering::Relaxed)
-        && cfg!(target_arch = "x86_64")
-        && kind.best_tier() == Tier::Avx2
-}
-
-/// A decode row's activations quantized to 8 bits, for the integer kernels (`int8.rs`),
-/// which serve every kind whose products take the AVX2 tier; the kinds with AVX-512 kernels
-/// keep theirs.
-struct Q8Act {
+/// Activation rows quantized to 8 bits per block of 32 for the integer kernels (`int8.rs`),
+/// which serve every kind from the AVX2 tier up: AVX2 `maddubs`, or AVX-512 VNNI
+/// `vpdpbusd` on that tier. Each row is quantized alone and each (weight row, activation row)
+/// product takes the same instructions whatever the batch, so a row computes the same bits
+/// alone or batched.
+pub struct Int8 {
     #[cfg(target_arch = "x86_64")]
-    row: Option<int8::Q8Row>,
+    rows: Vec<int8::Q8Row>,
+    #[cfg(target_arch = "x86_64")]
+    vnni: bool,
 }
 
-impl Q8Act {
-    /// The quantized row, when some matrix of `mats` takes the integer kernels.
-    fn for_row(tier: Tier, mats: &[&QMatrix], x: &[f32]) -> Self {
+impl Int8 {
+    /// `x: [m, cols]` quantized for `tier`'s integer kernels; `None` below AVX2 (the portable
+    /// tier keeps the f32 kernels) and off x86-64.
+    ///
+    /// # Panics
+    /// If the CPU does not run `tier`, or `x` is not `[m, cols]` with `cols` a multiple of 32.
+    pub fn on(tier: Tier, x: &[f32], m: usize, cols: usize) -> Option<Self> {
+        assert!(
+            tier.available(),
+            "kernel tier {tier} is not available on this CPU"
+        );
         #[cfg(target_arch = "x86_64")]
-        {
-            let used = INT8_DECODE.load(Ordering::Relaxed)
-                && mats.iter().any(|w| w.kind.tier_on(tier) == Tier::Avx2);
-            Self {
-                row: used.then(|| int8::Q8Row::quantize(x)),
-            }
+        if tier >= Tier::Avx2 {
+            assert!(x.len() == m * cols && cols.is_multiple_of(32));
+            return Some(Self {
+                rows: x
+                    .chunks_exact(cols.max(1))
+                    .map(int8::Q8Row::quantize)
+                    .collect(),
+                vnni: tier >= Tier::Avx512Vnni,
+            });
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (tier, mats, x);
-            Self {}
-        }
-    }
-
-    fn get(&self) -> Option<&Self> {
-        #[cfg(target_arch = "x86_64")]
-        return self.row.as_ref().map(|_| self);
-        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (tier, x, m, cols);
         None
     }
+}
 
-    /// Whether a product of a `kind` matrix on `tier` runs the integer kernels.
-    fn serves(&self, tier: Tier, kind: GgmlKind) -> bool {
-        kind.tier_on(tier) == Tier::Avx2
+/// Set by [`set_int8`].
+static INT8: AtomicBool = AtomicBool::new(false);
+
+/// Makes the few-row products run the integer kernels (from the AVX2 tier up), process-wide.
+/// Off by default until the wide products run on 8-bit activations too: with two paths, a
+/// prompt whose head is cached computes its tail's few rows on another path than the whole
+/// prompt's many, and 8-bit rounding turns that float noise into whole steps, so a repeated
+/// greedy request could answer otherwise.
+pub fn set_int8(on: bool) {
+    INT8.store(on, Ordering::Relaxed);
+}
+
+/// Whether the engine's few-row products ([`QMatrix::matmul_concat`]) run the integer
+/// kernels: [`set_int8`] on and the AVX2 tier or above ([`Tier::best`]).
+pub fn few_rows_in_int8() -> bool {
+    cfg!(target_arch = "x86_64") && INT8.load(Ordering::Relaxed) && Tier::best() >= Tier::Avx2
+}
+
+/// `x: [m, cols]` as the few-row products read it: each row rounded to 8 bits per block of
+/// 32 where they run the integer kernels ([`few_rows_in_int8`]), else `x` itself. For
+/// callers' tests that compare products with a reference.
+///
+/// # Panics
+/// If `cols` is not a multiple of 32 or does not divide `x.len()`.
+pub fn as_few_rows_read(x: &[f32], cols: usize) -> Vec<f32> {
+    if !few_rows_in_int8() {
+        return x.to_vec();
     }
+    assert!(cols.is_multiple_of(32) && x.len().is_multiple_of(cols));
+    #[cfg(target_arch = "x86_64")]
+    return x
+        .chunks_exact(cols)
+        .flat_map(|row| {
+            let act = int8::Q8Row::quantize(row);
+            (0..cols)
+                .map(|c| act.d[c / 32] * f32::from(act.q[c]))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("no integer kernels off x86-64")
 }
 
 impl QMatrix {
-    /// Rows `r0 .. r0 + out.len()` against one quantized activation row.
-    fn rows_int8(&self, r0: usize, act: &Q8Act, out: &mut [f32]) {
+    /// Rows `r0 .. r0 + out.len() / m` against the `m` quantized activation rows, into
+    /// `out: [n, m]`.
+    fn rows_int8(&self, r0: usize, act: &Int8, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if let Some(row) = &act.row {
-            let n = out.len();
-            assert!(r0 + n <= self.rows && row.q.len() == self.cols);
+        {
+            let m = act.rows.len();
+            let n = out.len() / m;
+            assert!(r0 + n <= self.rows && act.rows.iter().all(|r| r.q.len() == self.cols));
             let g = Self::geom_of(self.kind, self.cols);
             let rows = &self.data[r0 * g.stride..(r0 + n) * g.stride + SLACK];
-            // SAFETY: `serves` chose this because the kind's products take the AVX2 tier,
-            // which `tier_on` gives only where the CPU runs it (AVX2, FMA and F16C).
-            unsafe { int8::rows(self.kind, g, rows, row, out) };
-            return;
+            // SAFETY: `Int8::on` made `act` only for a tier the CPU runs, from AVX2 (with
+            // FMA and F16C) up, and set `vnni` only on the AVX-512 VNNI tier.
+            unsafe { int8::rows(self.kind, g, rows, &act.rows, out, act.vnni) };
         }
-        unreachable!(
-            "integer kernels without a quantized row ({r0}, {})",
-            out.len()
-        );
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (r0, act, out);
     }
 
-    /// `y = x W^T` for one row `x` through the integer kernels (activations rounded to 8 bits
-    /// per block of 32), on the calling thread: for tests and benchmarks. `None` where the
-    /// CPU lacks AVX2, FMA or F16C.
+    /// `y = x W^T` for `x: [m, cols]` through the integer kernels of `tier` (activations
+    /// rounded to 8 bits per block of 32), on the calling thread: for tests and benchmarks.
+    /// `None` below the AVX2 tier.
     ///
     /// # Panics
-    /// If `x.len() != cols` or `y.len() != rows`.
-    pub fn matvec_int8(&self, x: &[f32], y: &mut [f32]) -> Option<()> {
-        assert!(x.len() == self.cols && y.len() == self.rows);
-        if !Tier::Avx2.available() {
-            return None;
+    /// If the CPU does not run `tier`, `x.len() != m * cols` or `y.len() != m * rows`.
+    pub fn matmul_int8(&self, tier: Tier, x: &[f32], m: usize, y: &mut [f32]) -> Option<()> {
+        assert!(x.len() == m * self.cols && y.len() == m * self.rows);
+        let act = Int8::on(tier, x, m, self.cols)?;
+        if m == 0 {
+            return Some(());
         }
-        #[cfg(target_arch = "x86_64")]
-        let act = Q8Act {
-            row: Some(int8::Q8Row::quantize(x)),
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let act = Q8Act {};
-        self.rows_int8(0, &act, y);
+        let mut yt = vec![0f32; self.rows * m];
+        self.rows_int8(0, &act, &mut yt);
+        feature_major_to_rows(&yt, m, y, self.rows, 0);
         Some(())
     }
 }
@@ -373,7 +415,7 @@ fn prepare(
     xt: &mut Vec<f32>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if tier == Tier::Avx512 && avx512::bcast_pays(m) {
+    if tier >= Tier::Avx512 && avx512::bcast_pays(m) {
         let len = avx512::transposed_len(m, cols);
         if xt.len() < len {
             xt.resize(len, 0.0);

@@ -5,7 +5,7 @@
 //! caller (a test, a bench) asks for a tier explicitly. A family without kernels for a tier
 //! runs its next lower one (quantized products: AVX-512 kernels exist for some formats only).
 //!
-//! [`TIER_ENV`] (`LEYLINE_KERNEL_TIER=portable|avx2|avx512`), read once, caps
+//! [`TIER_ENV`] (`LEYLINE_KERNEL_TIER=portable|avx2|avx512|avx512vnni`), read once, caps
 //! [`Tier::best`]: every family then dispatches on that tier, so that a machine with AVX-512
 //! can run the portable and AVX2 kernels end to end (CI). A tier above what the CPU runs, or
 //! a name that is no tier's, is logged as a warning and the CPU's best is used.
@@ -14,7 +14,8 @@ use crate::cpu::Features;
 use crate::error::KernelError;
 use std::sync::OnceLock;
 
-/// The environment variable that caps [`Tier::best`]: `portable`, `avx2` or `avx512`.
+/// The environment variable that caps [`Tier::best`]: `portable`, `avx2`, `avx512` or
+/// `avx512vnni`.
 pub const TIER_ENV: &str = "LEYLINE_KERNEL_TIER";
 
 /// An instruction-set tier, lowest first. A CPU that runs a tier runs every tier below it.
@@ -26,18 +27,22 @@ pub enum Tier {
     Avx2,
     /// x86-64 AVX-512 F, BW and VL (and everything [`Tier::Avx2`] needs).
     Avx512,
+    /// [`Tier::Avx512`] with VNNI: the integer products take `vpdpbusd`; every other family
+    /// runs its AVX-512 kernels.
+    Avx512Vnni,
 }
 
 impl Tier {
     /// Every tier, lowest first.
-    pub const ALL: [Tier; 3] = [Tier::Portable, Tier::Avx2, Tier::Avx512];
+    pub const ALL: [Tier; 4] = [Tier::Portable, Tier::Avx2, Tier::Avx512, Tier::Avx512Vnni];
 
-    /// The tier's name: `portable`, `avx2` or `avx512`.
+    /// The tier's name: `portable`, `avx2`, `avx512` or `avx512vnni`.
     pub fn name(self) -> &'static str {
         match self {
             Tier::Portable => "portable",
             Tier::Avx2 => "avx2",
             Tier::Avx512 => "avx512",
+            Tier::Avx512Vnni => "avx512vnni",
         }
     }
 
@@ -49,6 +54,7 @@ impl Tier {
             Tier::Portable => true,
             Tier::Avx2 => avx2,
             Tier::Avx512 => avx2 && f.avx512f && f.avx512bw && f.avx512vl,
+            Tier::Avx512Vnni => Tier::Avx512.available() && f.avx512vnni,
         }
     }
 

@@ -146,7 +146,7 @@ pub(super) fn run<T: Copy>(
         Tier::Portable => task::<T, DC>(tier, job, k, v, ld, buf, out),
         // SAFETY: `attend` checked that the CPU runs this tier: it has AVX-512F.
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 => unsafe { task_avx512(tier, job, k, v, ld, buf, out) },
+        Tier::Avx512 | Tier::Avx512Vnni => unsafe { task_avx512(tier, job, k, v, ld, buf, out) },
         // SAFETY: `attend` checked that the CPU runs this tier: it has AVX2 and FMA.
         #[cfg(target_arch = "x86_64")]
         Tier::Avx2 => unsafe { task_avx2(tier, job, k, v, ld, buf, out) },
@@ -175,7 +175,7 @@ fn scores_direct(
         // SAFETY: the CPU has AVX-512F (see [`run`]), `hd` is a multiple of 16, and the
         // asserts above are the bounds `scores_few_avx512` relies on.
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 if hd.is_multiple_of(16) => unsafe {
+        Tier::Avx512 | Tier::Avx512Vnni if hd.is_multiple_of(16) => unsafe {
             avx512::scores_few_avx512(qb, rows, lanes, krows, nb, st, hd)
         },
         // SAFETY: the CPU has AVX2 and FMA (see [`run`]), `hd` is a multiple of 8, and the
@@ -208,7 +208,9 @@ fn scores(tier: Tier, qt: &[f32], lanes: usize, krows: &[&[f32]; KB], st: &mut [
         // SAFETY: the CPU has AVX-512F (see [`run`]), and the asserts above are the bounds
         // `scores_avx512` relies on.
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 => unsafe { avx512::scores_avx512(qt, lanes, krows, st, hd) },
+        Tier::Avx512 | Tier::Avx512Vnni => unsafe {
+            avx512::scores_avx512(qt, lanes, krows, st, hd)
+        },
         // SAFETY: the CPU has AVX2 and FMA (see [`run`]), and the asserts above are the
         // bounds `scores_avx2` relies on.
         #[cfg(target_arch = "x86_64")]

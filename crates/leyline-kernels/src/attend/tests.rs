@@ -18,7 +18,7 @@ fn lane_sum_trees_put_each_vectors_sum_in_its_lane() {
     for tier in Tier::all_available() {
         match tier {
             Tier::Portable => {}
-            Tier::Avx512 => check::<16>(|rows| {
+            Tier::Avx512 | Tier::Avx512Vnni => check::<16>(|rows| {
                 let mut out = [0f32; 16];
                 // SAFETY: the CPU runs the AVX-512 tier (it has AVX-512F); each load reads one
                 // 16-float row and the store writes the 16 floats of `out`.

@@ -163,25 +163,43 @@ fn fifth_bits(qh: u32) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(16))
 }
 
-/// `out[j] = row j . x` for the `n` rows in `rows` (then the slack), `x` quantized as `act`.
+/// `out[j * m + i] = row j . x_i` for the `n` rows in `rows` (then the slack) and the `m`
+/// activation rows `acts` (`out: [n, m]`, feature-major as the f32 kernels write it).
+///
+/// Batch invariance by construction: every (weight row, activation row) pair takes the same
+/// instructions in the same order whatever `m` is and however the rows are grouped, so a row
+/// of `x` computed in a batch equals the same row computed alone, bit for bit.
+///
+/// `vnni` picks the AVX-512 VNNI products ([`tile_vnni`]) over the AVX2 ones.
 ///
 /// # Safety
-/// AVX2, FMA and F16C. Lengths are asserted.
+/// AVX2, FMA and F16C; with `vnni`, AVX-512 F/BW/VL/VNNI too. Lengths are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn rows(kind: GgmlKind, g: RowGeom, rows: &[u8], act: &Q8Row, out: &mut [f32]) {
-    let n = out.len();
+pub(super) unsafe fn rows(
+    kind: GgmlKind,
+    g: RowGeom,
+    rows: &[u8],
+    acts: &[Q8Row],
+    out: &mut [f32],
+    vnni: bool,
+) {
+    let m = acts.len();
+    assert!(m > 0 && out.len().is_multiple_of(m));
+    let n = out.len() / m;
     assert!(rows.len() >= n * g.stride + SLACK);
-    assert!(act.q.len() == g.nb * BLOCK && act.d.len() == g.nb && act.s16.len() == 2 * g.nb);
+    for act in acts {
+        assert!(act.q.len() == g.nb * BLOCK && act.d.len() == g.nb && act.s16.len() == 2 * g.nb);
+    }
     // SAFETY: the features are the caller's contract; lengths were asserted.
     unsafe {
         match kind {
-            GgmlKind::Q4_0 => rows_of::<Q4_0>(kind, g, rows, act, out),
-            GgmlKind::Q4_1 => rows_of::<Q4_1>(kind, g, rows, act, out),
-            GgmlKind::Q5_0 => rows_of::<Q5_0>(kind, g, rows, act, out),
-            GgmlKind::Q8_0 => rows_of::<Q8_0>(kind, g, rows, act, out),
-            GgmlKind::Q4K => rows_of::<Q4_K>(kind, g, rows, act, out),
-            GgmlKind::Q5K => rows_of::<Q5_K>(kind, g, rows, act, out),
-            GgmlKind::Q6K => rows_of::<Q6_K>(kind, g, rows, act, out),
+            GgmlKind::Q4_0 => rows_of::<Q4_0>(kind, g, rows, acts, out, vnni),
+            GgmlKind::Q4_1 => rows_of::<Q4_1>(kind, g, rows, acts, out, vnni),
+            GgmlKind::Q5_0 => rows_of::<Q5_0>(kind, g, rows, acts, out, vnni),
+            GgmlKind::Q8_0 => rows_of::<Q8_0>(kind, g, rows, acts, out, vnni),
+            GgmlKind::Q4K => rows_of::<Q4_K>(kind, g, rows, acts, out, vnni),
+            GgmlKind::Q5K => rows_of::<Q5_K>(kind, g, rows, acts, out, vnni),
+            GgmlKind::Q6K => rows_of::<Q6_K>(kind, g, rows, acts, out, vnni),
         }
     }
 }
@@ -194,14 +212,19 @@ pub(super) unsafe fn rows(kind: GgmlKind, g: RowGeom, rows: &[u8], act: &Q8Row, 
 /// 16-20 ms.
 const R: usize = 4;
 
+/// Activation rows per pass: each weight unit, once extracted, meets this many activation
+/// rows (fewer with rows in fours, so the accumulators stay in the 16 vector registers).
+const A: usize = 4;
+
 /// Whether rows of kind `K` go [`R`] at a time.
 const fn in_fours(k: u8) -> bool {
     k == Q6_K || k == Q5_K
 }
 
-/// [`rows`] for one kind: `R` rows at a time (single rows for the rest). Per row, the scales
-/// times the activations' steps and the offset term are vector products over the row's
-/// scales; per unit, one `maddubs`, one `madd` and one multiply-add per row.
+/// [`rows`] for one kind: `R` weight rows at a time (single rows for the rest), each group
+/// meeting the activation rows up to [`A`] (or `A / 2`) at a time. Per (weight row,
+/// activation row): per unit one `maddubs`, one `madd`, the product of the two scales and one
+/// multiply-add; then the offset term, a vector product over the row's scales.
 ///
 /// # Safety
 /// As [`rows`], whose asserts hold.
@@ -210,116 +233,150 @@ unsafe fn rows_of<const K: u8>(
     kind: GgmlKind,
     g: RowGeom,
     rows: &[u8],
-    act: &Q8Row,
+    acts: &[Q8Row],
     out: &mut [f32],
+    vnni: bool,
 ) {
     // Scale entries per row: one per unit, or (Q6_K) one per half-unit.
     let per = if K == Q6_K { 2 } else { 1 };
     let ns = per * g.nb;
-    let (dx, sx) = if K == Q6_K {
-        (&act.d16, &act.s16)
-    } else {
-        (&act.d, &act.s32)
-    };
+    let m = acts.len();
+    let n = out.len() / m;
     let (mut d, mut mn) = (vec![0f32; R * g.sb], vec![0f32; R * g.sb]);
-    let n = out.len();
     let mut r = 0;
     while r < n {
         let rt = if n - r >= R && in_fours(K) { R } else { 1 };
-        let mut offset = [0f32; R];
         for j in 0..rt {
             let row = &rows[(r + j) * g.stride..];
             // SAFETY: `row` starts row r + j < n and runs to the slack (asserted by `rows`), as
             // the conversion reads; d and mn hold R * sb floats.
             unsafe { super::avx2::scales(kind, g, row, j, &mut d, &mut mn) };
-            let (dj, mj) = (
-                &mut d[j * g.sb..j * g.sb + ns],
-                &mn[j * g.sb..j * g.sb + ns],
-            );
-            offset[j] = scale_and_dot(dj, dx, mj, sx);
         }
         super::tile::prefetch_past_tile(rows, g.stride, r, rt);
         let base = rows[r * g.stride..].as_ptr();
-        // SAFETY: rows r .. r + rt lie in `rows` (asserted by `rows`); their scales are in d.
-        let sums = unsafe {
-            if rt == R {
-                tile::<K, R>(base, g, act, &d)
-            } else {
-                let [s] = tile::<K, 1>(base, g, act, &d);
-                let mut all = [0f32; R];
-                all[0] = s;
-                all
+        let group = if rt == R { A / 2 } else { A };
+        let mut i0 = 0;
+        while i0 < m {
+            let ga = group.min(m - i0);
+            let xs = &acts[i0..i0 + ga];
+            // SAFETY: rows r .. r + rt lie in `rows` (asserted by `rows`); their scales are in
+            // d; every activation row has nb units; `vnni` only where the caller checked the
+            // CPU has it.
+            let sums: [[f32; A]; R] = unsafe {
+                macro_rules! run {
+                    ($rt:literal, $ga:literal) => {
+                        if vnni {
+                            widen(tile_vnni::<K, $rt, $ga>(base, g, xs, &d))
+                        } else {
+                            widen(tile::<K, $rt, $ga>(base, g, xs, &d))
+                        }
+                    };
+                }
+                match (rt, ga) {
+                    (R, 1) => run!(4, 1),
+                    (R, _) => run!(4, 2),
+                    (_, 1) => run!(1, 1),
+                    (_, 2) => run!(1, 2),
+                    (_, 3) => run!(1, 3),
+                    _ => run!(1, 4),
+                }
+            };
+            for j in 0..rt {
+                let mj = &mn[j * g.sb..j * g.sb + ns];
+                for (i, act) in xs.iter().enumerate() {
+                    let sx = if K == Q6_K { &act.s16 } else { &act.s32 };
+                    out[(r + j) * m + i0 + i] = sums[j][i] + offset(mj, sx);
+                }
             }
-        };
-        for j in 0..rt {
-            out[r + j] = sums[j] + offset[j];
+            i0 += ga;
         }
         r += rt;
     }
 }
 
-/// The scaled dot products of `RT` rows starting at `base` (row j's scales times the
-/// activations' steps at `d[j * sb ..]`) with the quantized activations.
+/// A tile's sums in the largest tile's shape.
+#[inline(always)]
+fn widen<const RT: usize, const GA: usize>(s: [[f32; GA]; RT]) -> [[f32; A]; R] {
+    let mut all = [[0f32; A]; R];
+    for (a, s) in all.iter_mut().zip(s) {
+        a[..GA].copy_from_slice(&s);
+    }
+    all
+}
+
+/// The scaled dot products of `RT` weight rows starting at `base` (row j's raw scales at
+/// `d[j * sb ..]`) with `GA` quantized activation rows: `sum_u (d_j[u] * dx_i[u]) *
+/// (q_j,u . qx_i,u)`, the scale product rounded to f32 before the multiply-add, as for
+/// any other grouping.
 ///
 /// # Safety
 /// AVX2, FMA, F16C; `RT` whole rows of geometry `g` and kind `K` at `base`; `d` holds their
-/// scales as [`rows_of`] leaves them.
+/// scales as [`rows_of`] leaves them; `xs` holds `GA` rows of `nb` units.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const K: u8, const RT: usize>(
+unsafe fn tile<const K: u8, const RT: usize, const GA: usize>(
     base: *const u8,
     g: RowGeom,
-    act: &Q8Row,
+    xs: &[Q8Row],
     d: &[f32],
-) -> [f32; RT] {
-    let mut acc = [_mm256_setzero_ps(); RT];
+) -> [[f32; GA]; RT] {
+    let mut acc = [[_mm256_setzero_ps(); GA]; RT];
+    // Lanes 0..4 hold values 0..16 of a unit, lanes 4..8 values 16..32: Q6_K's two scales
+    // per unit spread so.
+    let halves = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
     for u in 0..g.nb {
         // SAFETY: u < nb: each row's unit lies in the row, the activations at 32u; the
-        // scales read are entries u (or 2u, 2u + 1) of each row's, inside `d`.
+        // scales read are entries u (or 2u, 2u + 1) of each row's, inside `d`, and of each
+        // activation row's steps.
         unsafe {
-            let xq = _mm256_loadu_si256(act.q.as_ptr().add(BLOCK * u) as *const __m256i);
-            for (j, a) in acc.iter_mut().enumerate() {
-                let q = quants::<K>(base.add(j * g.stride), g, u);
-                let p = if K == Q8_0 {
-                    _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xq, q))
+            let mut xq = [_mm256_setzero_si256(); GA];
+            let mut dx = [_mm256_setzero_ps(); GA];
+            for i in 0..GA {
+                let x = &xs[i];
+                xq[i] = _mm256_loadu_si256(x.q.as_ptr().add(BLOCK * u) as *const __m256i);
+                dx[i] = if K == Q6_K {
+                    let two = _mm_castpd_ps(_mm_load_sd(x.d16.as_ptr().add(2 * u) as *const f64));
+                    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), halves)
                 } else {
-                    _mm256_maddubs_epi16(q, xq)
+                    _mm256_broadcast_ss(&*x.d.as_ptr().add(u))
                 };
-                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+            }
+            for (j, accj) in acc.iter_mut().enumerate() {
+                let q = quants::<K>(base.add(j * g.stride), g, u);
                 let ds = d.as_ptr().add(j * g.sb);
-                // Lanes 0..4 hold values 0..16 of the unit, lanes 4..8 values 16..32.
-                let sc = if K == Q6_K {
+                let dw = if K == Q6_K {
                     let two = _mm_castpd_ps(_mm_load_sd(ds.add(2 * u) as *const f64));
-                    _mm256_permutevar8x32_ps(
-                        _mm256_castps128_ps256(two),
-                        _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0),
-                    )
+                    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), halves)
                 } else {
                     _mm256_broadcast_ss(&*ds.add(u))
                 };
-                *a = _mm256_fmadd_ps(p, sc, *a);
+                let qa = if K == Q8_0 { _mm256_abs_epi8(q) } else { q };
+                for i in 0..GA {
+                    let p = if K == Q8_0 {
+                        _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xq[i], q))
+                    } else {
+                        _mm256_maddubs_epi16(qa, xq[i])
+                    };
+                    let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+                    accj[i] = _mm256_fmadd_ps(p, _mm256_mul_ps(dw, dx[i]), accj[i]);
+                }
             }
         }
     }
-    acc.map(|a| super::avx2::hsum(a))
+    acc.map(|a| a.map(|v| super::avx2::hsum(v)))
 }
 
-/// `d[k] *= dx[k]` for every k, and returns `sum_k mn[k] * sx[k]`.
+/// `sum_k mn[k] * sx[k]`: eight lanes of multiply-adds, then their sum, then the tail.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn scale_and_dot(d: &mut [f32], dx: &[f32], mn: &[f32], sx: &[f32]) -> f32 {
-    let n = d.len();
-    assert!(dx.len() >= n && mn.len() >= n && sx.len() >= n);
+fn offset(mn: &[f32], sx: &[f32]) -> f32 {
+    let n = mn.len();
+    assert!(sx.len() >= n);
     let mut acc = _mm256_setzero_ps();
     let mut k = 0;
     while k + 8 <= n {
-        // SAFETY: k + 8 <= n and every slice holds at least n floats (asserted above).
+        // SAFETY: k + 8 <= n and both slices hold at least n floats (asserted above).
         unsafe {
-            let v = _mm256_mul_ps(
-                _mm256_loadu_ps(d.as_ptr().add(k)),
-                _mm256_loadu_ps(dx.as_ptr().add(k)),
-            );
-            _mm256_storeu_ps(d.as_mut_ptr().add(k), v);
             acc = _mm256_fmadd_ps(
                 _mm256_loadu_ps(mn.as_ptr().add(k)),
                 _mm256_loadu_ps(sx.as_ptr().add(k)),
@@ -330,8 +387,103 @@ fn scale_and_dot(d: &mut [f32], dx: &[f32], mn: &[f32], sx: &[f32]) -> f32 {
     }
     let mut tail = 0f32;
     for k in k..n {
-        d[k] *= dx[k];
         tail += mn[k] * sx[k];
     }
     super::avx2::hsum(acc) + tail
+}
+
+/// The products of [`tile`] with AVX-512 VNNI: two units per 512-bit register, each lane's
+/// four byte products summed into 32 bits by one `vpdpbusd` (the same integers `maddubs` and
+/// `madd` give), converted and multiplied-added with the two scales' product, sixteen lanes,
+/// then summed. A different order of f32 sums than [`tile`]: the tier changes results, the
+/// grouping of rows never does.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI and AVX2, FMA, F16C; otherwise as [`tile`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize>(
+    base: *const u8,
+    g: RowGeom,
+    xs: &[Q8Row],
+    d: &[f32],
+) -> [[f32; GA]; RT] {
+    let mut acc = [[_mm512_setzero_ps(); GA]; RT];
+    // Two units per register: lanes 0..8 unit u, 8..16 unit u + 1; with Q6_K's two scales
+    // per unit, four runs of four lanes.
+    let pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    let spread = |p: *const f32, two_units: bool| {
+        // SAFETY (of the closure's loads): the callers pass scale arrays with entries u, u + 1
+        // (Q6_K: 2u .. 2u + 4) when `two_units`, else u (2u, 2u + 1) only.
+        unsafe {
+            if K == Q6_K {
+                let v = if two_units {
+                    _mm_loadu_ps(p)
+                } else {
+                    _mm_castpd_ps(_mm_load_sd(p as *const f64))
+                };
+                _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(v))
+            } else {
+                let v = if two_units {
+                    _mm_castpd_ps(_mm_load_sd(p as *const f64))
+                } else {
+                    _mm_load_ss(p)
+                };
+                _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(v))
+            }
+        }
+    };
+    let per = if K == Q6_K { 2 } else { 1 };
+    let mut u = 0;
+    while u < g.nb {
+        let two = u + 1 < g.nb;
+        // The last unit of an odd count alone: the upper lanes compute zeros.
+        let lanes: __mmask16 = if two { 0xffff } else { 0x00ff };
+        let bytes: __mmask64 = if two { u64::MAX } else { u64::from(u32::MAX) };
+        // SAFETY: units u (and u + 1 when `two`) lie in each row and each activation row;
+        // the scales read are theirs, inside `d` and each activation row's steps.
+        unsafe {
+            let mut xq = [_mm512_setzero_si512(); GA];
+            let mut dx = [_mm512_setzero_ps(); GA];
+            for i in 0..GA {
+                let x = &xs[i];
+                xq[i] = _mm512_maskz_loadu_epi8(bytes, x.q.as_ptr().add(BLOCK * u));
+                let steps = if K == Q6_K {
+                    x.d16.as_ptr()
+                } else {
+                    x.d.as_ptr()
+                };
+                dx[i] = spread(steps.add(per * u), two);
+            }
+            for (j, accj) in acc.iter_mut().enumerate() {
+                let row = base.add(j * g.stride);
+                let lo = quants::<K>(row, g, u);
+                let hi = if two {
+                    quants::<K>(row, g, u + 1)
+                } else {
+                    _mm256_setzero_si256()
+                };
+                let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                let dw = spread(d.as_ptr().add(j * g.sb + per * u), two);
+                let (qa, neg) = if K == Q8_0 {
+                    (_mm512_abs_epi8(q), _mm512_movepi8_mask(q))
+                } else {
+                    (q, 0)
+                };
+                for i in 0..GA {
+                    let xv = if K == Q8_0 {
+                        _mm512_mask_sub_epi8(xq[i], neg, _mm512_setzero_si512(), xq[i])
+                    } else {
+                        xq[i]
+                    };
+                    let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qa, xv);
+                    let p = _mm512_cvtepi32_ps(p);
+                    accj[i] = _mm512_mask3_fmadd_ps(p, _mm512_mul_ps(dw, dx[i]), accj[i], lanes);
+                }
+            }
+        }
+        u += 2;
+    }
+    acc.map(|a| a.map(|v| _mm512_reduce_add_ps(v)))
 }

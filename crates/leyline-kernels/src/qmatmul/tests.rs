@@ -376,7 +376,7 @@ fn matrices_on_shared_pages_keep_their_products() {
                 w,
                 rows,
                 cols,
-                &x,
+                &super::as_few_rows_read(&x, cols),
                 m,
                 &y,
                 &format!("shared, concat [{rows},{cols}]"),
@@ -413,6 +413,7 @@ fn concatenated_products_match_the_reference_at_every_row_count() {
             let mut y = vec![f32::NAN; m * width];
             let refs_of: Vec<&QMatrix> = mats.iter().collect();
             QMatrix::matmul_concat(pool, &x, m, &refs_of, &mut y);
+            let x = super::as_few_rows_read(&x, cols);
             let mut col = 0;
             for (qm, w) in mats.iter().zip(&refs) {
                 let rows = qm.rows();
@@ -487,52 +488,70 @@ fn dequantized_rows_are_the_format_values_rounded_once() {
     }
 }
 
-#[test]
-fn integer_decode_products_match_the_reference_on_their_rounded_activations() {
-    // Every kind, rows in fours and alone (5 and 9 rows), activations spanning magnitudes
-    // across blocks. Against the f64 product of the format's weights with the activations as
-    // rounded (exact but for f32 sums), and against the unrounded activations within the
-    // rounding's bound: half a block's step per value.
-    if !Tier::Avx2.available() {
-        eprintln!("this CPU has no AVX2: the integer decode kernels are not used here");
-        return;
+/// The tiers with integer kernels that this CPU runs; the others are named as unverified.
+fn int8_tiers() -> Vec<Tier> {
+    for t in [Tier::Avx2, Tier::Avx512Vnni] {
+        if !t.available() {
+            eprintln!("tier {t}: integer kernels not verified here (CPU lacks it)");
+        }
     }
+    Tier::all_available()
+        .into_iter()
+        .filter(|&t| t == Tier::Avx2 || t == Tier::Avx512Vnni)
+        .collect()
+}
+
+#[test]
+fn integer_products_match_the_reference_on_their_rounded_activations() {
+    // Every kind and integer tier, weight rows in fours and alone (5 and 9 rows), 1 to 6
+    // activation rows spanning magnitudes across blocks, an odd unit count (Q8 kinds: 17
+    // units, the VNNI kernel's lone last unit). Against the f64 product of the format's
+    // weights with the activations as rounded (exact but for f32 sums), and against the
+    // unrounded activations within the rounding's bound: half a block's step per value.
     let mut rng = Rng(31);
-    let cols = 512;
-    for kind in GgmlKind::ALL {
-        for rows in [5, 9] {
-            let raw = random_ggml(kind, rows, cols, &mut rng);
-            let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
-            let w = dequant_ref(kind, &raw);
-            let x: Vec<f32> = (0..cols)
-                .map(|i| rng.unit() * if i % 64 < 32 { 1.0 } else { 0.01 })
-                .collect();
-            let mut y = vec![f32::NAN; rows];
-            qm.matvec_int8(&x, &mut y).expect("AVX2");
-            let act = int8::Q8Row::quantize(&x);
-            let u = f64::powi(2.0, -24);
-            let n = (cols / 32 + 4) as f64;
-            let gamma = 2.0 * n * u;
-            for r in 0..rows {
-                let (mut exact, mut mag, mut plain, mut bound) = (0f64, 0f64, 0f64, 0f64);
-                for c in 0..cols {
-                    let wv = w[r * cols + c];
-                    let step = f64::from(act.d[c / 32]);
-                    let xq = step * f64::from(act.q[c]);
-                    exact += wv * xq;
-                    mag += (wv * xq).abs();
-                    plain += wv * f64::from(x[c]);
-                    bound += wv.abs() * step / 2.0;
+    for tier in int8_tiers() {
+        for kind in GgmlKind::ALL {
+            let cols = if kind.block_len() == 256 { 512 } else { 544 };
+            for (rows, m) in [(5, 1), (9, 3), (5, 6)] {
+                let raw = random_ggml(kind, rows, cols, &mut rng);
+                let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
+                let w = dequant_ref(kind, &raw);
+                let x: Vec<f32> = (0..m * cols)
+                    .map(|i| rng.unit() * if i % 64 < 32 { 1.0 } else { 0.01 })
+                    .collect();
+                let mut y = vec![f32::NAN; m * rows];
+                qm.matmul_int8(tier, &x, m, &mut y)
+                    .expect("an integer tier");
+                for i in 0..m {
+                    let xi = &x[i * cols..(i + 1) * cols];
+                    let act = int8::Q8Row::quantize(xi);
+                    let u = f64::powi(2.0, -24);
+                    let n = (cols / 32 + 16) as f64;
+                    let gamma = 2.0 * n * u;
+                    for r in 0..rows {
+                        let (mut exact, mut mag, mut plain, mut bound) = (0f64, 0f64, 0f64, 0f64);
+                        for c in 0..cols {
+                            let wv = w[r * cols + c];
+                            let step = f64::from(act.d[c / 32]);
+                            let xq = step * f64::from(act.q[c]);
+                            exact += wv * xq;
+                            mag += (wv * xq).abs();
+                            plain += wv * f64::from(xi[c]);
+                            bound += wv.abs() * step / 2.0;
+                        }
+                        let got = f64::from(y[i * rows + r]);
+                        assert!(
+                            (got - exact).abs() <= gamma * mag + 1e-30,
+                            "{tier} {kind:?} {rows}x{m}, row {r} of x {i}: {got} vs {exact} on \
+                             the rounded activations"
+                        );
+                        assert!(
+                            (got - plain).abs() <= bound + gamma * mag + 1e-30,
+                            "{tier} {kind:?} {rows}x{m}, row {r} of x {i}: {got} vs {plain}, \
+                             beyond the rounding bound {bound}"
+                        );
+                    }
                 }
-                let got = f64::from(y[r]);
-                assert!(
-                    (got - exact).abs() <= gamma * mag + 1e-30,
-                    "{kind:?} rows {rows}, row {r}: {got} vs {exact} on the rounded activations"
-                );
-                assert!(
-                    (got - plain).abs() <= bound + gamma * mag + 1e-30,
-                    "{kind:?} rows {rows}, row {r}: {got} vs {plain}, beyond the rounding bound {bound}"
-                );
             }
         }
     }
@@ -586,4 +605,39 @@ fn rejects_bad_shapes() {
     assert!(QMatrix::from_ggml(GgmlKind::Q4K, &[0; 144], 1, 256).is_ok());
     assert!(QMatrix::from_ggml(GgmlKind::Q4K, &[0; 144], 2, 128).is_err());
     assert!(QMatrix::from_ggml(GgmlKind::Q6K, &[0; 210 * 2], 1, 288).is_err());
+}
+
+#[test]
+fn integer_products_of_a_batch_equal_each_row_alone_bit_for_bit() {
+    // Batch sizes 1-16 within each integer tier, every kind: row i of a batch's product is
+    // the product of row i alone, to the bit (the batch-invariance the engine's greedy
+    // decoding relies on).
+    let mut rng = Rng(77);
+    for tier in int8_tiers() {
+        for kind in GgmlKind::ALL {
+            let (rows, cols) = (9, 512);
+            let raw = random_ggml(kind, rows, cols, &mut rng);
+            let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
+            let x: Vec<f32> = (0..16 * cols).map(|_| rng.unit()).collect();
+            let mut alone = vec![0f32; 16 * rows];
+            for i in 0..16 {
+                let out = &mut alone[i * rows..(i + 1) * rows];
+                qm.matmul_int8(tier, &x[i * cols..(i + 1) * cols], 1, out)
+                    .unwrap();
+            }
+            for m in 1..=16 {
+                let mut y = vec![0f32; m * rows];
+                qm.matmul_int8(tier, &x[..m * cols], m, &mut y).unwrap();
+                for (k, (a, b)) in y.iter().zip(&alone).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{tier} {kind:?} batch {m}: row {} output {}",
+                        k / rows,
+                        k % rows
+                    );
+                }
+            }
+        }
+    }
 }
