@@ -12,8 +12,7 @@ use leyline_kernels::gemm::gemm_into;
 use leyline_kernels::mem::HugeBuf;
 use leyline_kernels::panel::Panels;
 use leyline_kernels::pool::SpinPool;
-use leyline_kernels::qmatmul::{GgmlKind, QMatrix};
-use leyline_kernels::Tier;
+use leyline_kernels::qmatmul::QMatrix;
 
 /// A linear layer `y = x W^T + b`.
 pub struct Linear {
@@ -68,18 +67,84 @@ impl F32Weight {
     }
 }
 
-/// Rows at or below this count run the quantized few-row kernels
-/// ([`QMatrix::matmul_concat`]), more rows the dequantize-then-gemm product
-/// ([`QMatrix::matmul_wide`]). With AVX-512 the few-row kernels broadcast weights against
-/// 16-32 activation rows at a time and beat gemm on f32 weights up to 96 rows (SmolLM2-135M,
-/// 2 threads: 64 / 96 / 128 tokens at 695-705 / 700-714 / 676-727 tok/s against 373-400 /
-/// 462-480 / 679-741); elsewhere their dot-product tiles crossed over near 32 rows. The
-/// bound is that of the tier the kind's products take ([`GgmlKind::best_tier`]).
-pub(crate) fn quantized_max_rows(kind: GgmlKind) -> usize {
-    if kind.best_tier() == Tier::Avx512 {
-        96
-    } else {
-        32
+/// A sequence that brings at most this many rows to a batch runs them through the quantized
+/// few-row kernels ([`QMatrix::matmul_concat`]: from the AVX2 tier up the integer kernels on
+/// 8-bit activations, below it the portable f32 ones); more rows take the
+/// dequantize-then-gemm product ([`QMatrix::matmul_wide`]). 32: where the f32 dot-product
+/// tiles crossed over with gemm (their AVX-512 broadcast tiles, no longer used, reached 96
+/// rows on SmolLM2-135M).
+pub const FEW_ROWS: usize = 32;
+
+/// Which rows of a batch's products take the few-row kernels and which the wide product.
+///
+/// Design decision: the choice is made per sequence, by the rows it brings, not by the
+/// batch's total: a sequence's rows then take the same kernels alone and batched with
+/// others, and the few-row kernels compute each row on its own (each activation row
+/// quantized alone, the same instructions per row whatever the batch), so a sequence decoded
+/// in a batch computes the bits it computes alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowSplit {
+    few: Vec<usize>,
+    wide: Vec<usize>,
+}
+
+impl RowSplit {
+    /// `m` rows of one sequence (or of callers that do not batch).
+    pub fn uniform(m: usize) -> Self {
+        if m <= FEW_ROWS {
+            Self {
+                few: (0..m).collect(),
+                wide: Vec::new(),
+            }
+        } else {
+            Self {
+                few: Vec::new(),
+                wide: (0..m).collect(),
+            }
+        }
+    }
+
+    /// Consecutive groups of rows, one per sequence: `(rows in the product, rows the
+    /// sequence brings to the batch)`; a group goes by the second.
+    pub fn by_sequence(groups: impl IntoIterator<Item = (usize, usize)>) -> Self {
+        let (mut few, mut wide) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        for (rows, brings) in groups {
+            let side = if brings <= FEW_ROWS {
+                &mut few
+            } else {
+                &mut wide
+            };
+            side.extend(at..at + rows);
+            at += rows;
+        }
+        Self { few, wide }
+    }
+
+    /// Rows in all.
+    pub fn len(&self) -> usize {
+        self.few.len() + self.wide.len()
+    }
+
+    /// Whether there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Rows `idx` of `x: [.., width]`, in that order.
+fn gather(x: &[f32], width: usize, idx: &[usize]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(idx.len() * width);
+    for &i in idx {
+        out.extend_from_slice(&x[i * width..(i + 1) * width]);
+    }
+    out
+}
+
+/// Puts row `k` of `src: [idx.len(), width]` at row `idx[k]` of `y`.
+fn scatter(src: &[f32], width: usize, idx: &[usize], y: &mut [f32]) {
+    for (k, &i) in idx.iter().enumerate() {
+        y[i * width..(i + 1) * width].copy_from_slice(&src[k * width..(k + 1) * width]);
     }
 }
 
@@ -227,21 +292,40 @@ impl Linear {
     }
 
     /// `y: [m, out] = x: [m, in] W^T + b`: quantized weights through the few-row kernels up
-    /// to [`quantized_max_rows`] rows, the wide product above; f32 weights through gemm.
+    /// to [`FEW_ROWS`] rows, the wide product above; f32 weights through gemm.
     /// Products run on the global [`SpinPool`] (gemm: rayon's pool).
     ///
     /// # Errors
     /// Wrong lengths of `x` or `y`.
     pub fn forward_rows(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+        self.forward_split(x, &RowSplit::uniform(m), y)
+    }
+
+    /// [`Self::forward_rows`] with the rows' kernels chosen by `split` (per sequence).
+    ///
+    /// # Errors
+    /// Wrong lengths of `x` or `y`.
+    pub fn forward_split(&self, x: &[f32], split: &RowSplit, y: &mut [f32]) -> Result<()> {
+        let m = split.len();
         self.check_lengths(x, m, y)?;
         match &self.w {
             Weight::Quant(q) => {
                 let mats: Vec<&QMatrix> = q.iter().collect();
                 let pool = SpinPool::global();
-                if q.iter().all(|p| m <= quantized_max_rows(p.kind())) {
+                if split.wide.is_empty() {
                     QMatrix::matmul_concat(pool, x, m, &mats, y);
-                } else {
+                } else if split.few.is_empty() {
                     QMatrix::matmul_wide(pool, x, m, &mats, y);
+                } else {
+                    let (nf, nw) = (split.few.len(), split.wide.len());
+                    let mut yf = vec![0f32; nf * self.out];
+                    let xf = gather(x, self.inp, &split.few);
+                    QMatrix::matmul_concat(pool, &xf, nf, &mats, &mut yf);
+                    scatter(&yf, self.out, &split.few, y);
+                    let mut yw = vec![0f32; nw * self.out];
+                    let xw = gather(x, self.inp, &split.wide);
+                    QMatrix::matmul_wide(pool, &xw, nw, &mats, &mut yw);
+                    scatter(&yw, self.out, &split.wide, y);
                 }
             }
             Weight::F32(w) => w.matmul(self.out, self.inp, x, m, y)?,
@@ -355,6 +439,14 @@ impl FusedLinear {
     /// Wrong lengths of `x` or `y`.
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         self.0.forward_rows(x, m, y)
+    }
+
+    /// [`Self::forward`] with the rows' kernels chosen by `split` (per sequence).
+    ///
+    /// # Errors
+    /// Wrong lengths of `x` or `y`.
+    pub fn forward_split(&self, x: &[f32], split: &RowSplit, y: &mut [f32]) -> Result<()> {
+        self.0.forward_split(x, split, y)
     }
 }
 
@@ -512,6 +604,16 @@ mod tests {
         assert!(owned.forward_rows(&values(inp, 9), 2, &mut y).is_err());
     }
 
+    /// `x: [m, inp]` as a quantized product of `m` rows reads it: rounded to 8 bits per
+    /// block on the few-row (integer) path, as is on the wide one.
+    fn reads(x: &[f32], m: usize, inp: usize) -> Vec<f32> {
+        if m <= FEW_ROWS {
+            leyline_kernels::qmatmul::as_few_rows_read(x, inp)
+        } else {
+            x.to_vec()
+        }
+    }
+
     #[test]
     fn fused_parts_match_a_scalar_reference_on_both_paths() {
         // Q8_0 parts (widths of 32) so both the quantized path (m <= 32 or 96) and the GEMM run, on
@@ -542,6 +644,7 @@ mod tests {
             let x = values(m * inp, 30 + m as u64);
             let mut y = vec![f32::NAN; m * width];
             fused.forward(&x, m, &mut y).unwrap();
+            let x = reads(&x, m, inp);
             let mut col = 0;
             for ((w, b), &out) in refs.iter().zip(&outs) {
                 let want = reference(w, b, &x, m, out, inp);
@@ -600,7 +703,7 @@ mod tests {
                 let x = values(m * inp, 50 + m as u64);
                 let mut y = vec![f32::NAN; m * out];
                 layer.forward_rows(&x, m, &mut y).unwrap();
-                let want = reference(&wv, &vec![0.0; out], &x, m, out, inp);
+                let want = reference(&wv, &vec![0.0; out], &reads(&x, m, inp), m, out, inp);
                 for (j, (&got, &exp)) in y.iter().zip(&want).enumerate() {
                     assert!(
                         (f64::from(got) - exp).abs() <= 1e-5 * (1.0 + exp.abs()),
@@ -617,6 +720,7 @@ mod tests {
         let x = values(inp, 60);
         let mut y = vec![f32::NAN; width];
         fused.forward(&x, 1, &mut y).unwrap();
+        let x = reads(&x, 1, inp);
         for (p, w) in refs.iter().enumerate() {
             let want = reference(w, &vec![0.0; out], &x, 1, out, inp);
             for (j, &exp) in want.iter().enumerate() {

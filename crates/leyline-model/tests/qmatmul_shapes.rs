@@ -90,6 +90,13 @@ fn matmul_concat_splits_rows_across_threads_correctly() {
             let xs2: Vec<f32> = x2.flatten_all().unwrap().to_vec1().unwrap();
             let mut y2 = vec![f32::NAN; m * 13];
             QMatrix::matmul_concat(&pool, &xs2, m, &[&mats[2].0], &mut y2);
+            // The products read the activations as the few-row path rounds them.
+            let read = |t: &Tensor, cols: usize| {
+                let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+                let r = leyline_kernels::qmatmul::as_few_rows_read(&v, cols);
+                Tensor::from_vec(r, (m, cols), &Device::Cpu).unwrap()
+            };
+            let (x, x2) = (read(&x, 576), read(&x2, 64));
             for (got, (input, wd)) in [
                 (&y0, (&x, &mats[0].1)),
                 (&y1, (&x, &mats[1].1)),

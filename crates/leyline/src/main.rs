@@ -79,10 +79,11 @@ pub struct ModelArgs {
     /// times that, room for several sessions).
     #[arg(long)]
     pub kv_slots: Option<usize>,
-    /// Decode steps of one sequence multiply on 8-bit activations (AVX2 integer dot
-    /// products, as llama.cpp does): faster decode (Qwen2.5-Coder-0.5B: about 1.4x), logits
-    /// within about 0.2 of the f32 path's, and a sequence's tokens may then differ between
-    /// running alone and batched with others.
+    /// Products of a sequence's few rows (decode steps, prompts up to 32 tokens) multiply on
+    /// 8-bit activations (integer dot products, as llama.cpp does; AVX-512 VNNI where the CPU
+    /// has it): faster decode, logits within about 0.3 of the f32 path's. Each sequence
+    /// computes the same bits alone or batched; a prompt whose head is cached may answer
+    /// otherwise than the whole prompt computed afresh.
     #[arg(long)]
     pub int8_decode: bool,
 }
@@ -294,14 +295,14 @@ fn fetch_with_progress(m: &registry::KnownModel) -> Result<PathBuf> {
 /// Resolves `--model` or the default model (fetching it on first use) and loads it with its
 /// tokenizer; a checkpoint directory (no tokenizer) is a one-line error.
 pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
-    leyline_kernels::qmatmul::set_int8_decode(args.int8_decode);
+    leyline_kernels::qmatmul::set_int8(args.int8_decode);
     Ok(leyline_model::load_with_tokenizer(&model_path(args)?)?)
 }
 
 /// Resolves `--model` like [`load_model`] and loads whatever it names: a GGUF file with its
 /// tokenizer, or a DeepSeek-V2 checkpoint directory without one.
 pub fn load_any_model(args: &ModelArgs) -> Result<AnyModel> {
-    leyline_kernels::qmatmul::set_int8_decode(args.int8_decode);
+    leyline_kernels::qmatmul::set_int8(args.int8_decode);
     Ok(leyline_model::load_model_path(&model_path(args)?)?)
 }
 

@@ -2,16 +2,16 @@
 //!
 //! Design decision: the tensor library's per-op cost (allocation, layout bookkeeping, copies)
 //! outweighed the arithmetic at decode shapes and cost several percent at prefill shapes.
-//! Activations live in `Vec<f32>` buffers; each projection picks its kernel by row count
-//! ([`crate::linear::Linear::forward_rows`], [`crate::linear::FusedLinear::forward`]: the
-//! quantized weights through the spinning [`SpinPool`] for a few rows, Q/K/V and gate/up
-//! sharing one dispatch; above that one gemm on the f32 weights, Q/K/V and gate/up
-//! concatenated into one product each), and attention reads the pool's key and value rows in
-//! place.
+//! Activations live in `Vec<f32>` buffers; each sequence's rows take the kernels its own
+//! size picks ([`crate::linear::RowSplit`]: up to [`crate::linear::FEW_ROWS`] rows the
+//! quantized few-row kernels through the spinning [`SpinPool`], Q/K/V and gate/up sharing
+//! one dispatch; above that one gemm on dequantized chunks), so that a sequence computes the
+//! same bits alone and batched; attention reads the pool's key and value rows in place.
 
 use super::attend;
 use super::Llama;
 use crate::error::Result;
+use crate::linear::RowSplit;
 use crate::{ForwardSeq, Ran};
 use leyline_kernels::attend::{Heads, Queries};
 use leyline_kernels::fastmath::silu_mul;
@@ -73,10 +73,19 @@ impl Llama {
             kv_heads: kvh,
             head_dim: hd,
         };
+        // On 8-bit activations each sequence's rows take the kernels its own size picks
+        // (batch invariance); on f32 ones the batch's size picks, as the paths differ by float
+        // noise only.
+        let int8 = leyline_kernels::qmatmul::few_rows_in_int8();
+        let split = if int8 {
+            RowSplit::by_sequence(seqs.iter().map(|s| (s.tokens.len(), s.tokens.len())))
+        } else {
+            RowSplit::uniform(n)
+        };
         let mut plan = attend::Plan::new(seqs, shape, &self.cfg.rope, pool.threads());
         for (li, b) in self.blocks.iter().enumerate() {
             rms_norm(&x, &b.attn_norm_vals, eps, &mut xn);
-            b.qkv.forward(&xn, n, &mut qkv)?;
+            b.qkv.forward_split(&xn, &split, &mut qkv)?;
             // Queries and keys are the first h + kvh heads of a row.
             self.apply_rope(&mut qkv, qkv_w, h + kvh, &cos, &sin);
             if let Some((layer, cached)) = stop.filter(|&(layer, _)| layer == li) {
@@ -95,12 +104,12 @@ impl Llama {
                 stride: qkv_w,
             };
             attend::attend(pool, kv, li, q, &mut plan, &mut att);
-            b.o.forward_rows(&att, n, &mut y)?;
+            b.o.forward_split(&att, &split, &mut y)?;
             add_into(&mut x, &y);
             rms_norm(&x, &b.ffn_norm_vals, eps, &mut xn);
-            b.gate_up.forward(&xn, n, &mut gate_up)?;
+            b.gate_up.forward_split(&xn, &split, &mut gate_up)?;
             silu_mul(&gate_up, ffn, &mut act);
-            b.down.forward_rows(&act, n, &mut y)?;
+            b.down.forward_split(&act, &split, &mut y)?;
             add_into(&mut x, &y);
         }
         let (rows, counts) = crate::logit_rows(seqs);
@@ -114,7 +123,12 @@ impl Llama {
             rms_norm(&x[r * hid..(r + 1) * hid], &self.norm_vals, eps, dst);
         }
         let mut logits = vec![0f32; m * self.info.vocab_size];
-        self.lm_head.forward_rows(&xs, m, &mut logits)?;
+        let head_split = if int8 {
+            RowSplit::by_sequence(counts.iter().zip(seqs).map(|(&c, s)| (c, s.tokens.len())))
+        } else {
+            RowSplit::uniform(m)
+        };
+        self.lm_head.forward_split(&xs, &head_split, &mut logits)?;
         Ok(Ran::Logits(crate::split_logits(
             &logits,
             &counts,
