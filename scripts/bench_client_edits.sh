@@ -7,7 +7,12 @@
 # previous request of the conversation did not hold, counted by the server's tokenizer,
 # with ChatML's 5 framing tokens each and the 3 of the generation prompt).
 #
-#   scripts/bench_client_edits.sh [--pairs N] [--model NAME] RECORDING.jsonl...
+# --llamacpp adds a third arm to each round: llama.cpp's `llama-server` (built by
+# scripts/side_by_side.sh) on the same GGUF, 2 threads, one slot, its prefix cache as it
+# comes (extra flags in $LLAMACPP_ARGS, e.g. "--cache-reuse 256"); its prefilled tokens are
+# the prompt less its cached ones.
+#
+#   scripts/bench_client_edits.sh [--pairs N] [--model NAME] [--llamacpp] RECORDING.jsonl...
 #
 # Recordings of Claude Code or Codex hold their vendors' prompts: keep them out of the
 # repository (make them as BENCHMARKS.md "Claude Code and Codex" says).
@@ -16,15 +21,17 @@ cd "$(dirname "$0")/.."
 
 pairs=5
 model=qwen2.5-coder-0.5b
+arms=(default prefix)
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --pairs) pairs=$2; shift 2 ;;
         --model) model=$2; shift 2 ;;
-        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --llamacpp) arms+=(llamacpp); shift ;;
+        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) break ;;
     esac
 done
-[[ $# -ge 1 ]] || { echo "usage: $0 [--pairs N] [--model NAME] RECORDING.jsonl..." >&2; exit 2; }
+[[ $# -ge 1 ]] || { echo "usage: $0 [--pairs N] [--model NAME] [--llamacpp] RECORDING.jsonl..." >&2; exit 2; }
 
 bin=target/release/leyline
 [[ -x $bin ]] || cargo build --release -p leyline
@@ -34,6 +41,21 @@ base=http://127.0.0.1:$port
 pid=
 stop() { [[ -n $pid ]] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true; pid=; }
 trap stop EXIT
+llama=
+if [[ " ${arms[*]} " == *" llamacpp "* ]]; then
+    # shellcheck source=scripts/side_by_side.sh
+    source scripts/side_by_side.sh
+    llama=$(llamacpp_bin llama-server)
+    gguf=$("$bin" model fetch "$model" | tail -n 1 | awk '{print $NF}')
+fi
+start_llamacpp() {
+    # shellcheck disable=SC2086
+    "$llama" -m "$gguf" --host 127.0.0.1 --port "$port" -c 40000 -t 2 -np 1 --jinja \
+        ${LLAMACPP_ARGS:-} > "$out/llama-server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 600); do curl -sf "$base/health" > /dev/null && return; sleep 0.2; done
+    echo "llama-server did not start: $out/llama-server.log" >&2; exit 1
+}
 start() {
     "$bin" serve --model "$model" --addr "127.0.0.1:$port" --kv-slots 40000 \
         --max-output-tokens 256 > "$out/serve.log" 2>&1 &
@@ -45,8 +67,8 @@ start() {
 for i in $(seq 1 "$pairs"); do
     for rec in "$@"; do
         name=$(basename "$rec" .jsonl)
-        for arm in default prefix; do
-            start
+        for arm in "${arms[@]}"; do
+            if [[ $arm == llamacpp ]]; then start_llamacpp; else start; fi
             header=()
             [[ $arm == prefix ]] && header=(--header-mode prefix)
             echo "pair $i: $name, $arm" >&2
@@ -58,9 +80,9 @@ for i in $(seq 1 "$pairs"); do
 done
 
 start
-python3 - "$out" "$base" "$pairs" "$@" <<'EOF'
+python3 - "$out" "$base" "$pairs" "${arms[*]}" "$@" <<'EOF'
 import json, statistics, sys, urllib.request
-out, base, pairs, recs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+out, base, pairs, arms, recs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(), sys.argv[5:]
 
 def tokens(text):
     body = json.dumps({"model": MODEL, "prompt": text or " ", "max_tokens": 1}).encode()
@@ -85,8 +107,12 @@ for rec in recs:
     name = rec.rsplit("/", 1)[-1][: -len(".jsonl")]
     lines = [json.loads(l) for l in open(rec)]
     runs = {arm: [json.load(open(f"{out}/{name}-{arm}-{i}.json"))["turns"] for i in range(1, pairs + 1)]
-            for arm in ("default", "prefix")}
-    print(f"\n{name}: {pairs} pairs, medians (per-pair ratio default / prefix)\n")
+            for arm in arms}
+    for r in runs.get("llamacpp", []):
+        for turn in r:
+            if turn.get("prompt_tokens") is not None and turn.get("cached_tokens") is not None:
+                turn["tokens_prefilled"] = turn["prompt_tokens"] - turn["cached_tokens"]
+    print(f"\n{name}: {pairs} rounds, medians (per-round ratios of E2E to the prefix arm)\n")
     print("| turn | floor | arm | prompt | cached | prefilled | prefilled / floor | spliced | E2E s |")
     print("|---:|---:|---|---:|---:|---:|---:|---|---:|")
     for t, turn in enumerate(runs["default"][0]):
@@ -95,14 +121,17 @@ for rec in recs:
         seen = set(messages(lines[t - 1]["body"])) if t else set()
         floor = 3 + sum(5 + tokens(text) for role, text in messages(lines[t]["body"]) if (role, text) not in seen)
         e2e = {}
-        for arm in ("default", "prefix"):
-            col = lambda k: statistics.median(r[t][k] for r in runs[arm])
+        for arm in arms:
+            col = lambda k: statistics.median(r[t][k] or 0 for r in runs[arm])
             e2e[arm] = [r[t]["e2e_s"] for r in runs[arm]]
             spliced = sum(bool(r[t]["spliced"]) for r in runs[arm])
             print(f"| {t} | {floor} | {arm} | {col('prompt_tokens'):.0f} | {col('cached_tokens'):.0f} | "
                   f"{col('tokens_prefilled'):.0f} | {col('tokens_prefilled') / floor:.2f} | {spliced}/{pairs} | "
                   f"{col('e2e_s'):.3f} |")
-        ratios = [d / p for d, p in zip(e2e["default"], e2e["prefix"])]
-        print(f"| {t} | | default / prefix E2E | | | | | | {statistics.median(ratios):.2f} "
-              f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+        for arm in arms:
+            if arm == "prefix":
+                continue
+            ratios = [d / p for d, p in zip(e2e[arm], e2e["prefix"])]
+            print(f"| {t} | | {arm} / prefix E2E | | | | | | {statistics.median(ratios):.2f} "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}) |")
 EOF
