@@ -306,135 +306,130 @@ class Api:
             r.leyline = r.body.get("leyline")
         return r
 
-    def _stream(self, body, key):
-        route = "/v1/chat/completions"
+    def _sse(self, route, body, key, extra, on_data):
+        """POSTs `body` to `route` and feeds each `data:` payload of a 200 stream to `on_data`
+        (bytes; it returns True to stop reading). Returns `(resp, seconds, headers)`: `resp`
+        is the recorded answer when there was no 200 stream (another status, a timeout, a
+        lost connection, a payload `on_data` could not parse), else None and the caller
+        records the stream's outcome."""
         t0 = time.perf_counter()
         conn = self._conn()
-        parts, usage, leyline, error, done = [], None, None, None, False
+        headers = {}
         try:
-            conn.request("POST", route, body=json.dumps(body).encode(), headers=self._headers(key))
+            conn.request("POST", route, body=json.dumps(body).encode(),
+                         headers={**self._headers(key), **extra})
             resp = conn.getresponse()
             headers = {k.lower(): v for k, v in resp.getheaders()}
             if resp.status != 200:
                 raw = resp.read()
                 dt = time.perf_counter() - t0
                 self.stats.record(route, resp.status, dt)
-                return Resp(resp.status, parse_body(raw), dt, headers)
+                return Resp(resp.status, parse_body(raw), dt, headers), dt, headers
             while True:
                 line = resp.readline()
                 if not line:
                     break
                 line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
+                if line.startswith(b"data:") and on_data(line[5:].strip()):
                     break
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    error = chunk["error"]
-                    continue
-                for c in chunk.get("choices") or []:
-                    parts.append((c.get("delta") or {}).get("content") or "")
-                usage = chunk.get("usage") or usage
-                leyline = chunk.get("leyline") or leyline
         except socket.timeout:
             self.stats.record(route, "timeout", None)
-            return Resp("timeout", seconds=time.perf_counter() - t0)
+            return Resp("timeout", seconds=time.perf_counter() - t0), None, headers
         except (OSError, http.client.HTTPException, ValueError) as e:
             self.stats.record(route, "conn_error", None)
-            return Resp("conn_error", body=str(e), seconds=time.perf_counter() - t0)
+            return (Resp("conn_error", body=str(e), seconds=time.perf_counter() - t0), None,
+                    headers)
         finally:
             conn.close()
-        dt = time.perf_counter() - t0
+        return None, time.perf_counter() - t0, headers
+
+    def _stream(self, body, key):
+        route = "/v1/chat/completions"
+        st = {"parts": [], "usage": None, "leyline": None, "error": None, "done": False}
+
+        def on_data(payload):
+            if payload == b"[DONE]":
+                st["done"] = True
+                return True
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                st["error"] = chunk["error"]
+                return False
+            for c in chunk.get("choices") or []:
+                st["parts"].append((c.get("delta") or {}).get("content") or "")
+            st["usage"] = chunk.get("usage") or st["usage"]
+            st["leyline"] = chunk.get("leyline") or st["leyline"]
+            return False
+
+        early, dt, headers = self._sse(route, body, key, {}, on_data)
+        if early is not None:
+            return early
+        error = st["error"]
         if error is not None:
             status = f"sse:{error.get('code') if isinstance(error, dict) else None}"
-        elif not done or usage is None:
+        elif not st["done"] or st["usage"] is None:
             status = "stream_cut"
         else:
             status = 200
         self.stats.record(route, status, dt)
         r = Resp(status, {"error": error} if error else None, dt, headers)
-        r.text, r.usage, r.leyline = "".join(parts), usage, leyline
+        r.text, r.usage, r.leyline = "".join(st["parts"]), st["usage"], st["leyline"]
         return r
 
     def post_api(self, route, body, key, headers=None, stream=False):
         """A Messages or Responses request; on 200 `usage` and `leyline` are filled in (for a
         stream, from its final events: `message_delta` / `response.completed` or
-        `.incomplete`). A stream's
-        error event gives status `sse:TYPE` (Messages) or `sse:CODE` (Responses); one that
-        ends without its final event, `stream_cut`."""
+        `.incomplete`). A stream's error event gives status `sse:TYPE` (Messages) or
+        `sse:CODE` (Responses); one that ends without its final event, `stream_cut`."""
         extra = dict(headers or {})
         if not stream:
             r = self.request("POST", route, body, key, extra_headers=extra)
             if r.ok and isinstance(r.body, dict):
                 r.usage, r.leyline = r.body.get("usage"), r.body.get("leyline")
             return r
-        t0 = time.perf_counter()
-        conn = self._conn()
-        final = "message_stop" if route == "/v1/messages" else "response.completed"
-        usage, leyline, error, done, body_out = {}, None, None, False, None
-        try:
-            conn.request("POST", route, body=json.dumps(body).encode(),
-                         headers={**self._headers(key), **extra})
-            resp = conn.getresponse()
-            headers_in = {k.lower(): v for k, v in resp.getheaders()}
-            if resp.status != 200:
-                raw = resp.read()
-                dt = time.perf_counter() - t0
-                self.stats.record(route, resp.status, dt)
-                return Resp(resp.status, parse_body(raw), dt, headers_in)
-            while True:
-                line = resp.readline()
-                if not line:
-                    break
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                ev = json.loads(line[5:].strip())
-                kind = ev.get("type")
-                if kind == "error":
-                    e = ev.get("error") or ev
-                    error = e.get("type") or e.get("code") or "unknown"
-                    if route != "/v1/messages":
-                        error = e.get("code") or error
-                elif kind == "response.failed":
-                    error = ((ev.get("response") or {}).get("error") or {}).get("code") or "failed"
-                elif kind == "message_start":
-                    usage.update((ev.get("message") or {}).get("usage") or {})
-                    body_out = {"content": []}
-                elif kind == "content_block_start" and body_out is not None:
-                    body_out["content"].append(dict(ev.get("content_block") or {}))
-                elif kind == "content_block_delta" and body_out and body_out["content"]:
-                    block, d = body_out["content"][-1], ev.get("delta") or {}
-                    if d.get("type") == "text_delta":
-                        block["text"] = block.get("text", "") + d.get("text", "")
-                    elif d.get("type") == "input_json_delta":
-                        block["partial"] = block.get("partial", "") + d.get("partial_json", "")
-                elif kind == "message_delta":
-                    usage.update(ev.get("usage") or {})
-                    leyline = ev.get("leyline") or leyline
-                elif kind in ("response.completed", "response.incomplete"):
-                    body_out = ev.get("response") or {}
-                    usage = body_out.get("usage") or {}
-                    leyline = body_out.get("leyline")
-                if kind == final or kind == "response.incomplete":
-                    done = True
-                    break
-        except socket.timeout:
-            self.stats.record(route, "timeout", None)
-            return Resp("timeout", seconds=time.perf_counter() - t0)
-        except (OSError, http.client.HTTPException, ValueError) as e:
-            self.stats.record(route, "conn_error", None)
-            return Resp("conn_error", body=str(e), seconds=time.perf_counter() - t0)
-        finally:
-            conn.close()
-        dt = time.perf_counter() - t0
-        status = f"sse:{error}" if error else (200 if done else "stream_cut")
+        messages = route == "/v1/messages"
+        st = {"usage": {}, "leyline": None, "error": None, "done": False, "body": None}
+
+        def on_data(payload):
+            ev = json.loads(payload)
+            kind = ev.get("type")
+            if kind == "error":
+                e = ev.get("error") or ev
+                st["error"] = ((e.get("type") if messages else e.get("code"))
+                               or e.get("type") or e.get("code") or "unknown")
+            elif kind == "response.failed":
+                st["error"] = ((ev.get("response") or {}).get("error") or {}).get("code") or "failed"
+            elif kind == "message_start":
+                st["usage"].update((ev.get("message") or {}).get("usage") or {})
+                st["body"] = {"content": []}
+            elif kind == "content_block_start" and st["body"] is not None:
+                st["body"]["content"].append(dict(ev.get("content_block") or {}))
+            elif kind == "content_block_delta" and st["body"] and st["body"]["content"]:
+                block, d = st["body"]["content"][-1], ev.get("delta") or {}
+                if d.get("type") == "text_delta":
+                    block["text"] = block.get("text", "") + d.get("text", "")
+                elif d.get("type") == "input_json_delta":
+                    block["partial"] = block.get("partial", "") + d.get("partial_json", "")
+            elif kind == "message_delta":
+                st["usage"].update(ev.get("usage") or {})
+                st["leyline"] = ev.get("leyline") or st["leyline"]
+            elif kind in ("response.completed", "response.incomplete"):
+                st["body"] = ev.get("response") or {}
+                st["usage"] = st["body"].get("usage") or {}
+                st["leyline"] = st["body"].get("leyline")
+            if kind in ("message_stop", "response.completed", "response.incomplete"):
+                st["done"] = True
+                return True
+            return False
+
+        early, dt, headers_in = self._sse(route, body, key, extra, on_data)
+        if early is not None:
+            return early
+        error = st["error"]
+        status = f"sse:{error}" if error else (200 if st["done"] else "stream_cut")
         self.stats.record(route, status, dt)
-        r = Resp(status, body_out, dt, headers_in)
-        r.usage, r.leyline = usage, leyline
+        r = Resp(status, st["body"], dt, headers_in)
+        r.usage, r.leyline = st["usage"], st["leyline"]
         return r
 
     def disconnect(self, body, key, events):

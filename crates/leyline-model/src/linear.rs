@@ -83,24 +83,27 @@ pub const FEW_ROWS: usize = 32;
 /// quantized alone, the same instructions per row whatever the batch), so a sequence decoded
 /// in a batch computes the bits it computes alone.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RowSplit {
-    few: Vec<usize>,
-    wide: Vec<usize>,
+pub enum RowSplit {
+    /// All `m` rows through the few-row kernels.
+    Few(usize),
+    /// All `m` rows through the wide product.
+    Wide(usize),
+    /// Some of each: the row indices of each side.
+    Mixed {
+        /// Rows through the few-row kernels.
+        few: Vec<usize>,
+        /// Rows through the wide product.
+        wide: Vec<usize>,
+    },
 }
 
 impl RowSplit {
     /// `m` rows of one sequence (or of callers that do not batch).
     pub fn uniform(m: usize) -> Self {
         if m <= FEW_ROWS {
-            Self {
-                few: (0..m).collect(),
-                wide: Vec::new(),
-            }
+            Self::Few(m)
         } else {
-            Self {
-                few: Vec::new(),
-                wide: (0..m).collect(),
-            }
+            Self::Wide(m)
         }
     }
 
@@ -118,12 +121,19 @@ impl RowSplit {
             side.extend(at..at + rows);
             at += rows;
         }
-        Self { few, wide }
+        match (few.is_empty(), wide.is_empty()) {
+            (_, true) => Self::Few(few.len()),
+            (true, false) => Self::Wide(wide.len()),
+            (false, false) => Self::Mixed { few, wide },
+        }
     }
 
     /// Rows in all.
     pub fn len(&self) -> usize {
-        self.few.len() + self.wide.len()
+        match self {
+            Self::Few(m) | Self::Wide(m) => *m,
+            Self::Mixed { few, wide } => few.len() + wide.len(),
+        }
     }
 
     /// Whether there are no rows.
@@ -312,20 +322,20 @@ impl Linear {
             Weight::Quant(q) => {
                 let mats: Vec<&QMatrix> = q.iter().collect();
                 let pool = SpinPool::global();
-                if split.wide.is_empty() {
-                    QMatrix::matmul_concat(pool, x, m, &mats, y);
-                } else if split.few.is_empty() {
-                    QMatrix::matmul_wide(pool, x, m, &mats, y);
-                } else {
-                    let (nf, nw) = (split.few.len(), split.wide.len());
-                    let mut yf = vec![0f32; nf * self.out];
-                    let xf = gather(x, self.inp, &split.few);
-                    QMatrix::matmul_concat(pool, &xf, nf, &mats, &mut yf);
-                    scatter(&yf, self.out, &split.few, y);
-                    let mut yw = vec![0f32; nw * self.out];
-                    let xw = gather(x, self.inp, &split.wide);
-                    QMatrix::matmul_wide(pool, &xw, nw, &mats, &mut yw);
-                    scatter(&yw, self.out, &split.wide, y);
+                match split {
+                    RowSplit::Few(_) => QMatrix::matmul_concat(pool, x, m, &mats, y),
+                    RowSplit::Wide(_) => QMatrix::matmul_wide(pool, x, m, &mats, y),
+                    RowSplit::Mixed { few, wide } => {
+                        let (nf, nw) = (few.len(), wide.len());
+                        let mut yf = vec![0f32; nf * self.out];
+                        let xf = gather(x, self.inp, few);
+                        QMatrix::matmul_concat(pool, &xf, nf, &mats, &mut yf);
+                        scatter(&yf, self.out, few, y);
+                        let mut yw = vec![0f32; nw * self.out];
+                        let xw = gather(x, self.inp, wide);
+                        QMatrix::matmul_wide(pool, &xw, nw, &mats, &mut yw);
+                        scatter(&yw, self.out, wide, y);
+                    }
                 }
             }
             Weight::F32(w) => w.matmul(self.out, self.inp, x, m, y)?,
@@ -602,6 +612,24 @@ mod tests {
         }
         let mut y = vec![0f32; 2 * out];
         assert!(owned.forward_rows(&values(inp, 9), 2, &mut y).is_err());
+    }
+
+    #[test]
+    fn rows_go_by_their_sequence_not_the_batch() {
+        assert_eq!(RowSplit::uniform(FEW_ROWS), RowSplit::Few(FEW_ROWS));
+        assert_eq!(
+            RowSplit::uniform(FEW_ROWS + 1),
+            RowSplit::Wide(FEW_ROWS + 1)
+        );
+        // Thirty sequences of two rows: 60 rows, all few-row ones.
+        assert_eq!(RowSplit::by_sequence(vec![(2, 2); 30]), RowSplit::Few(60));
+        // A 40-row prefill between two decode rows; its head rows (1 of 40) go wide too.
+        let s = RowSplit::by_sequence([(1, 1), (40, 40), (1, 1)]);
+        let few = vec![0, 41];
+        let wide: Vec<usize> = (1..41).collect();
+        assert_eq!(s, RowSplit::Mixed { few, wide });
+        assert_eq!(RowSplit::by_sequence([(1, 40)]), RowSplit::Wide(1));
+        assert_eq!(s.len(), 42);
     }
 
     /// `x: [m, inp]` as a quantized product of `m` rows reads it: rounded to 8 bits per

@@ -52,19 +52,29 @@ fn free_port() -> u16 {
     l.local_addr().expect("its address").port()
 }
 
-/// A GET on the server: the body of a 200, else `None`.
-fn get(addr: &str, path: &str) -> Option<String> {
+/// One request on the server (`Connection: close`): the status and the body, `None` when
+/// the server cannot be reached or answers no HTTP.
+fn http(addr: &str, method: &str, path: &str, body: Option<&Value>) -> Option<(u16, String)> {
     let mut s = std::net::TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(600))).ok()?;
+    let data = body.map(Value::to_string).unwrap_or_default();
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         anthropic-version: 2023-06-01\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{data}",
+        data.len()
     )
     .ok()?;
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
     let (head, body) = text.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.1 200").then(|| body.to_string())
+    let status = head.split(' ').nth(1)?.parse().ok()?;
+    Some((status, body.to_string()))
+}
+
+/// A GET on the server: the body of a 200, else `None`.
+fn get(addr: &str, path: &str) -> Option<String> {
+    http(addr, "GET", path, None).and_then(|(status, body)| (status == 200).then_some(body))
 }
 
 fn start_server(dir: &Path) -> Server {
@@ -217,26 +227,8 @@ fn run(what: &str, cmd: &mut Command, limit: Duration) -> Output {
 
 /// A POST of JSON on the server: the status and the body parsed.
 fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(600)))
-        .expect("timeout");
-    let data = body.to_string();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         anthropic-version: 2023-06-01\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{data}",
-        data.len()
-    )
-    .expect("send");
-    let mut text = String::new();
-    s.read_to_string(&mut text).expect("read");
-    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .expect("a status");
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    let (status, text) = http(addr, "POST", path, Some(body)).expect("an HTTP answer");
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
 }
 
 /// The model's decision to call a tool on a recorded request: the request is sent again,
