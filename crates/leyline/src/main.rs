@@ -79,11 +79,14 @@ pub struct ModelArgs {
     /// times that, room for several sessions).
     #[arg(long)]
     pub kv_slots: Option<usize>,
-    /// Products of a sequence's few rows (decode steps, prompts up to 32 tokens) multiply on
-    /// 8-bit activations (integer dot products, as llama.cpp does; AVX-512 VNNI where the CPU
-    /// has it): faster decode, logits within about 0.3 of the f32 path's. Each sequence
-    /// computes the same bits alone or batched; a prompt whose head is cached may answer
-    /// otherwise than the whole prompt computed afresh.
+    /// Every quantized product reads its activations rounded to 8 bits (per block of 32, per
+    /// super-block of 256 for K-quants, as llama.cpp does), and products of a sequence's few
+    /// rows (decode steps, prompts up to 32 tokens) multiply in integer dot products (AVX2,
+    /// AVX-512 VNNI where the CPU has it): faster decode, logits within 1.5x llama.cpp's own
+    /// distance from transformers. Each sequence computes the same bits alone or batched;
+    /// a prompt whose head is cached may still answer otherwise than the whole prompt
+    /// computed afresh (the prefill multiplies in another order), which is why it is not
+    /// the default yet
     #[arg(long)]
     pub int8_decode: bool,
 }
@@ -295,15 +298,25 @@ fn fetch_with_progress(m: &registry::KnownModel) -> Result<PathBuf> {
 /// Resolves `--model` or the default model (fetching it on first use) and loads it with its
 /// tokenizer; a checkpoint directory (no tokenizer) is a one-line error.
 pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
-    leyline_kernels::qmatmul::set_int8(args.int8_decode);
+    set_activations(args);
     Ok(leyline_model::load_with_tokenizer(&model_path(args)?)?)
 }
 
 /// Resolves `--model` like [`load_model`] and loads whatever it names: a GGUF file with its
 /// tokenizer, or a DeepSeek-V2 checkpoint directory without one.
 pub fn load_any_model(args: &ModelArgs) -> Result<AnyModel> {
-    leyline_kernels::qmatmul::set_int8(args.int8_decode);
+    set_activations(args);
     Ok(leyline_model::load_model_path(&model_path(args)?)?)
+}
+
+/// The activations every quantized product reads, from `--int8-decode`.
+fn set_activations(args: &ModelArgs) {
+    use leyline_kernels::qmatmul::{set_activations, Activations};
+    set_activations(if args.int8_decode {
+        Activations::Int8
+    } else {
+        Activations::F32
+    });
 }
 
 /// `--model`, or the default model's cached file (fetched on first use).

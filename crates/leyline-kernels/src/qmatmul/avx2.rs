@@ -36,7 +36,7 @@ const fn step_vecs(k: u8) -> usize {
 /// # Safety
 /// 12 readable bytes at `p`.
 #[inline]
-unsafe fn k4_scales(p: *const u8) -> (u64, u64) {
+pub(super) unsafe fn k4_scales(p: *const u8) -> (u64, u64) {
     // SAFETY: the caller's contract covers bytes p .. p + 12.
     let [a, b, c] = [0, 4, 8].map(|o| unsafe { (p.add(o) as *const u32).read_unaligned() });
     let six = 0x3f3f_3f3f;

@@ -1,7 +1,9 @@
-//! Decode products (one activation row) with integer dot products on AVX2: the activation row
-//! is quantized to 8 bits per block of 32 ([`Q8Row`]), and each unit of 32 weights meets its
-//! block in one `maddubs` (unsigned quants times signed activations, pairs summed to 16 bits)
-//! and one `madd` (to 32 bits).
+//! Products on the kinds in blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0) with integer dot products
+//! from the AVX2 tier up, for any number of activation rows: each activation row is quantized
+//! to 8 bits per block of 32 ([`Q8Row`]), and each block of 32 weights meets its block in one
+//! `maddubs` (unsigned quants times signed activations, pairs summed to 16 bits) and one
+//! `madd` (to 32 bits), or one `vpdpbusd` on the AVX-512 VNNI tier. The K-quants' products
+//! are in `kq.rs`; [`quants`], which extracts a unit's 32 quants, serves both.
 //!
 //! Design decision: the f32 kernels spend most of a decode step turning quants into floats
 //! (`avx2.rs`: widening, conversion and a multiply-add per 8 weights, 66% of a Qwen2.5-0.5B
@@ -10,68 +12,12 @@
 //! (`max |x| / 254`), as in llama.cpp's Q8 activations. Every kind is reduced to the
 //! `w = d[k] * q + mn[k]` of `format::row_scales` with unsigned `q` (Q8_0: signed, `mn = 0`),
 //! so a row's product is `sum_u d[u] * dx[u] * (q_u . qx_u) + sum_u mn[u] * dx[u] * sum(qx_u)`,
-//! the second sum from per-16 activation sums made once per row of `x` (Q6_K's scales cover
-//! 16 values).
+//! the second sum from per-block activation sums made once per row of `x`.
 
 use super::format::{GgmlKind, RowGeom, BLOCK, SLACK};
-use super::format::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
+use super::format::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q8_0};
+use super::q8::Q8Row;
 use std::arch::x86_64::*;
-
-/// One activation row quantized per block of 32 values: `x[i] ~ d[i / 32] * q[i]`.
-pub(crate) struct Q8Row {
-    /// The 8-bit values, `|q| <= 127`.
-    pub(super) q: Vec<i8>,
-    /// Each block's step, `max |x| / 127` of the block.
-    pub(super) d: Vec<f32>,
-    /// `d[b] * (sum of q over each half-block of 16)`, two per block.
-    pub(super) s16: Vec<f32>,
-    /// `s16` summed per block.
-    pub(super) s32: Vec<f32>,
-    /// `d` with each value twice (per half-block, as Q6_K's scales go).
-    pub(super) d16: Vec<f32>,
-}
-
-impl Q8Row {
-    /// Quantizes `x` (its length a multiple of 32): `q = round(x / d)`, ties away from zero.
-    pub(crate) fn quantize(x: &[f32]) -> Self {
-        debug_assert!(x.len().is_multiple_of(BLOCK));
-        let nb = x.len() / BLOCK;
-        let mut q = vec![0i8; x.len()];
-        let mut d = vec![0f32; nb];
-        let mut s16 = vec![0f32; 2 * nb];
-        for (b, (xb, qb)) in x
-            .chunks_exact(BLOCK)
-            .zip(q.chunks_exact_mut(BLOCK))
-            .enumerate()
-        {
-            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
-            if amax == 0.0 || !amax.is_finite() {
-                // Zeros (or a non-finite row, which the f32 path would spread anyway).
-                d[b] = if amax.is_finite() { 0.0 } else { f32::NAN };
-                continue;
-            }
-            let step = amax / 127.0;
-            let inv = 127.0 / amax;
-            for (qv, &v) in qb.iter_mut().zip(xb) {
-                *qv = (v * inv).round().clamp(-127.0, 127.0) as i8;
-            }
-            d[b] = step;
-            for h in 0..2 {
-                let s: i32 = qb[16 * h..16 * h + 16].iter().map(|&v| i32::from(v)).sum();
-                s16[2 * b + h] = step * s as f32;
-            }
-        }
-        let s32 = s16.chunks_exact(2).map(|h| h[0] + h[1]).collect();
-        let d16 = d.iter().flat_map(|&v| [v, v]).collect();
-        Self {
-            q,
-            d,
-            s16,
-            s32,
-            d16,
-        }
-    }
-}
 
 /// The 32 quants of unit `u` (32 values) of the row at `row`, one byte per value in value
 /// order: unsigned for every kind but Q8_0 (signed).
@@ -80,7 +26,7 @@ impl Q8Row {
 /// AVX2; `row` starts a whole row of geometry `g` and kind `K`, `u < g.nb`.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn quants<const K: u8>(row: *const u8, g: RowGeom, u: usize) -> __m256i {
+pub(super) unsafe fn quants<const K: u8>(row: *const u8, g: RowGeom, u: usize) -> __m256i {
     let low4 = _mm256_set1_epi8(0x0f);
     // SAFETY: every load lies in unit u's bytes of the row (offsets from the formats).
     unsafe {
@@ -188,7 +134,7 @@ pub(super) unsafe fn rows(
     let n = out.len() / m;
     assert!(rows.len() >= n * g.stride + SLACK);
     for act in acts {
-        assert!(act.q.len() == g.nb * BLOCK && act.d.len() == g.nb && act.s16.len() == 2 * g.nb);
+        assert!(act.q.len() == g.nb * BLOCK && act.d.len() == g.nb && act.s32.len() == g.nb);
     }
     // SAFETY: the features are the caller's contract; lengths were asserted.
     unsafe {
@@ -197,32 +143,23 @@ pub(super) unsafe fn rows(
             GgmlKind::Q4_1 => rows_of::<Q4_1>(kind, g, rows, acts, out, vnni),
             GgmlKind::Q5_0 => rows_of::<Q5_0>(kind, g, rows, acts, out, vnni),
             GgmlKind::Q8_0 => rows_of::<Q8_0>(kind, g, rows, acts, out, vnni),
-            GgmlKind::Q4K => rows_of::<Q4_K>(kind, g, rows, acts, out, vnni),
-            GgmlKind::Q5K => rows_of::<Q5_K>(kind, g, rows, acts, out, vnni),
-            GgmlKind::Q6K => rows_of::<Q6_K>(kind, g, rows, acts, out, vnni),
+            GgmlKind::Q4K | GgmlKind::Q5K | GgmlKind::Q6K => {
+                unreachable!("the K-quants' products are kq.rs's")
+            }
         }
     }
 }
 
-/// Rows per pass for Q6_K and Q5_K: their products share each activation load and run in
-/// independent accumulators. The other kinds go one row at a time. Streamed from memory
-/// (`benches/decode_formats.rs`, 2 threads, medians of 5), four rows at a time took Q6_K /
-/// Q5_K [896, 4864] from 666 / 507 us to 536 / 446 us, but Q4_K from 305 to 345 us, Q5_0
-/// [4864, 896] from 338 to 574 us, and a Q8_0 head of [151936, 896] from 8.2-9.1 ms to
-/// 16-20 ms.
-const R: usize = 4;
-
 /// Activation rows per pass: each weight unit, once extracted, meets this many activation
-/// rows (fewer with rows in fours, so the accumulators stay in the 16 vector registers).
+/// rows.
 const A: usize = 4;
 
-/// Whether rows of kind `K` go [`R`] at a time.
-const fn in_fours(k: u8) -> bool {
-    k == Q6_K || k == Q5_K
-}
+/// Weight rows per pass: one (four rows at a time made Q5_0 [4864, 896] and a Q8_0 head of
+/// [151936, 896] slower when streamed from memory, `benches/decode_formats.rs`).
+const R: usize = 1;
 
-/// [`rows`] for one kind: `R` weight rows at a time (single rows for the rest), each group
-/// meeting the activation rows up to [`A`] (or `A / 2`) at a time. Per (weight row,
+/// [`rows`] for one kind: one weight row at a time, meeting the activation rows up to [`A`]
+/// at a time. Per (weight row,
 /// activation row): per unit one `maddubs`, one `madd`, the product of the two scales and one
 /// multiply-add; then the offset term, a vector product over the row's scales.
 ///
@@ -237,15 +174,13 @@ unsafe fn rows_of<const K: u8>(
     out: &mut [f32],
     vnni: bool,
 ) {
-    // Scale entries per row: one per unit, or (Q6_K) one per half-unit.
-    let per = if K == Q6_K { 2 } else { 1 };
-    let ns = per * g.nb;
+    let ns = g.nb;
     let m = acts.len();
     let n = out.len() / m;
     let (mut d, mut mn) = (vec![0f32; R * g.sb], vec![0f32; R * g.sb]);
     let mut r = 0;
     while r < n {
-        let rt = if n - r >= R && in_fours(K) { R } else { 1 };
+        let rt = R;
         for j in 0..rt {
             let row = &rows[(r + j) * g.stride..];
             // SAFETY: `row` starts row r + j < n and runs to the slack (asserted by `rows`), as
@@ -254,10 +189,9 @@ unsafe fn rows_of<const K: u8>(
         }
         super::tile::prefetch_past_tile(rows, g.stride, r, rt);
         let base = rows[r * g.stride..].as_ptr();
-        let group = if rt == R { A / 2 } else { A };
         let mut i0 = 0;
         while i0 < m {
-            let ga = group.min(m - i0);
+            let ga = A.min(m - i0);
             let xs = &acts[i0..i0 + ga];
             // SAFETY: rows r .. r + rt lie in `rows` (asserted by `rows`); their scales are in
             // d; every activation row has nb units; `vnni` only where the caller checked the
@@ -272,20 +206,17 @@ unsafe fn rows_of<const K: u8>(
                         }
                     };
                 }
-                match (rt, ga) {
-                    (R, 1) => run!(4, 1),
-                    (R, _) => run!(4, 2),
-                    (_, 1) => run!(1, 1),
-                    (_, 2) => run!(1, 2),
-                    (_, 3) => run!(1, 3),
+                match ga {
+                    1 => run!(1, 1),
+                    2 => run!(1, 2),
+                    3 => run!(1, 3),
                     _ => run!(1, 4),
                 }
             };
             for j in 0..rt {
                 let mj = &mn[j * g.sb..j * g.sb + ns];
                 for (i, act) in xs.iter().enumerate() {
-                    let sx = if K == Q6_K { &act.s16 } else { &act.s32 };
-                    out[(r + j) * m + i0 + i] = sums[j][i] + offset(mj, sx);
+                    out[(r + j) * m + i0 + i] = sums[j][i] + offset(mj, &act.s32);
                 }
             }
             i0 += ga;
@@ -321,9 +252,6 @@ unsafe fn tile<const K: u8, const RT: usize, const GA: usize>(
     d: &[f32],
 ) -> [[f32; GA]; RT] {
     let mut acc = [[_mm256_setzero_ps(); GA]; RT];
-    // Lanes 0..4 hold values 0..16 of a unit, lanes 4..8 values 16..32: Q6_K's two scales
-    // per unit spread so.
-    let halves = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
     for u in 0..g.nb {
         // SAFETY: u < nb: each row's unit lies in the row, the activations at 32u; the
         // scales read are entries u (or 2u, 2u + 1) of each row's, inside `d`, and of each
@@ -334,22 +262,12 @@ unsafe fn tile<const K: u8, const RT: usize, const GA: usize>(
             for i in 0..GA {
                 let x = &xs[i];
                 xq[i] = _mm256_loadu_si256(x.q.as_ptr().add(BLOCK * u) as *const __m256i);
-                dx[i] = if K == Q6_K {
-                    let two = _mm_castpd_ps(_mm_load_sd(x.d16.as_ptr().add(2 * u) as *const f64));
-                    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), halves)
-                } else {
-                    _mm256_broadcast_ss(&*x.d.as_ptr().add(u))
-                };
+                dx[i] = _mm256_broadcast_ss(&*x.d.as_ptr().add(u));
             }
             for (j, accj) in acc.iter_mut().enumerate() {
                 let q = quants::<K>(base.add(j * g.stride), g, u);
                 let ds = d.as_ptr().add(j * g.sb);
-                let dw = if K == Q6_K {
-                    let two = _mm_castpd_ps(_mm_load_sd(ds.add(2 * u) as *const f64));
-                    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), halves)
-                } else {
-                    _mm256_broadcast_ss(&*ds.add(u))
-                };
+                let dw = _mm256_broadcast_ss(&*ds.add(u));
                 let qa = if K == Q8_0 { _mm256_abs_epi8(q) } else { q };
                 for i in 0..GA {
                     let p = if K == Q8_0 {
@@ -409,32 +327,20 @@ unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize>(
     d: &[f32],
 ) -> [[f32; GA]; RT] {
     let mut acc = [[_mm512_setzero_ps(); GA]; RT];
-    // Two units per register: lanes 0..8 unit u, 8..16 unit u + 1; with Q6_K's two scales
-    // per unit, four runs of four lanes.
+    // Two units per register: lanes 0..8 unit u, 8..16 unit u + 1.
     let pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     let spread = |p: *const f32, two_units: bool| {
-        // SAFETY (of the closure's loads): the callers pass scale arrays with entries u, u + 1
-        // (Q6_K: 2u .. 2u + 4) when `two_units`, else u (2u, 2u + 1) only.
+        // SAFETY (of the closure's loads): the callers pass scale arrays with entries u,
+        // u + 1 when `two_units`, else u only.
         unsafe {
-            if K == Q6_K {
-                let v = if two_units {
-                    _mm_loadu_ps(p)
-                } else {
-                    _mm_castpd_ps(_mm_load_sd(p as *const f64))
-                };
-                _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(v))
+            let v = if two_units {
+                _mm_castpd_ps(_mm_load_sd(p as *const f64))
             } else {
-                let v = if two_units {
-                    _mm_castpd_ps(_mm_load_sd(p as *const f64))
-                } else {
-                    _mm_load_ss(p)
-                };
-                _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(v))
-            }
+                _mm_load_ss(p)
+            };
+            _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(v))
         }
     };
-    let per = if K == Q6_K { 2 } else { 1 };
     let mut u = 0;
     while u < g.nb {
         let two = u + 1 < g.nb;
@@ -449,12 +355,7 @@ unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize>(
             for i in 0..GA {
                 let x = &xs[i];
                 xq[i] = _mm512_maskz_loadu_epi8(bytes, x.q.as_ptr().add(BLOCK * u));
-                let steps = if K == Q6_K {
-                    x.d16.as_ptr()
-                } else {
-                    x.d.as_ptr()
-                };
-                dx[i] = spread(steps.add(per * u), two);
+                dx[i] = spread(x.d.as_ptr().add(u), two);
             }
             for (j, accj) in acc.iter_mut().enumerate() {
                 let row = base.add(j * g.stride);
@@ -465,7 +366,7 @@ unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize>(
                     _mm256_setzero_si256()
                 };
                 let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                let dw = spread(d.as_ptr().add(j * g.sb + per * u), two);
+                let dw = spread(d.as_ptr().add(j * g.sb + u), two);
                 let (qa, neg) = if K == Q8_0 {
                     (_mm512_abs_epi8(q), _mm512_movepi8_mask(q))
                 } else {

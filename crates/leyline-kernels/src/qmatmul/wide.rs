@@ -6,8 +6,7 @@
 //! weight is converted once per product and then meets every activation row inside gemm,
 //! so at hundreds of rows the conversion is a small share of the product, and the results
 //! are those of the f32 weights (each weight the format's value rounded once, as in every
-//! kernel here). Integer dot products on 8-bit activations, llama.cpp's way, would read the
-//! same bytes but round the activations too.
+//! kernel here) against the activations as every product reads them (`q8.rs`).
 
 use super::format::SLACK;
 use super::{scalar, QMatrix};
@@ -67,6 +66,10 @@ impl QMatrix {
         if m == 0 {
             return;
         }
+        // The activations rounded as the few-row products round them (`q8.rs`).
+        let cols = mats.first().map_or(0, |w| w.cols);
+        let held = (super::activations() == super::Activations::Int8)
+            .then(|| super::Rounded::new(x, cols, mats));
         // (matrix, first row, rows, column of y)
         let mut jobs = Vec::new();
         let mut col = 0;
@@ -85,6 +88,7 @@ impl QMatrix {
                 wbuf.resize(n * w.cols, 0.0);
                 w.dequantize_rows(r0, &mut wbuf);
                 ybuf.resize(m * n, 0.0);
+                let x = held.as_ref().map_or(x, |r| r.of(w.kind));
                 gemm_into(n, w.cols, &wbuf, (w.cols, 1), x, m, &mut ybuf, 1);
                 // Columns c .. c + n of every row: a copy of m * n floats per chunk of
                 // 2 * m * n * cols flops, so the lock is rarely contended.

@@ -76,7 +76,8 @@ impl Llama {
         // On 8-bit activations each sequence's rows take the kernels its own size picks
         // (batch invariance); on f32 ones the batch's size picks, as the paths differ by float
         // noise only.
-        let int8 = leyline_kernels::qmatmul::few_rows_in_int8();
+        let int8 =
+            leyline_kernels::qmatmul::activations() == leyline_kernels::qmatmul::Activations::Int8;
         let split = if int8 {
             RowSplit::by_sequence(seqs.iter().map(|s| (s.tokens.len(), s.tokens.len())))
         } else {
