@@ -1,0 +1,733 @@
+#!/usr/bin/env python3
+"""Independent reference fixtures for the architectures of issue 60 (llama with Llama 3 rope
+scaling, qwen3, qwen3moe, gemma3, olmo2), plus tokenizer and chat-template references from real
+sources and a rope_freqs check on the real SmolLM2 file.
+
+Nothing here is computed by Leyline. Per architecture:
+
+  1. a tiny tokenizer (byte-level BPE trained by `tokenizers`, or for gemma3 a SentencePiece
+     model trained by `sentencepiece`) and a tiny seeded random checkpoint made by transformers
+     itself (torch.manual_seed, initializer_range 0.1, every norm weight set to an effective
+     1 + 0.1*N(0,1)), saved with save_pretrained;
+  2. converted to GGUF twice by llama.cpp's own convert_hf_to_gguf.py (--outtype f32 and q8_0);
+  3. transformers' logits (float32, CPU, eager attention, one uncached forward) on three seeded
+     token sequences, computed on exactly the weights in each GGUF (for q8_0 the checkpoint's
+     weights are rounded through gguf-py's Q8_0 quantize/dequantize first, and checked equal to
+     the GGUF's dequantized tensors);
+  4. llama.cpp's logits on the same GGUF and tokens (llama-cpp-python, run in its own venv),
+     with the max |llama.cpp - transformers| over every logit of every position.
+
+Steps (run all by default, or name some):
+
+  arch         the tiny checkpoints, GGUFs and reference.json per architecture
+  tokenizers   tokenizer_cases.json per family from real files (see ARCHS.md)
+  templates    chat_template_cases.json per family from real templates
+  ropefreqs    SmolLM2-135M with rope_freqs.weight = 8.0 added: llama.cpp's logits, both files
+
+    python scripts/make_arch_fixtures.py [STEP ...] [--arch NAME ...] [--out DIR] [--work DIR]
+        [--llamacpp-dir DIR] [--llamacpp-python PY]
+
+Needs (see ARCHS.md for the exact versions): torch, transformers>=5, safetensors, numpy,
+sentencepiece, tokenizers, protobuf, and gguf-py from the llama.cpp tree. llama.cpp's converter
+comes from the PyPI sdist llama-cpp-python==0.3.36 (fetched with `pip download` and checked by
+sha256 when --llamacpp-dir does not have it). llama.cpp's logits come from a Python whose
+`import llama_cpp` works (llama-cpp-python 0.3.36 built from that sdist), given by
+--llamacpp-python; this script re-runs itself there with `_llamacpp_eval`, which needs only
+numpy and llama_cpp.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FIX = REPO / "crates/leyline-model/tests/fixtures"
+SDIST = "llama_cpp_python-0.3.36"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+
+SEED, NORM_SEED, SEQ_SEED = 1234, 1235, 99
+LENGTHS = (5, 40, 130)
+INIT_STD = 0.1
+NORM_JITTER = 0.1
+# The final norm's effective scale is FINAL_NORM_SCALE * (1 + 0.1 N(0,1)): with init 0.1 alone the
+# logits' spread over the vocabulary is ~0.8 and a third of the top1-top2 gaps are under 0.1;
+# x4 makes them peaked without touching anything inside the layers.
+FINAL_NORM_SCALE = 4.0
+# MoE routers (mlp.gate.weight) are multiplied by ROUTER_SCALE after init: at init 0.1 the 8
+# router probabilities are nearly flat and most tokens have a 2nd/3rd expert near-tie, so any
+# rounding (Q8_0 activations) re-routes tokens and the logits move by whole units.
+ROUTER_SCALE = 4.0
+OUTTYPES = ("f32", "q8_0")
+GAP = 0.1  # top1 - top2 gap above which top-1 is expected to agree
+ROUTING_GAP = 0.05  # MoE: k-th minus (k+1)-th router logit under which routing is near-tied
+
+
+# --------------------------------------------------------------------------------------------
+# llama.cpp's logits: this part runs under --llamacpp-python and imports only numpy + llama_cpp.
+
+def llamacpp_eval(gguf_path, ids_json, out_npz):
+    """Every position's logits per sequence, with llama.cpp's default KV cache (F16) and with an
+    F32 one (`kvf32_seqN`), which shows how much of the difference is the cache's rounding."""
+    import llama_cpp
+    import numpy as np
+    seqs = json.loads(Path(ids_json).read_text())
+    n_ctx = max(256, max(len(s) for s in seqs) + 16)
+    out = {}
+    for prefix, kv in (("", {}), ("kvf32_", {"type_k": 0, "type_v": 0})):  # 0 = GGML_TYPE_F32
+        llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+                              n_threads=2, logits_all=True, verbose=False, seed=0, **kv)
+        for i, ids in enumerate(seqs):
+            llm.reset()
+            llm.eval(ids)
+            # scores is a view of llama-cpp-python's buffer, which the next eval overwrites: copy.
+            out[f"{prefix}seq{i}"] = np.array(llm.scores[: len(ids)], dtype=np.float32, copy=True)
+        del llm
+    out["llama_cpp_version"] = np.array(llama_cpp.__version__)
+    np.savez(out_npz, **out)
+
+
+if len(sys.argv) > 1 and sys.argv[1] == "_llamacpp_eval":
+    llamacpp_eval(*sys.argv[2:5])
+    sys.exit(0)
+
+# --------------------------------------------------------------------------------------------
+
+import numpy as np  # noqa: E402
+
+
+def sha256_file(p):
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def versions():
+    import tokenizers
+    import torch
+    import transformers
+    import safetensors
+    import gguf
+    import sentencepiece
+    v = {"transformers": transformers.__version__, "torch": torch.__version__,
+         "tokenizers": tokenizers.__version__, "safetensors": safetensors.__version__,
+         "numpy": np.__version__, "sentencepiece": sentencepiece.__version__,
+         "python": sys.version.split()[0]}
+    try:
+        from importlib.metadata import version
+        v["gguf_py"] = version("gguf")
+    except Exception:  # noqa: BLE001
+        v["gguf_py"] = getattr(gguf, "__version__", "?")
+    v["llama_cpp_sdist"] = f"{SDIST} (sha256 {SDIST_SHA256})"
+    return v
+
+
+def f32(x):
+    """A float32 value as the exact decimal of that float32 (as a Python float)."""
+    return float(np.float32(x))
+
+
+def f32list(a):
+    return [float(x) for x in np.asarray(a, dtype=np.float32).reshape(-1)]
+
+
+# --------------------------------------------------------------------------------------------
+# llama.cpp's tree (converter + gguf-py)
+
+def llamacpp_tree(args):
+    cand = Path(args.llamacpp_dir)
+    for d in (cand, cand / SDIST / "vendor/llama.cpp", cand / "vendor/llama.cpp"):
+        if (d / "convert_hf_to_gguf.py").is_file():
+            return d
+    work = Path(args.work) / "sdist"
+    work.mkdir(parents=True, exist_ok=True)
+    tgz = work / f"{SDIST}.tar.gz"
+    if not tgz.is_file():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:", "-d", str(work), "llama-cpp-python==0.3.36"], check=True)
+    got = sha256_file(tgz)
+    if got != SDIST_SHA256:
+        sys.exit(f"{tgz}: sha256 {got}, expected {SDIST_SHA256}")
+    with tarfile.open(tgz) as t:
+        t.extractall(work, filter="data")
+    return work / SDIST / "vendor/llama.cpp"
+
+
+CONVERT_WRAPPER = r"""
+import runpy, sys
+tree, pre = sys.argv[1], sys.argv[2]
+sys.path.insert(0, tree + "/gguf-py")
+sys.path.insert(0, tree)
+import conversion.base as base
+if pre:
+    # The converter names the BPE pre-tokenizer by hashing the ids its test string gets; a tiny
+    # trained vocabulary matches no known hash, so we name it ourselves.
+    for cls in base.TextModel.__mro__:
+        if "get_vocab_base_pre" in cls.__dict__:
+            setattr(cls, "get_vocab_base_pre", lambda self, tokenizer: pre)
+            break
+    else:
+        raise SystemExit("no get_vocab_base_pre to patch")
+sys.argv = [tree + "/convert_hf_to_gguf.py"] + sys.argv[3:]
+runpy.run_path(tree + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def convert(tree, hf_dir, outtype, outfile, pre):
+    subprocess.run([sys.executable, "-c", CONVERT_WRAPPER, str(tree), pre or "", str(hf_dir),
+                    "--outtype", outtype, "--outfile", str(outfile),
+                    "--model-name", f"leyline-tiny-{Path(outfile).parent.name}"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+# --------------------------------------------------------------------------------------------
+# tiny tokenizers
+
+def corpus():
+    """A fixed training text: the Zen of Python plus generated code/number lines."""
+    import codecs
+    import contextlib
+    import io
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this  # noqa: F401  (prints the Zen on import; its rot13 source is this.s)
+    zen = codecs.decode(sys.modules["this"].s, "rot13")
+    lines = [zen]
+    for i in range(200):
+        lines.append(f"def f{i}(x, y):\n    return x * {i} + y  # value {i * 37 % 101}\n")
+        lines.append(f"The {i}th item costs ${i * 3}.{i % 100:02d} and weighs {i / 7:.3f} kg.")
+    return "\n".join(lines)
+
+
+def bpe_tokenizer(out_dir, vocab_size, specials, bos, eos):
+    """Byte-level BPE (GPT-2 style pre-tokenizer) trained on corpus(); saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([corpus()], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos)
+    fast.save_pretrained(out_dir)
+    return len(fast)
+
+
+def spm_tokenizer(out_dir, vocab_size):
+    """SentencePiece BPE with byte fallback, Gemma-like special ids (pad 0, eos 1, bos 2, unk 3)."""
+    import sentencepiece as spm
+    import io
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus().split("\n")), model_writer=buf, model_type="bpe",
+        vocab_size=vocab_size, byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], num_threads=1,
+        add_dummy_prefix=False, character_coverage=1.0, split_digits=True,
+        remove_extra_whitespaces=False, normalization_rule_name="identity",
+        max_sentence_length=100000, minloglevel=2)
+    (Path(out_dir) / "tokenizer.model").write_bytes(buf.getvalue())
+    (Path(out_dir) / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+         "add_bos_token": True, "add_eos_token": False}, indent=1))
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    return sp.vocab_size()
+
+
+# --------------------------------------------------------------------------------------------
+# the architectures
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                 "<tool_call>", "</tool_call>"]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
+
+ARCHS = {
+    "llama": dict(
+        hf="LlamaForCausalLM", gguf_arch="llama", pre="llama-bpe",
+        tokenizer=("bpe", 512, LLAMA3_SPECIALS, "<|begin_of_text|>", "<|end_of_text|>"),
+        config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64}),
+        why="Llama 3 rope scaling: theta 1e4 and head_dim 16 put rope pairs 0 in the unscaled "
+            "band (wavelength < 64/4), 1-2 in the smoothed band and 3-7 in the band divided by 8, "
+            "so all three branches of the scaling show within 130 positions.",
+    ),
+    "qwen3": dict(
+        hf="Qwen3ForCausalLM", gguf_arch="qwen3", pre="qwen2",
+        tokenizer=("bpe", 512, QWEN_SPECIALS, None, "<|endoftext|>"),
+        config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                    attention_bias=False, use_sliding_window=False),
+        why="head_dim 32 with 4 heads: q_proj is 64 -> 128, wider than the model (as in Qwen3 "
+            "0.6B/Coder), per-head RMSNorm on Q and K before RoPE, tied embeddings.",
+    ),
+    "qwen3moe": dict(
+        hf="Qwen3MoeForCausalLM", gguf_arch="qwen3moe", pre="qwen2",
+        tokenizer=("bpe", 512, QWEN_SPECIALS, None, "<|endoftext|>"),
+        config=dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                    decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=512,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                    attention_bias=False, use_sliding_window=False, router_aux_loss_coef=0.0),
+        why="every layer MoE: 8 routed experts, top-2, softmax over all experts then the top-2 "
+            "renormalized (norm_topk_prob), no shared expert (as Qwen3-30B-A3B / Coder-30B-A3B).",
+    ),
+    "gemma3": dict(
+        hf="Gemma3ForCausalLM", gguf_arch="gemma3", pre=None,
+        tokenizer=("spm", 640),
+        config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=7,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                    query_pre_attn_scalar=32, sliding_window=8, max_position_embeddings=512,
+                    rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+                    final_logit_softcapping=None, attn_logit_softcapping=None,
+                    tie_word_embeddings=True,
+                    rope_parameters={
+                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                    pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        why="7 layers in Gemma 3's pattern (5 sliding, 1 global, 1 sliding), window 8, rope "
+            "bases 1e6 global / 1e4 local, GQA 4:1 as in Gemma 3 270M. query_pre_attn_scalar = "
+            "head_dim because llama.cpp scales queries by 1/sqrt(head_dim) for every size but 27B "
+            "and the GGUF has no key for it; no final softcapping (Gemma 3's configs have none).",
+    ),
+    "olmo2": dict(
+        hf="Olmo2ForCausalLM", gguf_arch="olmo2", pre="gpt-2",
+        tokenizer=("bpe", 512, ["<|endoftext|>", "<|pad|>"], None, "<|endoftext|>"),
+        config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+        why="llama-like with two twists the shared blocks must express: norms after each "
+            "sub-layer (post-attention and post-feed-forward RMSNorm on the branch output, no "
+            "pre-norms) and RMSNorm over the whole Q and K projections (not per head).",
+    ),
+}
+
+
+def config_for(name, vocab_size):
+    import transformers
+    spec = ARCHS[name]
+    cfg_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
+               "Qwen3ForCausalLM": transformers.Qwen3Config,
+               "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+               "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+               "Olmo2ForCausalLM": transformers.Olmo2Config}[spec["hf"]]
+    return cfg_cls(vocab_size=vocab_size, initializer_range=INIT_STD, **spec["config"])
+
+
+def is_norm(name):
+    return name.endswith("norm.weight")
+
+
+def build_checkpoint(name, hf_dir):
+    import torch
+    import transformers
+    spec = ARCHS[name]
+    if hf_dir.exists():
+        shutil.rmtree(hf_dir)
+    hf_dir.mkdir(parents=True)
+    tk = spec["tokenizer"]
+    if tk[0] == "bpe":
+        n_tok = bpe_tokenizer(hf_dir, tk[1], tk[2], tk[3], tk[4])
+    else:
+        n_tok = spm_tokenizer(hf_dir, tk[1])
+    cfg = config_for(name, n_tok)
+    torch.manual_seed(SEED)
+    model = getattr(transformers, spec["hf"])(cfg).to(torch.float32)
+    gen = torch.Generator().manual_seed(NORM_SEED)
+    # Gemma's RMSNorm multiplies by (1 + w): there w = 0.1 N(0,1) gives the same effective scale.
+    offset = 0.0 if spec["gguf_arch"] == "gemma3" else 1.0
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if is_norm(pname):
+                eff = 1.0 + NORM_JITTER * torch.randn(p.shape, generator=gen)
+                if pname == "model.norm.weight":
+                    eff = FINAL_NORM_SCALE * eff
+                p.copy_(eff - 1.0 + offset)
+            if pname.endswith("mlp.gate.weight"):
+                p.mul_(ROUTER_SCALE)
+    model.save_pretrained(hf_dir)
+    return n_tok
+
+
+def load_hf(hf_dir, name):
+    import torch
+    import transformers
+    cls = getattr(transformers, ARCHS[name]["hf"])
+    return cls.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF reading, Q8_0 round trip
+
+def gguf_tensors(path):
+    import gguf
+    r = gguf.GGUFReader(str(path))
+    out = {}
+    for t in r.tensors:
+        out[t.name] = (t.tensor_type.name, gguf.quants.dequantize(t.data, t.tensor_type)
+                       .astype(np.float32).reshape([int(x) for x in reversed(t.shape)]))
+    return r, out
+
+
+def gguf_kv(reader):
+    """Every metadata key but the token lists, as JSON-able values."""
+    out = {}
+    for k, f in reader.fields.items():
+        if k.startswith("tokenizer.ggml.") and k in (
+                "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges"):
+            out[k] = f"[{len(f.data)} entries]"
+            continue
+        if k.startswith("GGUF."):
+            continue
+        try:
+            v = f.contents()
+        except Exception:  # noqa: BLE001
+            v = "?"
+        if isinstance(v, str) and len(v) > 200:
+            v = v[:200] + "..."
+        out[k] = v
+    return out
+
+
+def round_trip(model, types_in_gguf):
+    """Rounds every >= 2-D weight through the GGUF type llama.cpp's converter gave it.
+
+    The converter keeps 1-D tensors, norms and the MoE router in F32 and writes every other
+    weight in the out type; with Q8_0 a row whose length is not a multiple of 32 would fall back
+    to F16 (none here: checked below against the file).
+    """
+    import gguf
+    import torch
+    qt = gguf.GGMLQuantizationType
+    changed = {}
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() < 2 or is_norm(pname) or pname.endswith("mlp.gate.weight"):
+                continue
+            if types_in_gguf == "q8_0":
+                a = p.detach().cpu().numpy().astype(np.float32)
+                back = gguf.quants.dequantize(gguf.quants.quantize(a, qt.Q8_0), qt.Q8_0)
+                p.copy_(torch.from_numpy(back.reshape(a.shape).astype(np.float32)))
+                changed[pname] = "Q8_0"
+    return changed
+
+
+def check_same_weights(model, tensors, name):
+    """Every 2-D+ GGUF tensor's values, as a multiset, equal those of the model's parameters.
+
+    Layout changes (Q/K row permutation, expert stacking, transposes) keep the multiset; the
+    Gemma norm shift (+1) only touches 1-D tensors, which are compared after undoing it.
+    """
+    big_g, small_g = [], []
+    for gname, (typ, arr) in tensors.items():
+        if gname == "rope_freqs.weight":
+            continue
+        (big_g if arr.ndim >= 2 else small_g).append(arr.reshape(-1))
+    big_m, small_m = [], []
+    seen = set()
+    for pname, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        a = p.detach().cpu().numpy().astype(np.float32).reshape(-1)
+        if p.dim() >= 2:
+            big_m.append(a)
+        else:
+            if ARCHS[name]["gguf_arch"] == "gemma3" and is_norm(pname):
+                a = (a + np.float32(1.0)).astype(np.float32)
+            small_m.append(a)
+    res = {}
+    for label, g, m in (("matrices", big_g, big_m), ("vectors", small_g, small_m)):
+        g = np.sort(np.concatenate(g)) if g else np.zeros(0)
+        m = np.sort(np.concatenate(m)) if m else np.zeros(0)
+        if g.shape != m.shape:
+            res[label] = f"count differs: gguf {g.size} vs model {m.size}"
+        else:
+            res[label] = float(np.abs(g - m).max()) if g.size else 0.0
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# reference numbers
+
+def summarize(logits):
+    import torch
+    top5 = torch.topk(logits, 5, dim=-1)
+    lse = torch.logsumexp(logits.double(), dim=-1)
+    return {
+        "argmax": logits.argmax(-1).tolist(),
+        "top5_ids": top5.indices.tolist(),
+        "top5_logits": [f32list(r) for r in top5.values.numpy()],
+        "logsumexp": [float(x) for x in lse.tolist()],
+        "top1_minus_top2": f32list((top5.values[:, 0] - top5.values[:, 1]).numpy()),
+        "last_position_logits": f32list(logits[-1].numpy()),
+    }
+
+
+def moe_routing(model, ids):
+    """Per layer, the routing recomputed from the MoE block's input: softmax over all experts,
+    top-k, renormalized when norm_topk_prob; experts listed by descending weight. Layer 0 also
+    keeps the router logits."""
+    import torch
+    cfg = model.config
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.mlp.register_forward_pre_hook(
+            lambda m, a, i=i: seen.__setitem__(i, a[0])))
+    with torch.no_grad():
+        model(torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    k = cfg.num_experts_per_tok
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        x = seen[i].reshape(-1, cfg.hidden_size).float()
+        logits = x @ layer.mlp.gate.weight.float().t()
+        probs = torch.softmax(logits, dim=-1)
+        top = torch.topk(probs, k, dim=-1)
+        w = top.values
+        if cfg.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        srt = torch.sort(probs, -1, descending=True).values
+        srt_l = torch.sort(logits, -1, descending=True).values
+        entry = {
+            "experts": top.indices.tolist(),
+            "weights": [f32list(r) for r in w.numpy()],
+            "kth_minus_next_prob": f32list((srt[:, k - 1] - srt[:, k]).numpy()),
+            "kth_minus_next_logit": f32list((srt_l[:, k - 1] - srt_l[:, k]).numpy()),
+        }
+        if i == 0:
+            entry["router_logits"] = [f32list(r) for r in logits.numpy()]
+        out[f"layer_{i}"] = entry
+    return out
+
+
+def sensitivity(name, model, ids, base):
+    """Max |logit change| under a typical mistake, so a test's tolerance can be judged."""
+    import torch
+    out = {}
+    cfg = model.config
+    arch = ARCHS[name]["gguf_arch"]
+    with torch.no_grad():
+        if arch == "llama":
+            rot = model.model.rotary_emb
+            saved = rot.inv_freq.clone()
+            d = cfg.head_dim
+            rot.inv_freq.copy_(1.0 / cfg.rope_parameters["rope_theta"]
+                               ** (torch.arange(0, d, 2).float() / d))
+            out["rope_without_llama3_scaling"] = float(
+                (model(torch.tensor([ids])).logits[0] - base).abs().max())
+            rot.inv_freq.copy_(saved)
+        if arch == "gemma3":
+            saved = cfg.sliding_window
+            cfg.sliding_window = 1 << 20  # the masks are built from the config's window
+            out["sliding_layers_attend_globally"] = float(
+                (model(torch.tensor([ids]), use_cache=False).logits[0] - base).abs().max())
+            cfg.sliding_window = saved
+    return out
+
+
+def run_llamacpp(args, gguf_path, seqs, work):
+    ids_json = work / "ids.json"
+    ids_json.write_text(json.dumps(seqs))
+    out = work / (Path(gguf_path).stem + ".llamacpp.npz")
+    subprocess.run([args.llamacpp_python, str(Path(__file__).resolve()), "_llamacpp_eval",
+                    str(gguf_path), str(ids_json), str(out)], check=True)
+    z = np.load(out)
+    return ([z[f"seq{i}"] for i in range(len(seqs))], [z[f"kvf32_seq{i}"] for i in range(len(seqs))],
+            str(z["llama_cpp_version"]))
+
+
+def make_arch(name, args, tree):
+    import torch
+    torch.set_grad_enabled(False)
+    spec = ARCHS[name]
+    work = Path(args.work) / name
+    hf_dir = work / "hf"
+    out = Path(args.out) / name
+    out.mkdir(parents=True, exist_ok=True)
+    n_tok = build_checkpoint(name, hf_dir)
+    gen = torch.Generator().manual_seed(SEQ_SEED)
+    seqs = [torch.randint(0, n_tok, (n,), generator=gen).tolist() for n in LENGTHS]
+    ref = {
+        "about": f"Tiny seeded {spec['hf']} made by transformers, converted to GGUF by llama.cpp's "
+                 "convert_hf_to_gguf.py; logits from transformers (float32, CPU, eager, one "
+                 "uncached forward per sequence) on exactly the GGUF's weights, and from llama.cpp "
+                 "(llama-cpp-python) on the GGUF itself. See ../ARCHS.md.",
+        "generator": versions(),
+        "seed": {"torch_manual_seed": SEED, "initializer_range": INIT_STD,
+                 "norm_weight_jitter": NORM_JITTER, "norm_jitter_generator_seed": NORM_SEED,
+                 "final_norm_scale": FINAL_NORM_SCALE,
+                 **({"router_weight_scale": ROUTER_SCALE} if spec["gguf_arch"] == "qwen3moe" else {}),
+                 "sequence_seed": SEQ_SEED,
+                 "norm_weights": "effective scale 1 + 0.1*N(0,1)" + (
+                     " (stored w = 0.1*N(0,1); Gemma's RMSNorm multiplies by 1 + w; the GGUF "
+                     "holds 1 + w)" if spec["gguf_arch"] == "gemma3" else "")},
+        "why_this_shape": spec["why"],
+        "hf_architecture": spec["hf"],
+        "gguf_architecture": spec["gguf_arch"],
+        "tokenizer_pre_forced": spec["pre"],
+        "vocab_size": n_tok,
+        "config": json.loads((hf_dir / "config.json").read_text()),
+        "variants": {},
+    }
+    base_model = load_hf(hf_dir, name)
+    cfg = base_model.config
+    if spec["gguf_arch"] == "gemma3":
+        ref["gemma3_layers"] = {
+            "layer_types": list(cfg.layer_types),
+            "sliding_layers": [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"],
+            "global_layers": [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"],
+            "sliding_window": cfg.sliding_window,
+            "window_rule": "a sliding layer's query at position p sees keys at positions k with "
+                           "p - sliding_window < k <= p (8 keys including itself)",
+            "rope_theta_global": cfg.rope_parameters["full_attention"]["rope_theta"],
+            "rope_theta_sliding": cfg.rope_parameters["sliding_attention"]["rope_theta"],
+            "embedding_scale": float(base_model.model.embed_tokens.embed_scale),
+            "attention_scale": float(base_model.model.layers[0].self_attn.scaling),
+        }
+    if spec["gguf_arch"] == "llama":
+        rot = base_model.model.rotary_emb
+        d = cfg.head_dim
+        plain = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
+        ref["llama3_rope"] = {
+            "rope_parameters": dict(cfg.rope_parameters), "head_dim": d,
+            "inv_freq_transformers": f32list(rot.inv_freq.numpy()),
+            "inv_freq_unscaled": f32list(plain.numpy()),
+            "factor_unscaled_over_scaled": [float(a / b) for a, b in
+                                            zip(plain.tolist(), rot.inv_freq.tolist())],
+        }
+    del base_model
+    for outtype in OUTTYPES:
+        gpath = out / f"model.{outtype}.gguf"
+        convert(tree, hf_dir, outtype, gpath, spec["pre"])
+        reader, tensors = gguf_tensors(gpath)
+        model = load_hf(hf_dir, name)
+        rounded = round_trip(model, outtype)
+        same = check_same_weights(model, tensors, name)
+        if any(not isinstance(v, float) or v != 0.0 for v in same.values()):
+            sys.exit(f"{name} {outtype}: the model's weights are not the GGUF's: {same}")
+        var = {
+            "gguf": gpath.name, "gguf_sha256": sha256_file(gpath), "gguf_bytes": gpath.stat().st_size,
+            "tensor_types": {k: v[0] for k, v in sorted(tensors.items())},
+            "gguf_metadata": gguf_kv(reader),
+            "weights_rounded_through": sorted(set(rounded.values())) or ["none (f32)"],
+            "weights_equal_gguf_check": same,
+            "sequences": [],
+        }
+        if "rope_freqs.weight" in tensors:
+            var["rope_freqs_weight"] = f32list(tensors["rope_freqs.weight"][1])
+        lc_logits, lc_kvf32, lc_ver = run_llamacpp(args, gpath, seqs, work)
+        var["llama_cpp"] = {"llama_cpp_python": lc_ver, "n_threads": 2,
+                            "how": "Llama(model_path, logits_all=True, n_ctx>=256, n_batch=512); "
+                                   "reset(); eval(ids); scores[:len(ids)]"}
+        for ids, lc, lc32 in zip(seqs, lc_logits, lc_kvf32):
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0].float()
+            entry = {"ids": ids, "n_tokens": len(ids), **summarize(logits)}
+            hf = logits.numpy()
+            diff = np.abs(lc.astype(np.float64) - hf.astype(np.float64))
+            gaps = np.array(entry["top1_minus_top2"])
+            agree = lc.argmax(-1) == hf.argmax(-1)
+            entry["llama_cpp"] = {
+                "max_abs_logit_diff": float(diff.max()),
+                "max_abs_logit_diff_per_position": [float(x) for x in diff.max(-1)],
+                "argmax": lc.argmax(-1).tolist(),
+                "top1_agrees": int(agree.sum()),
+                "positions_with_gap_ge_0.1": int((gaps >= GAP).sum()),
+                "top1_agrees_where_gap_ge_0.1": int((agree & (gaps >= GAP)).sum()),
+                "largest_gap_where_top1_differs": float(gaps[~agree].max()) if (~agree).any() else None,
+                "last_position_logits": f32list(lc[-1]),
+                "with_f32_kv_cache": {
+                    "max_abs_logit_diff": float(np.abs(lc32.astype(np.float64) - hf).max()),
+                    "top1_agrees": int((lc32.argmax(-1) == hf.argmax(-1)).sum())},
+            }
+            if spec["gguf_arch"] == "qwen3moe":
+                entry["moe_routing"] = moe_routing(model, ids)
+                gap = np.min([r["kth_minus_next_logit"] for r in entry["moe_routing"].values()], 0)
+                entry["moe_min_routing_logit_gap_per_position"] = f32list(gap)
+                clear = gap >= ROUTING_GAP
+                entry["llama_cpp"]["positions_with_routing_gap_ge_0.05"] = int(clear.sum())
+                entry["llama_cpp"]["max_abs_logit_diff_where_routing_gap_ge_0.05"] = float(
+                    diff.max(-1)[clear].max()) if clear.any() else None
+            if len(ids) == max(LENGTHS):
+                entry["sensitivity_max_abs_logit_change"] = sensitivity(name, model, ids, logits)
+            var["sequences"].append(entry)
+        s = var["sequences"]
+        if spec["gguf_arch"] == "qwen3moe":
+            var["summary_moe"] = {
+                "llama_cpp_max_abs_logit_diff_where_routing_gap_ge_0.05": max(
+                    e["llama_cpp"]["max_abs_logit_diff_where_routing_gap_ge_0.05"] or 0 for e in s),
+                "positions_with_routing_gap_ge_0.05":
+                    sum(e["llama_cpp"]["positions_with_routing_gap_ge_0.05"] for e in s),
+                "min_routing_logit_gap": min(min(e["moe_min_routing_logit_gap_per_position"]) for e in s)}
+            print(f"{name} {outtype}: {json.dumps(var['summary_moe'])}", flush=True)
+        var["summary"] = {
+            "llama_cpp_max_abs_logit_diff": max(e["llama_cpp"]["max_abs_logit_diff"] for e in s),
+            "llama_cpp_max_abs_logit_diff_per_sequence":
+                [e["llama_cpp"]["max_abs_logit_diff"] for e in s],
+            "positions": sum(e["n_tokens"] for e in s),
+            "positions_with_gap_ge_0.1": sum(e["llama_cpp"]["positions_with_gap_ge_0.1"] for e in s),
+            "llama_cpp_top1_agrees": sum(e["llama_cpp"]["top1_agrees"] for e in s),
+            "llama_cpp_top1_agrees_where_gap_ge_0.1":
+                sum(e["llama_cpp"]["top1_agrees_where_gap_ge_0.1"] for e in s),
+            "min_top1_minus_top2": min(min(e["top1_minus_top2"]) for e in s),
+            "largest_gap_where_llama_cpp_top1_differs": max(
+                [e["llama_cpp"]["largest_gap_where_top1_differs"] for e in s
+                 if e["llama_cpp"]["largest_gap_where_top1_differs"] is not None], default=None),
+            "llama_cpp_f32_kv_cache_max_abs_logit_diff":
+                max(e["llama_cpp"]["with_f32_kv_cache"]["max_abs_logit_diff"] for e in s),
+        }
+        ref["variants"][outtype] = var
+        print(f"{name} {outtype}: {json.dumps(var['summary'])}", flush=True)
+    shutil.copy(hf_dir / "config.json", out / "config.json")
+    (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+    return ref
+
+
+# --------------------------------------------------------------------------------------------
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("steps", nargs="*", default=["arch", "tokenizers", "templates", "ropefreqs"])
+    ap.add_argument("--arch", action="append", choices=list(ARCHS), help="only these (repeat)")
+    ap.add_argument("--out", default=str(FIX), help="fixtures root (default: the repo's)")
+    ap.add_argument("--work", default="/tmp/leyline-arch-fixtures", help="scratch directory")
+    ap.add_argument("--llamacpp-dir", default="/tmp/llamacpp",
+                    help="llama.cpp tree, or a folder holding the llama-cpp-python sdist")
+    ap.add_argument("--llamacpp-python", default="/tmp/llvenv/bin/python",
+                    help="a Python whose `import llama_cpp` works (llama-cpp-python 0.3.36)")
+    ap.add_argument("--models", default=os.path.expanduser("~/.cache/leyline/models"),
+                    help="where the real GGUFs are (smollm2-135m/, qwen2.5-coder-0.5b/)")
+    args = ap.parse_args()
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    tree = llamacpp_tree(args)
+    for step in args.steps:
+        if step == "arch":
+            for name in args.arch or list(ARCHS):
+                make_arch(name, args, tree)
+        else:
+            globals()[f"step_{step}"](args, tree)
+
+
+if __name__ == "__main__":
+    main()
