@@ -937,6 +937,178 @@ def step_tokenizers(args, tree):
           f"llama.cpp differs for {lc_differs}")
 
 
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "City name"},
+            "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "search_docs", "description": "Search the project documentation",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string"}, "limit": {"type": "integer"}}, "required": ["query"]}}},
+]
+
+
+def call(name, args, cid):
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+TOOL_CASES = [
+    ("tools_offered", [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What's the weather in Paris?"}], {"tools": TOOLS}),
+    ("tools_offered_no_system", [
+        {"role": "user", "content": "What's the weather in Paris?"}], {"tools": TOOLS}),
+    ("tool_round_trip", [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What's the weather in Paris?"},
+        {"role": "assistant", "tool_calls": [call("get_weather", {"city": "Paris"}, "call_1")]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather",
+         "content": "{\"city\": \"Paris\", \"temp_c\": 18, \"sky\": \"overcast\"}"}], {"tools": TOOLS}),
+    ("tool_round_trip_empty_content", [
+        {"role": "user", "content": "What's the weather in Paris?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [call("get_weather", {"city": "Paris", "unit": "c"}, "call_1")]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18C, overcast"},
+        {"role": "assistant", "content": "It is 18C and overcast in Paris."},
+        {"role": "user", "content": "Thanks!"}], {"tools": TOOLS}),
+    ("tool_call_with_text", [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Find the docs on splicing."},
+        {"role": "assistant", "content": "Let me search the docs.",
+         "tool_calls": [call("search_docs", {"query": "splice", "limit": 3}, "call_7")]},
+        {"role": "tool", "tool_call_id": "call_7", "name": "search_docs",
+         "content": "[\"docs/splice.md\", \"DESIGN.md\"]"}], {"tools": TOOLS}),
+    ("parallel_tool_calls", [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Weather in Paris and in Rome?"},
+        {"role": "assistant", "tool_calls": [call("get_weather", {"city": "Paris"}, "c1"),
+                                             call("get_weather", {"city": "Rome"}, "c2")]},
+        {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18C"},
+        {"role": "tool", "tool_call_id": "c2", "name": "get_weather", "content": "24C"},
+        {"role": "assistant", "content": "Paris 18C, Rome 24C."},
+        {"role": "user", "content": "And Oslo?"}], {"tools": TOOLS}),
+    ("thinking_in_history", [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nSimple sum.\n</think>\n\n4"},
+        {"role": "user", "content": "3+3?"}], {}),
+    ("reasoning_content_field", [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "reasoning_content": "Simple sum.", "content": "4"},
+        {"role": "user", "content": "3+3?"}], {}),
+    ("enable_thinking_false", [
+        {"role": "user", "content": "2+2?"}], {"enable_thinking": False}),
+]
+
+
+def smollm2_messages():
+    d = json.loads((FIX / "smollm2/chat_template_cases.json").read_text())
+    return [(c["name"], c["messages"], c.get("apply_chat_template_kwargs", {})) for c in d["cases"]]
+
+
+def render_cases(tok, template, cases, ids_fn, extra_kwargs=None):
+    out = []
+    for name, msgs, kw in cases:
+        kw = {**(extra_kwargs or {}), **kw}
+        c = {"name": name, "messages": msgs}
+        if kw:
+            c["apply_chat_template_kwargs"] = kw
+        try:
+            text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                           add_generation_prompt=True, **kw)
+            c["text"] = text
+            if ids_fn is not None:
+                c["ids"] = ids_fn(text)
+            c["text_without_generation_prompt"] = tok.apply_chat_template(
+                msgs, chat_template=template, tokenize=False, add_generation_prompt=False, **kw)
+        except Exception as e:  # noqa: BLE001
+            c["error"] = f"{type(e).__name__}: {e}"
+        out.append(c)
+    return out
+
+
+def step_templates(args, tree):
+    ver = versions()
+    tdir = tree / "models/templates"
+    cases = smollm2_messages() + TOOL_CASES
+
+    def write(rel, doc):
+        p = Path(args.out) / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+        n_err = sum("error" in c for c in doc["cases"])
+        print(f"{rel}: {len(doc['cases'])} cases, {n_err} raise")
+
+    sdist_note = (f"from llama.cpp's models/templates/ in the PyPI sdist {SDIST} (sha256 "
+                  f"{SDIST_SHA256}), llama.cpp's copies of the templates the model publishers ship")
+    # ---- Qwen: the Qwen2.5 GGUF's own template, then Qwen3 and Qwen3-Coder
+    qpath = qwen_gguf(args)
+    qtok = hf_tok_from_gguf(qpath)
+    import gguf
+    meta_tpl = gguf.GGUFReader(str(qpath)).fields["tokenizer.chat_template"].contents()
+    qids = lambda t: qtok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for rel, tpl, src, ids_fn in (
+            ("qwen3/chat_template_cases.qwen2.5.json", meta_tpl,
+             "tokenizer.chat_template of the Qwen2.5-Coder-0.5B-Instruct GGUF", qids),
+            ("qwen3/chat_template_cases.qwen3.json", (tdir / "Qwen-Qwen3-0.6B.jinja").read_text(),
+             "Qwen-Qwen3-0.6B.jinja " + sdist_note, None),
+            ("qwen3moe/chat_template_cases.qwen3-coder.json", (tdir / "Qwen3-Coder.jinja").read_text(),
+             "Qwen3-Coder.jinja " + sdist_note, None)):
+        write(rel, {
+            "about": "transformers apply_chat_template(messages, chat_template=T, tokenize=False, "
+                     "add_generation_prompt=True, **apply_chat_template_kwargs) -> 'text', and with "
+                     "add_generation_prompt=False -> 'text_without_generation_prompt'; cases that raise "
+                     "carry 'error'. The tokenizer object is transformers' from the Qwen2.5-Coder GGUF "
+                     "(bos/eos/special tokens). " + (
+                         "'ids' = tokenizer(text, add_special_tokens=False)." if ids_fn else
+                         "No ids: Qwen3's <think>, </think>, <tool_response>, </tool_response> are not in "
+                         "the Qwen2.5 vocabulary we have from a real source."),
+            "generator": ver, "template_source": src, "template_sha256":
+                hashlib.sha256(tpl.encode()).hexdigest(), "chat_template": tpl,
+            "tokenizer_gguf_sha256": QWEN_GGUF_SHA256,
+            "cases": render_cases(qtok, tpl, cases, ids_fn)})
+    # ---- Llama 3.1 / 3.2 / 3.3 (Meta's templates as llama.cpp ships them)
+    meta, whl, _ = meta_llama3_tokenizer(args)
+    ltok = hf_tok_from_gguf(tree / "models/ggml-vocab-llama-bpe.gguf")
+    lids = lambda t: meta.encode(t, bos=False, eos=False, allowed_special="all")  # noqa: E731
+    for ver_name, fname in (("3.1", "meta-llama-Llama-3.1-8B-Instruct.jinja"),
+                            ("3.2", "meta-llama-Llama-3.2-3B-Instruct.jinja"),
+                            ("3.3", "meta-llama-Llama-3.3-70B-Instruct.jinja")):
+        tpl = (tdir / fname).read_text()
+        write(f"llama/chat_template_cases.llama{ver_name}.json", {
+            "about": "transformers apply_chat_template(messages, chat_template=T, tokenize=False, "
+                     "add_generation_prompt=True, date_string='26 Jul 2024', **kwargs) -> 'text' "
+                     "(date_string pinned: 3.2's template would otherwise use today's date); "
+                     "'ids' = Meta's llama-models tokenizer encode(text, bos=False, eos=False, "
+                     "allowed_special='all') (the text already holds <|begin_of_text|>). The tokenizer "
+                     "object rendering it is transformers' from llama.cpp's ggml-vocab-llama-bpe.gguf "
+                     "(bos_token <|begin_of_text|>).",
+            "generator": {**ver, "tiktoken": __import__("tiktoken").__version__},
+            "template_source": fname + " " + sdist_note, "template_sha256":
+                hashlib.sha256(tpl.encode()).hexdigest(), "chat_template": tpl,
+            "ids_tokenizer": f"llama_models.llama3.tokenizer.Tokenizer from {whl.name}",
+            "cases": render_cases(ltok, tpl, cases, lids, {"date_string": "26 Jul 2024"})})
+    # ---- Gemma: the 270M GGUF carries no template; Gemma 2's is the nearest real one
+    gpath = gemma_gguf(args)
+    gtok = hf_tok_from_gguf(gpath)
+    has = "tokenizer.chat_template" in gguf.GGUFReader(str(gpath)).fields
+    tpl = (tdir / "google-gemma-2-2b-it.jinja").read_text()
+    write("gemma3/chat_template_cases.gemma2-template.json", {
+        "about": "NOT Gemma 3's template. The Gemma 3 270M GGUF has no tokenizer.chat_template "
+                 f"(present: {has}) and no real source of Gemma 3's template was found on PyPI. This is "
+                 "Gemma 2's (google-gemma-2-2b-it.jinja), the nearest real one: same turn markup "
+                 "(<start_of_turn>user / model, <end_of_turn>), but it raises on a system message and on "
+                 "non-alternating roles and knows no tools, where Gemma 3's folds a system message into "
+                 "the first user turn. Rendered by transformers with the Gemma 3 270M tokenizer; 'ids' = "
+                 "tokenizer(text, add_special_tokens=False) (the text already starts with <bos>).",
+        "generator": ver, "template_source": "google-gemma-2-2b-it.jinja " + sdist_note,
+        "template_sha256": hashlib.sha256(tpl.encode()).hexdigest(), "chat_template": tpl,
+        "tokenizer_gguf_sha256": GEMMA_GGUF_SHA256,
+        "cases": render_cases(gtok, tpl, cases,
+                              lambda t: gtok(t, add_special_tokens=False)["input_ids"])})
+
+
 # --------------------------------------------------------------------------------------------
 
 def main():
