@@ -72,7 +72,7 @@ ROUTING_GAP = 0.05  # MoE: k-th minus (k+1)-th router logit under which routing 
 # --------------------------------------------------------------------------------------------
 # llama.cpp's logits: this part runs under --llamacpp-python and imports only numpy + llama_cpp.
 
-def llamacpp_eval(gguf_path, ids_json, out_npz):
+def llamacpp_eval(gguf_path, ids_json, out_npz, kv_variants="f16,f32"):
     """Every position's logits per sequence, with llama.cpp's default KV cache (F16) and with an
     F32 one (`kvf32_seqN`), which shows how much of the difference is the cache's rounding."""
     import llama_cpp
@@ -80,7 +80,8 @@ def llamacpp_eval(gguf_path, ids_json, out_npz):
     seqs = json.loads(Path(ids_json).read_text())
     n_ctx = max(256, max(len(s) for s in seqs) + 16)
     out = {}
-    for prefix, kv in (("", {}), ("kvf32_", {"type_k": 0, "type_v": 0})):  # 0 = GGML_TYPE_F32
+    variants = (("", {}), ("kvf32_", {"type_k": 0, "type_v": 0}))  # 0 = GGML_TYPE_F32
+    for prefix, kv in variants[: len(kv_variants.split(","))]:
         llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
                               n_threads=2, logits_all=True, verbose=False, seed=0, **kv)
         for i, ids in enumerate(seqs):
@@ -94,7 +95,7 @@ def llamacpp_eval(gguf_path, ids_json, out_npz):
 
 
 if len(sys.argv) > 1 and sys.argv[1] == "_llamacpp_eval":
-    llamacpp_eval(*sys.argv[2:5])
+    llamacpp_eval(*sys.argv[2:6])
     sys.exit(0)
 
 
@@ -1107,6 +1108,148 @@ def step_templates(args, tree):
         "tokenizer_gguf_sha256": GEMMA_GGUF_SHA256,
         "cases": render_cases(gtok, tpl, cases,
                               lambda t: gtok(t, add_special_tokens=False)["input_ids"])})
+
+
+def top10_diff(ref, other):
+    """max |other - ref| over ref's top-10 ids at every position (scripts/llamacpp_fixture_diff.py's
+    measure)."""
+    idx = np.argsort(-ref, axis=-1, kind="stable")[:, :10]
+    return float(np.abs(np.take_along_axis(other, idx, -1).astype(np.float64)
+                        - np.take_along_axis(ref, idx, -1)).max())
+
+
+def add_rope_freqs(src, dst, value):
+    """Copies a llama GGUF adding rope_freqs.weight (F32, head_dim/2 values all `value`)."""
+    import gguf
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    n_embd = r.fields[f"{arch}.embedding_length"].contents()
+    n_head = r.fields[f"{arch}.attention.head_count"].contents()
+    n_rot = (r.fields[f"{arch}.rope.dimension_count"].contents()
+             if f"{arch}.rope.dimension_count" in r.fields else n_embd // n_head)
+    w = gguf.GGUFWriter(str(dst), arch)
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(k, f.contents(), vt, f.types[-1] if len(f.types) > 1 else None)
+        else:
+            w.add_key_value(k, f.contents(), vt)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=None if t.tensor_type in (
+            gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else None,
+            raw_dtype=t.tensor_type)
+    w.add_tensor("rope_freqs.weight", np.full(n_rot // 2, value, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return n_rot
+
+
+ROPE_VALUE = 8.0
+
+
+def step_ropefreqs(args, tree):
+    """SmolLM2-135M rewritten with rope_freqs.weight = 8.0: llama.cpp's logits on it and on the
+    original, and transformers' on the original weights with every RoPE frequency divided by 8
+    (what llama.cpp does with rope_freqs: theta_i = pos * base^(-2i/d) / factor_i)."""
+    import torch
+    import transformers
+    torch.set_grad_enabled(False)
+    src = smollm2_gguf(args)
+    work = Path(args.work) / "ropefreqs"
+    work.mkdir(parents=True, exist_ok=True)
+    dst = work / "SmolLM2-135M-Instruct.Q4_1.rope_freqs8.gguf"
+    n_rot = add_rope_freqs(src, dst, ROPE_VALUE)
+    prompts = []
+    for p in sorted((FIX / "smollm2/logits").glob("p*_*.json")):
+        d = json.loads(p.read_text())
+        prompts.append((p.stem, d["input_ids"]))
+    seqs = [ids for _, ids in prompts]
+    ids_json = work / "ids.json"
+    ids_json.write_text(json.dumps(seqs))
+    res = {}
+    for label, path in (("rope_freqs8", dst), ("original", src)):
+        npz = work / f"{label}.npz"
+        subprocess.run([args.llamacpp_python, str(Path(__file__).resolve()), "_llamacpp_eval",
+                        str(path), str(ids_json), str(npz), "f16"], check=True)
+        z = np.load(npz)
+        res[label] = [z[f"seq{i}"] for i in range(len(seqs))]
+        lc_ver = str(z["llama_cpp_version"])
+    # transformers on the original file's weights, RoPE frequencies / 8
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, dtype=torch.float32, attn_implementation="eager").eval()
+    rot = model.model.rotary_emb
+    base_inv = rot.inv_freq.clone()
+    hf = {"original": [], "rope_freqs8": []}
+    for label, inv in (("original", base_inv), ("rope_freqs8", base_inv / ROPE_VALUE)):
+        rot.inv_freq.copy_(inv)
+        if hasattr(rot, "original_inv_freq"):
+            rot.original_inv_freq = inv.clone()
+        for ids in seqs:
+            hf[label].append(model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy())
+    rot.inv_freq.copy_(base_inv)
+    out = Path(args.out) / "smollm2/rope_freqs"
+    out.mkdir(parents=True, exist_ok=True)
+    index = {
+        "about": "SmolLM2-135M-Instruct.Q4_1.gguf (sha256 " + SMOLLM2_GGUF_SHA256 + ") copied by gguf-py "
+                 "with one tensor added, rope_freqs.weight: F32, " + str(n_rot // 2) + " values, all "
+                 f"{ROPE_VALUE} (head_dim {n_rot} / 2); every key and tensor otherwise unchanged. llama.cpp "
+                 "divides each RoPE frequency by its rope_freqs value, so this file should behave like the "
+                 "original with all frequencies / 8. Per prompt of ../logits (same input_ids): llama.cpp's "
+                 "logits on the rewritten file and on the original (llama-cpp-python, default f16 KV cache, "
+                 "2 threads, every position), and as an independent check transformers' (float32, eager, "
+                 "the GGUF's weights dequantized by gguf-py) with rotary inv_freq divided by 8 and without.",
+        "generator": {**versions(), "llama_cpp_python": lc_ver},
+        "rewritten_file": {"name": dst.name, "sha256": sha256_file(dst), "bytes": dst.stat().st_size,
+                           "how": "scripts/make_arch_fixtures.py ropefreqs (add_rope_freqs): GGUFReader of "
+                                  "the original, GGUFWriter with every KV pair and tensor copied raw in "
+                                  "order, then rope_freqs.weight appended; not committed"},
+        "prompts": [],
+    }
+    for (name, ids), lc8, lco, hf8, hfo in zip(prompts, res["rope_freqs8"], res["original"],
+                                                hf["rope_freqs8"], hf["original"]):
+        def top10(a):
+            idx = np.argsort(-a, axis=-1, kind="stable")[:, :10]
+            return idx.tolist(), [f32list(r) for r in np.take_along_axis(a, idx, -1)]
+        t8_ids, t8_l = top10(lc8)
+        to_ids, to_l = top10(lco)
+        srt = np.sort(lc8, -1)
+        gap8 = srt[:, -1] - srt[:, -2]
+        d = {
+            "name": name, "input_ids": ids, "n_tokens": len(ids),
+            "llama_cpp_rope_freqs8": {"argmax": lc8.argmax(-1).tolist(), "top10_ids": t8_ids,
+                                      "top10_logits": t8_l,
+                                      "top1_minus_top2": f32list(gap8),
+                                      "last_position_logits_file": f"{name}.rope_freqs8.last_logits.f32le.bin"},
+            "llama_cpp_original": {"argmax": lco.argmax(-1).tolist(), "top10_ids": to_ids,
+                                   "top10_logits": to_l,
+                                   "last_position_logits_file": f"{name}.original.last_logits.f32le.bin"},
+            "effect_of_rope_freqs": {
+                "max_abs_logit_change": float(np.abs(lc8 - lco).max()),
+                "positions_whose_argmax_changes": int((lc8.argmax(-1) != lco.argmax(-1)).sum())},
+            "transformers_check": {
+                "rope_freqs8_vs_llama_cpp_rope_freqs8_max_abs_diff": float(np.abs(hf8 - lc8).max()),
+                "rope_freqs8_vs_llama_cpp_max_abs_diff_over_transformers_top10": top10_diff(hf8, lc8),
+                "original_vs_llama_cpp_max_abs_diff_over_transformers_top10": top10_diff(hfo, lco),
+                "rope_freqs8_top1_agrees_with_llama_cpp": int((hf8.argmax(-1) == lc8.argmax(-1)).sum()),
+                "original_vs_llama_cpp_original_max_abs_diff": float(np.abs(hfo - lco).max()),
+                "original_top1_agrees_with_llama_cpp": int((hfo.argmax(-1) == lco.argmax(-1)).sum()),
+                "rope_freqs8_argmax": hf8.argmax(-1).tolist()},
+        }
+        for lab, arr in (("rope_freqs8", lc8), ("original", lco)):
+            (out / f"{name}.{lab}.last_logits.f32le.bin").write_bytes(
+                np.ascontiguousarray(arr[-1], dtype="<f4").tobytes())
+            d[f"llama_cpp_{lab}"]["last_position_logits_sha256"] = hashlib.sha256(
+                np.ascontiguousarray(arr[-1], dtype="<f4").tobytes()).hexdigest()
+        (out / f"{name}.json").write_text(json.dumps(d, indent=1) + "\n")
+        index["prompts"].append({"name": name, "n_tokens": len(ids), **d["effect_of_rope_freqs"],
+                                 **{k: v for k, v in d["transformers_check"].items()
+                                    if k != "rope_freqs8_argmax"}})
+        print(name, json.dumps(index["prompts"][-1]))
+    (out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 
 # --------------------------------------------------------------------------------------------
