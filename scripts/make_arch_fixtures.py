@@ -547,6 +547,43 @@ def sensitivity(name, model, ids, base):
     return out
 
 
+MODELING = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3",
+             "olmo2": "olmo2"}
+
+
+def capture_keys(name, model, ids, path):
+    """Per layer the keys of one sequence before and after RoPE ([T, n_kv_heads, head_dim], HF
+    layout, after any K norm), captured by wrapping the modeling module's apply_rotary_pos_emb."""
+    import importlib
+    import torch
+    from safetensors.torch import save_file
+    mod = importlib.import_module(f"transformers.models.{MODELING[name]}.modeling_{MODELING[name]}")
+    orig = mod.apply_rotary_pos_emb
+    calls = []
+
+    def wrapped(q, k, cos, sin, *a, **kw):
+        qo, ko = orig(q, k, cos, sin, *a, **kw)
+        calls.append((k[0].transpose(0, 1).contiguous(), ko[0].transpose(0, 1).contiguous()))
+        return qo, ko
+
+    mod.apply_rotary_pos_emb = wrapped
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]), use_cache=False)
+    finally:
+        mod.apply_rotary_pos_emb = orig
+    assert len(calls) == model.config.num_hidden_layers, len(calls)
+    tensors = {}
+    for i, (pre, post) in enumerate(calls):
+        tensors[f"layers.{i}.k_pre_rope"] = pre.float()
+        tensors[f"layers.{i}.k_post_rope"] = post.float()
+    save_file(tensors, path, metadata={"ids": json.dumps(ids)})
+    return {"file": Path(path).name, "sha256": sha256_file(path),
+            "shape_per_tensor": list(calls[0][0].shape),
+            "layout": "[position, kv_head, dim], HF order: RoPE pairs dims (i, i + head_dim/2) "
+                      "(rotate_half)"}
+
+
 def run_llamacpp(args, gguf_path, seqs, work):
     ids_json = work / "ids.json"
     ids_json.write_text(json.dumps(seqs))
@@ -671,6 +708,17 @@ def make_arch(name, args, tree):
                     diff.max(-1)[clear].max()) if clear.any() else None
             if len(ids) == max(LENGTHS):
                 entry["sensitivity_max_abs_logit_change"] = sensitivity(name, model, ids, logits)
+                if outtype == "f32":
+                    entry["keys"] = capture_keys(name, model, ids, out / "keys_seq130.safetensors")
+                    if spec["gguf_arch"] == "llama":
+                        hd = cfg.head_dim
+                        entry["keys"]["gguf_dim_from_hf_dim"] = [
+                            (j // 2) + (hd // 2) * (j % 2) for j in range(hd)]
+                        entry["keys"]["gguf_layout_note"] = (
+                            "llama's converter permutes attn_q/attn_k rows for ggml's interleaved "
+                            "RoPE (pairs 2i, 2i+1): key_gguf[j] = key_hf[gguf_dim_from_hf_dim[j]]. "
+                            "qwen3, qwen3moe, gemma3 and olmo2 use NEOX RoPE in llama.cpp: no "
+                            "permutation, GGUF order = HF order.")
             var["sequences"].append(entry)
         s = var["sequences"]
         if spec["gguf_arch"] == "qwen3moe":
