@@ -544,6 +544,44 @@ def sensitivity(name, model, ids, base):
             out["sliding_layers_attend_globally"] = float(
                 (model(torch.tensor([ids]), use_cache=False).logits[0] - base).abs().max())
             cfg.sliding_window = saved
+
+        def change(fn_set, fn_reset, label):
+            fn_set()
+            try:
+                out[label] = float(
+                    (model(torch.tensor([ids]), use_cache=False).logits[0] - base).abs().max())
+            finally:
+                fn_reset()
+
+        layers = model.model.layers
+        if hasattr(layers[0].self_attn, "q_norm"):
+            saved_n = [(l.self_attn.q_norm, l.self_attn.k_norm) for l in layers]
+
+            def drop():
+                for l in layers:
+                    l.self_attn.q_norm = torch.nn.Identity()
+                    l.self_attn.k_norm = torch.nn.Identity()
+
+            def restore():
+                for l, (q, k) in zip(layers, saved_n):
+                    l.self_attn.q_norm, l.self_attn.k_norm = q, k
+
+            change(drop, restore, "without_q_k_norm")
+        if arch == "qwen3moe":
+            def flip(v):
+                for l in layers:
+                    l.mlp.gate.norm_topk_prob = v
+            change(lambda: flip(False), lambda: flip(True), "top_k_weights_not_renormalized")
+        if arch == "gemma3":
+            emb = model.model.embed_tokens
+            saved_scale = emb.embed_scale.clone()
+            change(lambda: emb.embed_scale.fill_(1.0), lambda: emb.embed_scale.copy_(saved_scale),
+                   "embedding_not_scaled_by_sqrt_hidden")
+            rot = model.model.rotary_emb
+            loc = rot.sliding_attention_inv_freq
+            saved_loc = loc.clone()
+            change(lambda: loc.copy_(rot.full_attention_inv_freq), lambda: loc.copy_(saved_loc),
+                   "sliding_layers_use_the_global_rope_base")
     return out
 
 
