@@ -8,7 +8,8 @@ Nothing here is computed by Leyline. Per architecture:
   1. a tiny tokenizer (byte-level BPE trained by `tokenizers`, or for gemma3 a SentencePiece
      model trained by `sentencepiece`) and a tiny seeded random checkpoint made by transformers
      itself (torch.manual_seed, initializer_range 0.1, every norm weight set to an effective
-     1 + 0.1*N(0,1)), saved with save_pretrained;
+     1 + 0.1*N(0,1), the final norm's x4 and qwen3moe's routers x4 so logits and routing are
+     decisive), saved with save_pretrained;
   2. converted to GGUF twice by llama.cpp's own convert_hf_to_gguf.py (--outtype f32 and q8_0);
   3. transformers' logits (float32, CPU, eager attention, one uncached forward) on three seeded
      token sequences, computed on exactly the weights in each GGUF (for q8_0 the checkpoint's
@@ -39,7 +40,6 @@ numpy and llama_cpp.
 import argparse
 import hashlib
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -900,7 +900,7 @@ EXTRA_TEXTS = {
 }
 
 
-def tokenizer_cases(tok_encode, tok_decode, tok_tokens, texts, specials_ids):
+def tokenizer_cases(tok_encode, tok_decode, tok_tokens, texts):
     cases = []
     for name, text in texts:
         ids = tok_encode(text)
@@ -941,7 +941,7 @@ def step_tokenizers(args, tree):
         cases = tokenizer_cases(
             lambda t: tok(t, add_special_tokens=False)["input_ids"],
             lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
-            lambda ids: tok.convert_ids_to_tokens(ids), texts, None)
+            lambda ids: tok.convert_ids_to_tokens(ids), texts)
         lc = run_llamacpp_tokenize(args, path, [t for _, t in texts])
         differs = []
         for c, l in zip(cases, lc):
@@ -1222,10 +1222,8 @@ def add_rope_freqs(src, dst, value):
             w.add_key_value(k, f.contents(), vt, f.types[-1] if len(f.types) > 1 else None)
         else:
             w.add_key_value(k, f.contents(), vt)
-    for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_shape=None if t.tensor_type in (
-            gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else None,
-            raw_dtype=t.tensor_type)
+    for t in r.tensors:  # raw copy: quantized data as its bytes, float data as it is
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     w.add_tensor("rope_freqs.weight", np.full(n_rot // 2, value, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
