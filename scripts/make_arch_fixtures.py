@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Independent reference fixtures for the architectures of issue 60 (llama with Llama 3 rope
 scaling, qwen3, qwen3moe, gemma3, olmo2), plus tokenizer and chat-template references from real
-sources and a rope_freqs check on the real SmolLM2 file.
+sources, a rope_freqs check on the real SmolLM2 file, and Gemma 3 270M's greedy tokens.
 
 Nothing here is computed by Leyline. Per architecture:
 
@@ -24,6 +24,8 @@ Steps (run all by default, or name some):
   tokenizers   tokenizer_cases.json per family from real files (see ARCHS.md)
   templates    chat_template_cases.json per family from real templates
   ropefreqs    SmolLM2-135M with rope_freqs.weight = 8.0 added: llama.cpp's logits, both files
+  gemma270m    Gemma 3 270M (real weights): llama.cpp's and transformers' logits and 32 greedy
+               tokens on the four smollm2 prompt texts (the slowest step, ~7 minutes on 2 cores)
 
     python scripts/make_arch_fixtures.py [STEP ...] [--arch NAME ...] [--out DIR] [--work DIR]
         [--llamacpp-dir DIR] [--llamacpp-python PY]
@@ -1469,7 +1471,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("steps", nargs="*", default=["arch", "tokenizers", "templates", "ropefreqs"])
+    ap.add_argument("steps", nargs="*",
+                    default=["arch", "tokenizers", "templates", "ropefreqs", "gemma270m"])
     ap.add_argument("--arch", action="append", choices=list(ARCHS), help="only these (repeat)")
     ap.add_argument("--out", default=str(FIX), help="fixtures root (default: the repo's)")
     ap.add_argument("--work", default="/tmp/leyline-arch-fixtures", help="scratch directory")
