@@ -302,7 +302,10 @@ impl DeepseekV2 {
                 k_head_dim: dr,
                 v_width: r,
             },
-            rope: cfg.rope,
+            rope: leyline_kernels::rope::LayerRopes::uniform(
+                cfg.rope.clone(),
+                cfg.num_hidden_layers,
+            ),
         };
         let rope_gain = cfg.rope.attention_factor() as f32;
         Ok(Self {
@@ -461,7 +464,7 @@ impl DeepseekV2 {
         let q = q_pe.flatten_all()?.to_vec1::<f32>()?;
         let mut turned = q.clone();
         for run in shifts {
-            let rot = Rotation::new(&self.info.rope, -run.offset);
+            let rot = Rotation::new(&self.cfg.rope, -run.offset);
             turned.copy_from_slice(&q);
             for (i, row) in turned.chunks_exact_mut(dr).enumerate() {
                 rot.apply_f32(row);

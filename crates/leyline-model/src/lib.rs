@@ -19,7 +19,7 @@ pub mod tokenizer;
 
 pub use error::{ModelError, Result};
 
-use leyline_kernels::rope::RopeSpec;
+use leyline_kernels::rope::LayerRopes;
 use leyline_kv::{KvGeometry, KvStorage};
 
 /// What the engine needs to know about a loaded model.
@@ -35,8 +35,9 @@ pub struct ModelInfo {
     pub context_length: usize,
     /// What one slot holds per layer.
     pub geometry: KvGeometry,
-    /// The rotary embedding of the cached keys (for shifts).
-    pub rope: RopeSpec,
+    /// The rotary embedding of each layer's cached keys (for shifts): a model may rotate
+    /// different layers differently (Gemma 3's local and global layers).
+    pub rope: LayerRopes,
 }
 
 /// Which logits a sequence wants back from a forward call.

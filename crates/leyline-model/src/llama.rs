@@ -14,7 +14,7 @@ use crate::linear::{Embedding, FusedLinear, Linear};
 use crate::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{Device, Tensor};
 use leyline_kernels::qmatmul::QMatrix;
-use leyline_kernels::rope::{RopeScaling, RopeSpec, RotaryLayout};
+use leyline_kernels::rope::{LayerRopes, RopeScaling, RopeSpec, RotaryLayout};
 use leyline_kv::{KvGeometry, KvStorage};
 
 /// Hyper-parameters of a llama-family model.
@@ -118,6 +118,7 @@ impl LlamaConfig {
                 rotary_dim,
                 layout,
                 scaling,
+                freq_factors: None,
             },
             arch,
         })
@@ -237,7 +238,7 @@ impl Llama {
                 k_head_dim: cfg.head_dim,
                 v_width: cfg.kv_heads * cfg.head_dim,
             },
-            rope: cfg.rope,
+            rope: LayerRopes::uniform(cfg.rope.clone(), cfg.layers),
         };
         let inv_freq = cfg.rope.inv_freq();
         Ok(Self {
