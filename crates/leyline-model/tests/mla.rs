@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use leyline_kernels::rope::RotaryLayout;
 use leyline_kernels::rotate::shift_rows;
 use leyline_kv::{KvDtype, KvGeometry, KvStorage};
-use leyline_model::deepseek::DeepseekV2;
+use leyline_model::arch::deepseek2::DeepseekV2;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor, ModelError};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -551,7 +551,7 @@ fn bad_input_and_files_are_errors() {
         f.model.forward(&mut kv, &[s]),
         Err(ModelError::Input(_))
     ));
-    let e = leyline_model::deepseek::load_dir(&dir("missing"))
+    let e = leyline_model::arch::deepseek2::load_dir(&dir("missing"))
         .err()
         .unwrap();
     assert!(matches!(e, ModelError::File { .. }), "{e}");

@@ -8,7 +8,7 @@
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::chat::{ChatMessage, ChatTemplate, RenderOptions};
 use leyline_model::gguf::GgufFile;
-use leyline_model::llama::Llama;
+use leyline_model::arch::llama::Llama;
 use leyline_model::tokenizer::Tokenizer;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
 use serde_json::Value;

@@ -4,7 +4,7 @@
 
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::gguf::GgufFile;
-use leyline_model::llama::Llama;
+use leyline_model::arch::llama::Llama;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
 use serde_json::Value;
 use std::path::PathBuf;

@@ -8,16 +8,17 @@
 //! per-head `k_nope` and `v` on every call (no weight absorption).
 
 mod config;
-mod weights;
+pub(crate) mod weights;
 
 pub use config::{DeepseekV2Config, MoeConfig};
 
+use crate::blocks::moe::{Mlp, Moe};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ops::{rms_norm, softmax_last_dim};
-use leyline_kernels::rope::Rotation;
+use leyline_kernels::rope::{LayerRopes, Rotation};
 use leyline_kv::{KvGeometry, KvStorage};
 use std::path::Path;
 use std::sync::Arc;
@@ -30,6 +31,14 @@ use weights::Weights;
 /// As [`DeepseekV2::load_dir`].
 pub fn load_dir(dir: &Path) -> Result<Arc<dyn CausalLm>> {
     Ok(Arc::new(DeepseekV2::load_dir(dir)?))
+}
+
+/// [`read_config`] for the architecture table: the config checked, nothing kept.
+///
+/// # Errors
+/// As [`read_config`].
+pub fn check_config(dir: &Path) -> Result<()> {
+    read_config(dir).map(drop)
 }
 
 /// Reads and checks `dir/config.json` without touching the weights, so a directory that is
@@ -74,103 +83,6 @@ struct Attn {
     kv_a_norm: Tensor,
     kv_b: Linear,
     o: Linear,
-}
-
-struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-}
-
-impl Mlp {
-    fn load(w: &mut Weights, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
-        let mut lin = |n: &str, shape: &[usize]| -> Result<Linear> {
-            Linear::from_f32(w.take(&format!("{prefix}.{n}.weight"), shape)?, None)
-        };
-        Ok(Self {
-            gate: lin("gate_proj", &[inter, hidden])?,
-            up: lin("up_proj", &[inter, hidden])?,
-            down: lin("down_proj", &[hidden, inter])?,
-        })
-    }
-
-    /// Routed experts, saved one by one (`mlp.experts.{e}.gate_proj.weight`, ...) or fused as
-    /// transformers 5 holds them (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`).
-    fn load_experts(w: &mut Weights, p: &str, hidden: usize, m: &MoeConfig) -> Result<Vec<Self>> {
-        let (n, inter) = (m.n_routed_experts, m.moe_intermediate_size);
-        let fused = format!("{p}.mlp.experts.gate_up_proj");
-        if !w.has(&fused) {
-            return (0..n)
-                .map(|e| Self::load(w, &format!("{p}.mlp.experts.{e}"), hidden, inter))
-                .collect();
-        }
-        let gate_up = w.take(&fused, &[n, 2 * inter, hidden])?;
-        let down = w.take(&format!("{p}.mlp.experts.down_proj"), &[n, hidden, inter])?;
-        let lin = |t: Tensor| Linear::from_f32(t.contiguous()?, None);
-        (0..n)
-            .map(|e| {
-                let gu = gate_up.get(e)?;
-                Ok(Self {
-                    gate: lin(gu.narrow(0, 0, inter)?)?,
-                    up: lin(gu.narrow(0, inter, inter)?)?,
-                    down: lin(down.get(e)?)?,
-                })
-            })
-            .collect()
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = (self.gate.forward(x)?.silu()? * self.up.forward(x)?)?;
-        self.down.forward(&h)
-    }
-}
-
-struct Moe {
-    router: Tensor,
-    experts: Vec<Mlp>,
-    shared: Option<Mlp>,
-    top_k: usize,
-    scale: f64,
-}
-
-impl Moe {
-    /// Softmax over all routed experts, greedy top-k, selected probabilities times
-    /// `routed_scaling_factor` (no renormalization), plus the shared experts.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let n = x.dim(0)?;
-        let probs = softmax_last_dim(&x.matmul(&self.router.t()?)?)?.to_vec2::<f32>()?;
-        let mut picked: Vec<(Vec<u32>, Vec<f32>)> =
-            vec![(Vec::new(), Vec::new()); self.experts.len()];
-        let mut order: Vec<usize> = Vec::with_capacity(self.experts.len());
-        for (t, p) in probs.iter().enumerate() {
-            order.clear();
-            order.extend(0..p.len());
-            // Descending probability; a tie goes to the lower expert index.
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            for &e in &order[..self.top_k] {
-                picked[e].0.push(t as u32);
-                picked[e].1.push((p[e] as f64 * self.scale) as f32);
-            }
-        }
-        let mut out = x.zeros_like()?;
-        for (e, (rows, w)) in picked.into_iter().enumerate() {
-            if rows.is_empty() {
-                continue;
-            }
-            let m = rows.len();
-            let idx = Tensor::from_vec(rows, m, &Device::Cpu)?;
-            let w = Tensor::from_vec(w, (m, 1), &Device::Cpu)?;
-            let y = self.experts[e]
-                .forward(&x.index_select(&idx, 0)?)?
-                .broadcast_mul(&w)?;
-            out = out.index_add(&idx, &y, 0)?;
-        }
-        debug_assert_eq!(out.dim(0)?, n);
-        if let Some(s) = &self.shared {
-            out = (out + s.forward(x)?)?;
-        }
-        Ok(out)
-    }
 }
 
 enum Ffn {
@@ -247,7 +159,12 @@ impl DeepseekV2 {
             };
             let ffn = match (&cfg.moe, cfg.is_moe_layer(i)) {
                 (Some(m), true) => {
-                    let experts = Mlp::load_experts(w, &p, hd, m)?;
+                    let experts = Mlp::load_experts(
+                        w,
+                        &p,
+                        hd,
+                        (m.n_routed_experts, m.moe_intermediate_size),
+                    )?;
                     let shared = if m.n_shared_experts > 0 {
                         let inter = m.moe_intermediate_size * m.n_shared_experts;
                         Some(Mlp::load(w, &format!("{p}.mlp.shared_experts"), hd, inter)?)
@@ -260,6 +177,7 @@ impl DeepseekV2 {
                         experts,
                         shared,
                         top_k: m.num_experts_per_tok,
+                        norm_topk: false,
                         scale: m.routed_scaling_factor,
                     })
                 }
@@ -283,14 +201,7 @@ impl DeepseekV2 {
         } else {
             lin(w, "lm_head", &[cfg.vocab_size, hd])?
         };
-        let left = w.remaining();
-        if !left.is_empty() {
-            tracing::warn!(
-                "{name}: {} checkpoint tensors unused, e.g. {:?}",
-                left.len(),
-                &left[..left.len().min(4)]
-            );
-        }
+        w.ensure_all_taken()?;
         let info = ModelInfo {
             name: name.to_string(),
             arch: "deepseek_v2".into(),
@@ -302,10 +213,7 @@ impl DeepseekV2 {
                 k_head_dim: dr,
                 v_width: r,
             },
-            rope: leyline_kernels::rope::LayerRopes::uniform(
-                cfg.rope.clone(),
-                cfg.num_hidden_layers,
-            ),
+            rope: LayerRopes::uniform(cfg.rope.clone(), cfg.num_hidden_layers),
         };
         let rope_gain = cfg.rope.attention_factor() as f32;
         Ok(Self {

@@ -2,7 +2,7 @@ use super::plan::{common_prefix, shared_prefixes, QB};
 use super::*;
 use crate::{ForwardSeq, LogitsFor};
 use leyline_kernels::attend::Heads;
-use leyline_kernels::rope::{RopeSpec, RotaryLayout};
+use leyline_kernels::rope::{LayerRopes, RopeSpec, RotaryLayout};
 use leyline_kv::shift::KeyShift;
 use leyline_kv::storage::{KvDtype, KvGeometry};
 
@@ -182,7 +182,7 @@ fn check_shifted(
     let q: Vec<f32> = (0..n * h * hd).map(|_| rng.next() * 2.0).collect();
     let pool = SpinPool::new(threads);
     let want = reference(&kv, layer, shape, layout, &q, &seqs);
-    let rope = RopeSpec::plain(THETA, hd, layout);
+    let rope = LayerRopes::uniform(RopeSpec::plain(THETA, hd, layout), geo.layers);
     // Rows wider than the queries (as in the fused Q/K/V buffer), padding unread.
     let stride = h * hd + 5;
     let padded: Vec<f32> = q

@@ -79,6 +79,24 @@ impl Weights {
         v
     }
 
+    /// Refuses a checkpoint that holds tensors nobody took, naming them: a tensor the
+    /// model does not read would be silently ignored otherwise.
+    ///
+    /// # Errors
+    /// [`ModelError::Unread`] naming the tensors left.
+    pub(crate) fn ensure_all_taken(&self) -> Result<()> {
+        let left = self.remaining();
+        if left.is_empty() {
+            return Ok(());
+        }
+        Err(ModelError::Unread {
+            path: self.dir.clone(),
+            arch: "deepseek_v2".into(),
+            what: "tensor",
+            names: left.iter().map(|s| s.to_string()).collect(),
+        })
+    }
+
     /// Whether the checkpoint has `name`.
     pub(crate) fn has(&self, name: &str) -> bool {
         self.map.contains_key(name)
