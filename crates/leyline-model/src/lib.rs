@@ -25,6 +25,7 @@
 pub mod arch;
 pub(crate) mod blocks;
 pub mod chat;
+mod checkpoint;
 pub mod error;
 pub mod gguf;
 pub mod linear;
@@ -38,4 +39,3 @@ pub use load::{
     load_gguf, load_model_path, load_network, load_with_tokenizer, AnyModel, BareModel, LoadedModel,
 };
 pub use model::{check_batch, CausalLm, ForwardSeq, LogitsFor, ModelInfo};
-pub(crate) use model::{kv_deviation_by, kv_distances, logit_rows, split_logits, FlatBatch, Ran};

@@ -4,7 +4,8 @@
 
 use crate::arch::{self, Loader};
 use crate::error::{ModelError, Result};
-use crate::{chat, gguf, tokenizer, CausalLm};
+use crate::model::CausalLm;
+use crate::{chat, gguf, tokenizer};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -8,21 +8,20 @@
 //! per-head `k_nope` and `v` on every call (no weight absorption).
 
 mod config;
-pub(crate) mod weights;
 
 pub use config::{DeepseekV2Config, MoeConfig};
 
 use crate::blocks::moe::{Mlp, Moe};
+use crate::checkpoint::Weights;
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
-use crate::{CausalLm, ForwardSeq, ModelInfo};
+use crate::model::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ops::{rms_norm, softmax_last_dim};
 use leyline_kernels::rope::{LayerRopes, Rotation};
 use leyline_kv::{KvGeometry, KvStorage};
 use std::path::Path;
 use std::sync::Arc;
-use weights::Weights;
 
 /// Loads a DeepSeek-V2-family checkpoint directory (`config.json` + safetensors) as a
 /// [`CausalLm`].
@@ -201,7 +200,7 @@ impl DeepseekV2 {
         } else {
             lin(w, "lm_head", &[cfg.vocab_size, hd])?
         };
-        w.ensure_all_taken()?;
+        w.ensure_all_taken("deepseek_v2")?;
         let info = ModelInfo {
             name: name.to_string(),
             arch: "deepseek_v2".into(),
@@ -300,12 +299,12 @@ impl DeepseekV2 {
         kv: &mut KvStorage,
         seqs: &[ForwardSeq<'_>],
         stop: Option<(usize, &[u32])>,
-    ) -> Result<crate::Ran> {
-        let crate::FlatBatch {
+    ) -> Result<crate::model::Ran> {
+        let crate::model::FlatBatch {
             tokens,
             positions,
             new_slots,
-        } = crate::FlatBatch::new(seqs);
+        } = crate::model::FlatBatch::new(seqs);
         let n = tokens.len();
         let rot = self.rotations(&positions);
         let eps = self.cfg.rms_norm_eps as f32;
@@ -318,8 +317,8 @@ impl DeepseekV2 {
             let q = Tensor::from_vec(self.queries(&b.attn, &xn, &rot)?, (n, row), &Device::Cpu)?;
             let (k_pe, latent) = self.cache_rows(&b.attn, &xn, &rot)?;
             if let Some((layer, cached)) = stop.filter(|&(layer, _)| layer == li) {
-                let d = crate::kv_distances(kv, layer, cached, &k_pe, &latent)?;
-                return Ok(crate::Ran::Deviation(d));
+                let d = crate::model::kv_distances(kv, layer, cached, &k_pe, &latent)?;
+                return Ok(crate::model::Ran::Deviation(d));
             }
             let (r, dr) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
             for (i, &slot) in new_slots.iter().enumerate() {
@@ -340,16 +339,16 @@ impl DeepseekV2 {
             x = (x + y)?;
         }
         // Only the rows whose logits are wanted go through the head.
-        let (rows, counts) = crate::logit_rows(seqs);
+        let (rows, counts) = crate::model::logit_rows(seqs);
         if rows.is_empty() {
-            return Ok(crate::Ran::Logits(vec![Vec::new(); seqs.len()]));
+            return Ok(crate::model::Ran::Logits(vec![Vec::new(); seqs.len()]));
         }
         let nrows = rows.len();
         let idx = Tensor::from_vec(rows, nrows, &Device::Cpu)?;
         let xs = rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
         let logits = self.lm_head.forward(&xs)?.to_dtype(DType::F32)?;
         let logits = logits.flatten_all()?.to_vec1::<f32>()?;
-        Ok(crate::Ran::Logits(crate::split_logits(
+        Ok(crate::model::Ran::Logits(crate::model::split_logits(
             &logits,
             &counts,
             self.info.vocab_size,
@@ -463,7 +462,7 @@ impl CausalLm for DeepseekV2 {
     }
 
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
-        crate::check_batch(&self.info, kv, seqs)?;
+        crate::model::check_batch(&self.info, kv, seqs)?;
         self.run(kv, seqs, None)?.logits()
     }
 
@@ -474,7 +473,7 @@ impl CausalLm for DeepseekV2 {
         layer: usize,
         cached: &[u32],
     ) -> Result<Vec<f32>> {
-        crate::kv_deviation_by(
+        crate::model::kv_deviation_by(
             &self.info,
             kv,
             seq,
@@ -488,7 +487,7 @@ impl CausalLm for DeepseekV2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::LogitsFor;
+    use crate::model::LogitsFor;
     use std::collections::HashMap;
 
     fn fixture(name: &str) -> std::path::PathBuf {

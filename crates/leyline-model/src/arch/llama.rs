@@ -13,7 +13,7 @@ use crate::blocks::norm::{add_into, load_norm, rms_norm};
 use crate::blocks::output::{load_embedding, Ends};
 use crate::error::{ModelError, Result};
 use crate::gguf::{ArchKeys, GgufFile};
-use crate::{CausalLm, ForwardSeq, ModelInfo, Ran};
+use crate::model::{CausalLm, ForwardSeq, ModelInfo, Ran};
 use candle_core::Device;
 use leyline_kernels::attend::Heads;
 use leyline_kernels::pool::SpinPool;
@@ -272,7 +272,7 @@ impl Llama {
     ) -> Result<Ran> {
         let pool = SpinPool::global();
         let c = &self.cfg;
-        let batch = crate::FlatBatch::new(seqs);
+        let batch = crate::model::FlatBatch::new(seqs);
         let (n, hid, eps) = (batch.tokens.len(), c.hidden, c.rms_eps as f32);
         let split = crate::blocks::row_split(seqs);
         let shape = Heads {
@@ -297,7 +297,9 @@ impl Llama {
             att.rope(li);
             if let Some((_, cached)) = stop.filter(|&(layer, _)| layer == li) {
                 let (k, v) = att.kv_rows();
-                return Ok(Ran::Deviation(crate::kv_distances(kv, li, cached, &k, &v)?));
+                return Ok(Ran::Deviation(crate::model::kv_distances(
+                    kv, li, cached, &k, &v,
+                )?));
             }
             att.store(kv, li, &batch.new_slots)?;
             att.attend(pool, kv, li, &l.attn, &split, &mut y)?;
@@ -338,7 +340,7 @@ impl CausalLm for Llama {
     }
 
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
-        crate::check_batch(&self.info, kv, seqs)?;
+        crate::model::check_batch(&self.info, kv, seqs)?;
         self.run(kv, seqs, None)?.logits()
     }
 
@@ -349,7 +351,7 @@ impl CausalLm for Llama {
         layer: usize,
         cached: &[u32],
     ) -> Result<Vec<f32>> {
-        crate::kv_deviation_by(
+        crate::model::kv_deviation_by(
             &self.info,
             kv,
             seq,

@@ -7,7 +7,7 @@ pub mod llama;
 
 use crate::error::Result;
 use crate::gguf::GgufFile;
-use crate::CausalLm;
+use crate::model::CausalLm;
 use std::path::Path;
 use std::sync::Arc;
 

@@ -20,7 +20,7 @@ use crate::blocks::rope::RopeTables;
 use crate::error::Result;
 use crate::gguf::GgufFile;
 use crate::linear::{FusedLinear, Linear, RowSplit};
-use crate::ForwardSeq;
+use crate::model::ForwardSeq;
 use leyline_kernels::attend::{Heads, KvRows, Queries};
 use leyline_kernels::pool::SpinPool;
 use leyline_kernels::qmatmul::QMatrix;

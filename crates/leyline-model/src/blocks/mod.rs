@@ -16,7 +16,7 @@ pub(crate) mod output;
 pub(crate) mod rope;
 
 use crate::linear::RowSplit;
-use crate::ForwardSeq;
+use crate::model::ForwardSeq;
 
 /// How the rows of a batch are cut for the linear layers: on 8-bit activations each
 /// sequence's rows take the kernels its own size picks (batch invariance); on f32 ones the

@@ -4,7 +4,7 @@
 //! The routing is the reference's: softmax over every routed expert, greedy top-k (ties to
 //! the lower index), each expert then running once over the tokens that picked it.
 
-use crate::arch::deepseek2::weights::Weights;
+use crate::checkpoint::Weights;
 use crate::error::Result;
 use crate::linear::Linear;
 use candle_core::{Device, Tensor};

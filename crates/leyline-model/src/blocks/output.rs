@@ -5,7 +5,7 @@ use crate::blocks::norm::{load_norm, rms_norm};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::linear::{Embedding, Linear, RowSplit};
-use crate::{ForwardSeq, Ran};
+use crate::model::{ForwardSeq, Ran};
 use leyline_kernels::qmatmul::QMatrix;
 
 /// `token_embd.weight` as the embedding table.
@@ -81,7 +81,7 @@ impl Ends {
     /// # Errors
     /// Widths that do not match the head.
     pub(crate) fn logits(&self, x: &[f32], seqs: &[ForwardSeq<'_>], eps: f32) -> Result<Ran> {
-        let (rows, counts) = crate::logit_rows(seqs);
+        let (rows, counts) = crate::model::logit_rows(seqs);
         if rows.is_empty() {
             return Ok(Ran::Logits(vec![Vec::new(); seqs.len()]));
         }
@@ -100,6 +100,8 @@ impl Ends {
             RowSplit::uniform(m)
         };
         self.head.forward_split(&xs, &split, &mut logits)?;
-        Ok(Ran::Logits(crate::split_logits(&logits, &counts, vocab)))
+        Ok(Ran::Logits(crate::model::split_logits(
+            &logits, &counts, vocab,
+        )))
     }
 }

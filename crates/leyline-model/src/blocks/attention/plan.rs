@@ -2,7 +2,7 @@
 //! batch splits into, and the grouping of decodes that share a context prefix. The kernels
 //! run the tasks and merge split tasks' partial sums ([`leyline_kernels::attend`]).
 
-use crate::ForwardSeq;
+use crate::model::ForwardSeq;
 use leyline_kernels::attend::{direct, last_piece, offset_of, Heads, Task, Work, KB, RB};
 use leyline_kernels::rope::{LayerRopes, Rotation};
 use leyline_kv::shift::KeyShift;

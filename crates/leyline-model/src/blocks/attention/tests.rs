@@ -1,6 +1,6 @@
 use super::plan::{common_prefix, shared_prefixes, QB};
 use super::*;
-use crate::{ForwardSeq, LogitsFor};
+use crate::model::{ForwardSeq, LogitsFor};
 use leyline_kernels::attend::Heads;
 use leyline_kernels::rope::{LayerRopes, RopeSpec, RotaryLayout};
 use leyline_kv::shift::KeyShift;

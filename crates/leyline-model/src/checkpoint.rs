@@ -1,5 +1,6 @@
-//! Tensors of a safetensors checkpoint directory: `model.safetensors`, or the shards named
-//! by `model.safetensors.index.json`. Every tensor is handed out as f32.
+//! Reading a checkpoint directory, the safetensors counterpart of `gguf.rs`: the tensors of
+//! `model.safetensors`, or of the shards named by `model.safetensors.index.json`. Every
+//! tensor is handed out as f32, and what nobody takes is refused.
 
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Device, Tensor};
@@ -84,14 +85,14 @@ impl Weights {
     ///
     /// # Errors
     /// [`ModelError::Unread`] naming the tensors left.
-    pub(crate) fn ensure_all_taken(&self) -> Result<()> {
+    pub(crate) fn ensure_all_taken(&self, arch: &str) -> Result<()> {
         let left = self.remaining();
         if left.is_empty() {
             return Ok(());
         }
         Err(ModelError::Unread {
             path: self.dir.clone(),
-            arch: "deepseek_v2".into(),
+            arch: arch.to_string(),
             what: "tensor",
             names: left.iter().map(|s| s.to_string()).collect(),
         })
