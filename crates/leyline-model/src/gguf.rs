@@ -116,6 +116,19 @@ impl GgufFile {
             })
     }
 
+    /// Reads a tensor as its f32 values, flattened (norm weights, frequency factors), and
+    /// counts it as taken.
+    ///
+    /// # Errors
+    /// As [`Self::tensor`]; unreadable data.
+    pub fn tensor_f32(&mut self, name: &str) -> Result<Vec<f32>> {
+        Ok(self
+            .tensor(name)?
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    }
+
     /// Refuses a file holding tensors that nobody read through [`Self::tensor`] (llama.cpp
     /// refuses a file whose tensor count differs from what the architecture claimed).
     ///

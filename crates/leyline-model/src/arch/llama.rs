@@ -14,7 +14,6 @@ use crate::blocks::output::{load_embedding, Ends};
 use crate::error::{ModelError, Result};
 use crate::gguf::{ArchKeys, GgufFile};
 use crate::model::{CausalLm, ForwardSeq, ModelInfo, Ran};
-use candle_core::Device;
 use leyline_kernels::attend::Heads;
 use leyline_kernels::pool::SpinPool;
 use leyline_kernels::rope::{LayerRopes, RopeScaling, RopeSpec, RotaryLayout};
@@ -317,11 +316,7 @@ impl Llama {
 /// # Errors
 /// Another length, unreadable data.
 fn rope_freqs(f: &mut GgufFile, pairs: usize) -> Result<Arc<[f64]>> {
-    let v = f
-        .tensor("rope_freqs.weight")?
-        .dequantize(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
+    let v = f.tensor_f32("rope_freqs.weight")?;
     if v.len() != pairs {
         return Err(ModelError::File {
             path: f.path().to_path_buf(),

@@ -2,7 +2,6 @@
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use candle_core::Device;
 use std::ops::Range;
 
 /// `out = x / rms(x) * w`, row by row (rows of `w.len()`).
@@ -49,11 +48,7 @@ pub(crate) fn add_into(acc: &mut [f32], y: &[f32]) {
 /// # Errors
 /// Missing or unreadable tensor, or another length.
 pub(crate) fn load_norm(f: &mut GgufFile, name: &str, width: usize) -> Result<Vec<f32>> {
-    let v = f
-        .tensor(name)?
-        .dequantize(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
+    let v = f.tensor_f32(name)?;
     if v.len() != width {
         return Err(ModelError::File {
             path: f.path().to_path_buf(),
