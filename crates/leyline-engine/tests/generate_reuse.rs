@@ -9,8 +9,8 @@ use std::ops::ControlFlow;
 
 #[test]
 fn a_second_chat_turn_reuses_the_first_and_matches_a_cold_run() {
-    let path = leyline_model::registry::default_model_path()
-        .expect("the default model is needed: fetching it failed");
+    let path =
+        leyline_hub::default_model_path().expect("the default model is needed: fetching it failed");
     let lm = leyline_model::load_gguf(&path).expect("load the default model");
     let template = lm.chat.as_ref().expect("SmolLM2 carries a chat template");
     let params = GenerateParams {

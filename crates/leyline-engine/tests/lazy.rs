@@ -45,7 +45,7 @@ fn mla(name: &str) -> Arc<dyn CausalLm> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../leyline-model/tests/fixtures/mla")
         .join(name);
-    leyline_model::deepseek::load_dir(&dir).expect("load the tiny DeepSeek-V2 checkpoint")
+    leyline_model::arch::deepseek2::load_dir(&dir).expect("load the tiny DeepSeek-V2 checkpoint")
 }
 
 /// An agent-like context of a few hundred tokens.

@@ -26,7 +26,7 @@ fn model_path() -> PathBuf {
     if let Some(p) = std::env::var_os("LEYLINE_MODEL").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
-    leyline_model::registry::default_model_path().expect("the default model (fetch failed)")
+    leyline_hub::default_model_path().expect("the default model (fetch failed)")
 }
 
 /// Tokenizer and template from the GGUF metadata alone (no weights).

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 #[test]
 fn server_rendering_gives_the_reference_ids_with_tools() {
-    let path = leyline_model::registry::known_model_path("qwen2.5-coder-0.5b")
+    let path = leyline_hub::known_model_path("qwen2.5-coder-0.5b")
         .unwrap_or_else(|e| panic!("the qwen2.5-coder-0.5b model is needed: {e}"));
     let f = leyline_model::gguf::GgufFile::open(&path).expect("GGUF opens");
     let tok = Tokenizer::from_gguf_metadata(f.metadata()).expect("tokenizer");

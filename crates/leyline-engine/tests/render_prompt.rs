@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 fn model() -> &'static (Tokenizer, ChatTemplate) {
     static M: OnceLock<(Tokenizer, ChatTemplate)> = OnceLock::new();
     M.get_or_init(|| {
-        let path = leyline_model::registry::default_model_path()
+        let path = leyline_hub::default_model_path()
             .expect("the default model is needed: fetching it failed");
         let f = leyline_model::gguf::GgufFile::open(&path).expect("GGUF opens");
         let tok = Tokenizer::from_gguf_metadata(f.metadata()).expect("tokenizer");

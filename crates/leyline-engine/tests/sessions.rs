@@ -149,12 +149,13 @@ fn reference_logits(
             let mut v = vec![0f32; g.v_width];
             kv.gather_k(layer, &[j as u32], &mut k).unwrap();
             kv.gather_v(layer, &[j as u32], &mut v).unwrap();
+            let rope = info.rope.spec(layer);
             for h in k.chunks_exact_mut(g.k_head_dim) {
                 rerotate(
                     h,
-                    info.rope.theta,
-                    info.rope.rotary_dim,
-                    info.rope.layout,
+                    rope.theta,
+                    rope.rotary_dim,
+                    rope.layout,
                     j as f64,
                     (j as i64 + delta) as f64,
                 );

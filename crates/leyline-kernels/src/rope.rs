@@ -8,6 +8,7 @@
 
 use crate::error::{KernelError, Result};
 use std::f64::consts::PI;
+use std::sync::Arc;
 
 /// Which dims form a rotating pair inside the first `rotary_dim` dims of a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -64,7 +65,7 @@ pub enum RopeScaling {
 }
 
 /// Everything needed to rotate one head's rotary dims.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RopeSpec {
     /// Base of the frequencies (`rope_theta`).
     pub theta: f64,
@@ -76,6 +77,12 @@ pub struct RopeSpec {
     pub layout: RotaryLayout,
     /// Frequency scaling.
     pub scaling: RopeScaling,
+    /// Per-frequency divisors, one per rotating pair (`rotary_dim / 2`), applied after
+    /// [`Self::scaling`]: frequency `i` becomes `inv_freq[i] / freq_factors[i]`. What a GGUF
+    /// file's `rope_freqs.weight` holds (Llama 3's scaling, computed by the converter;
+    /// llama.cpp's `ggml_rope_ext` `freq_factors`). They depend on the dimension only, so
+    /// shifts still compose.
+    pub freq_factors: Option<Arc<[f64]>>,
 }
 
 /// YaRN's magnitude correction `0.1 * mscale * ln(scale) + 1` (1 for `scale <= 1`).
@@ -99,6 +106,7 @@ impl RopeSpec {
             rotary_dim: head_dim,
             layout,
             scaling: RopeScaling::None,
+            freq_factors: None,
         }
     }
 
@@ -157,14 +165,44 @@ impl RopeSpec {
                 "scaling factor {factor} must be finite and positive"
             ));
         }
+        if let Some(ff) = &self.freq_factors {
+            if ff.len() != self.rotary_dim / 2 {
+                return bad(format!(
+                    "{} frequency factors for {} rotating pairs",
+                    ff.len(),
+                    self.rotary_dim / 2
+                ));
+            }
+            if let Some((i, f)) = ff
+                .iter()
+                .enumerate()
+                .find(|(_, f)| !(f.is_finite() && **f > 0.0))
+            {
+                return bad(format!(
+                    "frequency factor {i} is {f}; it must be finite and positive"
+                ));
+            }
+        }
         Ok(())
     }
 
-    /// `rotary_dim / 2` angular frequencies (radians per position), scaling applied.
+    /// `rotary_dim / 2` angular frequencies (radians per position), scaling and
+    /// [`Self::freq_factors`] applied.
     ///
     /// For [`RopeScaling::DynamicNtk`] these are the frequencies for sequences within the
     /// original context (the base is unchanged there).
     pub fn inv_freq(&self) -> Vec<f64> {
+        let mut f = self.scaled_inv_freq();
+        if let Some(ff) = &self.freq_factors {
+            for (f, d) in f.iter_mut().zip(ff.iter()) {
+                *f /= d;
+            }
+        }
+        f
+    }
+
+    /// The frequencies with [`Self::scaling`] applied, before the per-frequency factors.
+    fn scaled_inv_freq(&self) -> Vec<f64> {
         let d = self.rotary_dim as f64;
         let base: Vec<f64> = (0..self.rotary_dim / 2)
             .map(|i| self.theta.powf(-((2 * i) as f64) / d))
@@ -275,6 +313,86 @@ impl RopeSpec {
     }
 }
 
+/// The rotary embeddings of a model's layers: a few distinct specs, and which one each layer
+/// uses (Gemma 3's local and global layers have different bases; most models have one spec).
+///
+/// A shift builds one table per spec, not per layer ([`crate::rotate::shift_tables`]), and
+/// rotates each layer's keys by its own spec's table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerRopes {
+    specs: Vec<RopeSpec>,
+    of_layer: Vec<usize>,
+}
+
+impl LayerRopes {
+    /// Every one of `layers` layers uses `spec`.
+    pub fn uniform(spec: RopeSpec, layers: usize) -> Self {
+        Self {
+            specs: vec![spec],
+            of_layer: vec![0; layers],
+        }
+    }
+
+    /// Layer `l` uses `specs[of_layer[l]]`.
+    ///
+    /// # Errors
+    /// [`KernelError::InvalidRope`] for no specs, an index past them, a spec unused by every
+    /// layer, or a spec that [`RopeSpec::validate`] refuses.
+    pub fn new(specs: Vec<RopeSpec>, of_layer: Vec<usize>) -> Result<Self> {
+        if specs.is_empty() {
+            return Err(KernelError::InvalidRope(
+                "no rope spec for the layers".into(),
+            ));
+        }
+        for (i, s) in specs.iter().enumerate() {
+            s.validate()?;
+            if !of_layer.contains(&i) {
+                return Err(KernelError::InvalidRope(format!(
+                    "rope spec {i} is used by no layer"
+                )));
+            }
+        }
+        if let Some((l, &i)) = of_layer.iter().enumerate().find(|(_, &i)| i >= specs.len()) {
+            return Err(KernelError::InvalidRope(format!(
+                "layer {l} names rope spec {i} of {}",
+                specs.len()
+            )));
+        }
+        Ok(Self { specs, of_layer })
+    }
+
+    /// The distinct specs.
+    pub fn specs(&self) -> &[RopeSpec] {
+        &self.specs
+    }
+
+    /// Per layer, the index of its spec in [`Self::specs`].
+    pub fn of_layer(&self) -> &[usize] {
+        &self.of_layer
+    }
+
+    /// Number of layers.
+    pub fn layers(&self) -> usize {
+        self.of_layer.len()
+    }
+
+    /// The spec of `layer`.
+    ///
+    /// # Panics
+    /// If `layer >= self.layers()`.
+    pub fn spec(&self, layer: usize) -> &RopeSpec {
+        &self.specs[self.of_layer[layer]]
+    }
+
+    /// Checks that every spec can move cached keys by a relative rotation.
+    ///
+    /// # Errors
+    /// As [`RopeSpec::ensure_shiftable`], for the first spec that cannot.
+    pub fn ensure_shiftable(&self) -> Result<()> {
+        self.specs.iter().try_for_each(RopeSpec::ensure_shiftable)
+    }
+}
+
 /// Unit cos/sin of `angle * inv_freq[i]` for one spec: a rotation `R(angle)`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rotation {
@@ -361,6 +479,7 @@ mod tests {
                 mscale: 0.707,
                 mscale_all_dim: 0.707,
             },
+            freq_factors: None,
         }
     }
 
@@ -405,6 +524,7 @@ mod tests {
                 high_freq_factor: 4.0,
                 original_max_position: 8192.0,
             },
+            freq_factors: None,
         };
         let got = spec.inv_freq();
         for (i, g) in got.iter().enumerate() {
@@ -420,6 +540,53 @@ mod tests {
         }
         // Monotone decreasing: the smoothing never reorders frequencies.
         assert!(got.windows(2).all(|w| w[1] < w[0]));
+    }
+
+    /// Frequency factors divide the scaled frequencies pair by pair (llama.cpp's
+    /// `theta / freq_factors[i]`, then `freq_scale`), and a bad list is refused.
+    #[test]
+    fn freq_factors_divide_each_frequency() {
+        let ff: Arc<[f64]> = vec![1.0, 2.0, 4.0, 8.0].into();
+        let spec = RopeSpec {
+            scaling: RopeScaling::Linear { factor: 2.0 },
+            freq_factors: Some(ff.clone()),
+            ..RopeSpec::plain(10000.0, 8, RotaryLayout::Neox)
+        };
+        spec.validate().unwrap();
+        for (i, g) in spec.inv_freq().iter().enumerate() {
+            let want = 10000f64.powf(-(2.0 * i as f64) / 8.0) / 2.0 / ff[i];
+            assert!((g - want).abs() <= 1e-15 * want, "pair {i}: {g} vs {want}");
+        }
+        let short = RopeSpec {
+            freq_factors: Some(vec![1.0, 2.0].into()),
+            ..spec.clone()
+        };
+        assert!(short
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("2 frequency factors"));
+        let zero = RopeSpec {
+            freq_factors: Some(vec![1.0, 0.0, 1.0, 1.0].into()),
+            ..spec
+        };
+        assert!(zero
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("factor 1"));
+    }
+
+    #[test]
+    fn layer_ropes_map_layers_to_specs() {
+        let local = RopeSpec::plain(10_000.0, 8, RotaryLayout::Neox);
+        let global = RopeSpec::plain(1_000_000.0, 8, RotaryLayout::Neox);
+        let r = LayerRopes::new(vec![local.clone(), global.clone()], vec![0, 0, 1, 0]).unwrap();
+        assert_eq!((r.layers(), r.spec(2), r.spec(3)), (4, &global, &local));
+        assert!(LayerRopes::new(vec![local.clone()], vec![0, 1]).is_err());
+        assert!(LayerRopes::new(vec![local.clone(), global], vec![0, 0]).is_err());
+        assert!(LayerRopes::new(Vec::new(), vec![]).is_err());
+        assert_eq!(LayerRopes::uniform(local, 3).of_layer(), &[0, 0, 0]);
     }
 
     #[test]

@@ -22,7 +22,7 @@
 
 use crate::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::error::{KernelError, Result};
-use crate::rope::{RopeSpec, RotaryLayout, Rotation};
+use crate::rope::{LayerRopes, RopeSpec, RotaryLayout, Rotation};
 use crate::rows::RowsMut;
 use crate::Tier;
 use std::ops::Range;
@@ -89,6 +89,19 @@ pub fn shift_rows_range(
 pub fn shift_table(spec: &RopeSpec, delta: i64) -> Result<Rotation> {
     spec.ensure_shiftable()?;
     Ok(Rotation::new(spec, delta))
+}
+
+/// The rotations `R(delta)` of every spec of `ropes`, in the order of
+/// [`LayerRopes::specs`]: layer `l` of a shift takes `tables[ropes.of_layer()[l]]`.
+///
+/// # Errors
+/// As [`RopeSpec::ensure_shiftable`].
+pub fn shift_tables(ropes: &LayerRopes, delta: i64) -> Result<Vec<Rotation>> {
+    ropes
+        .specs()
+        .iter()
+        .map(|s| shift_table(s, delta))
+        .collect()
 }
 
 /// Rotates the key rows of `slots` by a prebuilt `rot` with the kernel of `tier`.

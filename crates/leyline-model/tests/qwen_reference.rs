@@ -7,9 +7,9 @@
 
 use leyline_kernels::qmatmul::{set_activations, Activations};
 use leyline_kv::{KvDtype, KvStorage};
+use leyline_model::arch::llama::Llama;
 use leyline_model::chat::{ChatMessage, ChatTemplate, RenderOptions};
 use leyline_model::gguf::GgufFile;
-use leyline_model::llama::Llama;
 use leyline_model::tokenizer::Tokenizer;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
 use serde_json::Value;
@@ -66,7 +66,7 @@ fn activations(a: Activations) -> std::sync::MutexGuard<'static, ()> {
 fn model_path() -> &'static PathBuf {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| {
-        leyline_model::registry::known_model_path(MODEL).unwrap_or_else(|e| {
+        leyline_hub::known_model_path(MODEL).unwrap_or_else(|e| {
             panic!("the {MODEL} model is needed (`leyline model fetch {MODEL}`): {e}")
         })
     })

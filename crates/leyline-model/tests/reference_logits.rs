@@ -4,8 +4,8 @@
 
 use leyline_kernels::qmatmul::{set_activations, Activations};
 use leyline_kv::{KvDtype, KvStorage};
+use leyline_model::arch::llama::Llama;
 use leyline_model::gguf::GgufFile;
-use leyline_model::llama::Llama;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
 use serde_json::Value;
 use std::path::PathBuf;
@@ -34,7 +34,7 @@ fn activations(a: Activations) -> MutexGuard<'static, ()> {
 fn model() -> &'static Llama {
     static M: OnceLock<Llama> = OnceLock::new();
     M.get_or_init(|| {
-        let path = leyline_model::registry::default_model_path()
+        let path = leyline_hub::default_model_path()
             .expect("the default model is needed: `leyline model fetch` failed");
         let mut f = GgufFile::open(&path).expect("open GGUF");
         Llama::load(&mut f, "smollm2-135m").expect("load model")

@@ -14,7 +14,7 @@ fn model_path() -> PathBuf {
     if let Some(p) = std::env::var_os("LEYLINE_MODEL").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
-    leyline_model::registry::default_model_path().expect("default model available")
+    leyline_hub::default_model_path().expect("default model available")
 }
 
 fn metadata() -> &'static HashMap<String, gguf_file::Value> {

@@ -164,7 +164,7 @@ mod tests {
     #[test]
     fn malformed_edit_lists_are_refused_by_name() {
         let bad = json!({"edits": {"type": "clear_tool_uses_20250919"}});
-        let path = leyline_model::registry::default_model_path();
+        let path = leyline_hub::default_model_path();
         let Ok(path) = path else {
             panic!("the default model is needed for its tokenizer");
         };

@@ -10,7 +10,7 @@ use leyline_engine::EngineConfig;
 
 #[test]
 fn official_clients_round_trip_tool_calls_on_qwen() {
-    let path = leyline_model::registry::known_model_path("qwen2.5-coder-0.5b")
+    let path = leyline_hub::known_model_path("qwen2.5-coder-0.5b")
         .expect("Qwen2.5-Coder-0.5B is needed: `leyline model fetch qwen2.5-coder-0.5b`");
     let addr = common::start_server_on(path, EngineConfig::new(8192), |sc| {
         sc.api_keys = vec![common::KEY_A.to_string(), common::KEY_B.to_string()];

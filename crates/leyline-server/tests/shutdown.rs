@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn in_flight_streams_end_with_an_error_event_and_nothing_hangs() {
-    let path = leyline_model::registry::default_model_path().expect("the default model");
+    let path = leyline_hub::default_model_path().expect("the default model");
     let lm = leyline_model::load_gguf(&path).expect("load the default model");
     let engine = Engine::new(Arc::clone(&lm.model), EngineConfig::new(2048)).expect("engine");
     let thread = EngineThread::spawn(engine).expect("engine thread");

@@ -14,9 +14,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use leyline_engine::{generate, generate_after, reusable_prefix, GenerateParams, SamplingParams};
+use leyline_hub::FetchEvent;
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::chat::ChatMessage;
-use leyline_model::registry::{self, FetchEvent};
 use leyline_model::{AnyModel, LoadedModel};
 use std::io::{BufRead, Write};
 use std::ops::ControlFlow;
@@ -53,7 +53,7 @@ enum ModelCommand {
     /// Download, verify (sha256) and cache a known model under $LEYLINE_HOME/models.
     Fetch {
         /// Model name.
-        #[arg(default_value = registry::DEFAULT_MODEL)]
+        #[arg(default_value = leyline_hub::DEFAULT_MODEL)]
         name: String,
         /// Download again even if the model is cached.
         #[arg(long)]
@@ -238,8 +238,8 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Chat(a) => chat(a),
         Command::Serve(a) => serve::run(a),
         Command::Model(ModelCommand::Fetch { name, force }) => {
-            let m = registry::known_model(&name)?;
-            let path = registry::cached_path(m);
+            let m = leyline_hub::known_model(&name)?;
+            let path = leyline_hub::cached_path(m);
             if path.is_file() && !force {
                 println!("{} is cached at {}", m.name, path.display());
                 return Ok(());
@@ -249,8 +249,8 @@ fn dispatch(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Model(ModelCommand::List) => {
-            for m in registry::KNOWN_MODELS {
-                let p = registry::cached_path(m);
+            for m in leyline_hub::KNOWN_MODELS {
+                let p = leyline_hub::cached_path(m);
                 let state = if p.is_file() {
                     p.display().to_string()
                 } else {
@@ -265,12 +265,12 @@ fn dispatch(cli: Cli) -> Result<()> {
     }
 }
 
-fn fetch_with_progress(m: &registry::KnownModel) -> Result<PathBuf> {
+fn fetch_with_progress(m: &leyline_hub::KnownModel) -> Result<PathBuf> {
     let bar = ProgressBar::new_spinner();
     bar.enable_steady_tick(std::time::Duration::from_millis(120));
     // Without a terminal the bar draws nothing: each stage is then one line, for logs.
     let lines = bar.is_hidden();
-    let path = registry::fetch(m, &mut |e| match e {
+    let path = leyline_hub::fetch(m, &mut |e| match e {
         FetchEvent::Stage { name, total } => {
             if lines {
                 eprintln!("leyline: {name}");
@@ -329,13 +329,13 @@ fn model_path(args: &ModelArgs) -> Result<PathBuf> {
 /// else is a one-line error listing the known names.
 pub fn resolve_model(value: Option<&std::path::Path>) -> Result<PathBuf> {
     let m = match value {
-        None => registry::known_model(registry::DEFAULT_MODEL)?,
-        Some(v) => match registry::model_ref(v)? {
-            registry::ModelRef::Path(p) => return Ok(p),
-            registry::ModelRef::Known(m) => m,
+        None => leyline_hub::known_model(leyline_hub::DEFAULT_MODEL)?,
+        Some(v) => match leyline_hub::model_ref(v)? {
+            leyline_hub::ModelRef::Path(p) => return Ok(p),
+            leyline_hub::ModelRef::Known(m) => m,
         },
     };
-    let p = registry::cached_path(m);
+    let p = leyline_hub::cached_path(m);
     if p.is_file() {
         return Ok(p);
     }

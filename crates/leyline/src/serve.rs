@@ -3,7 +3,6 @@
 use crate::{load_model, ModelArgs, ServeThreadsArgs};
 use anyhow::Result;
 use clap::Args;
-use leyline_model::registry;
 
 /// Options of `leyline serve`.
 #[derive(Args)]
@@ -170,9 +169,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     names.retain(|n| !n.trim().is_empty());
     let name = if names.is_empty() {
         match &a.model.model {
-            None => registry::DEFAULT_MODEL.to_string(),
-            Some(p) => match registry::model_ref(p) {
-                Ok(registry::ModelRef::Known(m)) => m.name.to_string(),
+            None => leyline_hub::DEFAULT_MODEL.to_string(),
+            Some(p) => match leyline_hub::model_ref(p) {
+                Ok(leyline_hub::ModelRef::Known(m)) => m.name.to_string(),
                 _ => p
                     .file_stem()
                     .map(|s| s.to_string_lossy().into_owned())

@@ -487,7 +487,8 @@ fn drift(lm: &AnyModel, prompt: &[u32], a: &VerifyArgs) -> Result<Vec<Drift>> {
                 &keys,
                 g.k_heads,
                 g.k_head_dim,
-                &info.rope,
+                // The drift of the first layer's spec (every layer's, for a one-spec model).
+                info.rope.spec(0),
                 &deltas,
                 storage,
                 math,
@@ -613,7 +614,7 @@ fn print_json(
             "drift_tokens": a.drift_tokens,
             "drift_max_delta": a.drift_max_delta,
             "drift_key_width": info.geometry.k_width(),
-            "drift_rotary_dim": info.rope.rotary_dim,
+            "drift_rotary_dim": info.rope.spec(0).rotary_dim,
             "drift": drift,
             "repair": rows.iter().map(|r| serde_json::json!({
                 "repair": r.repair.tokens,
@@ -740,7 +741,7 @@ fn print_tables(
         "\nKey drift after n chained splices ({} tokens x every layer, key rows of {} with {} rotary dims per head of {}, |delta| <= {}), rel-L2 over the rotary dims against one f64 rotation of the f32 keys by the total:\n",
         a.drift_tokens,
         info.geometry.k_width(),
-        info.rope.rotary_dim,
+        info.rope.spec(0).rotary_dim,
         info.geometry.k_head_dim,
         a.drift_max_delta
     );

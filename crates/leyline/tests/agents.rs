@@ -78,7 +78,7 @@ fn get(addr: &str, path: &str) -> Option<String> {
 }
 
 fn start_server(dir: &Path) -> Server {
-    leyline_model::registry::known_model_path(MODEL)
+    leyline_hub::known_model_path(MODEL)
         .unwrap_or_else(|e| panic!("{MODEL} is needed: `leyline model fetch {MODEL}`: {e}"));
     let addr = format!("127.0.0.1:{}", free_port());
     let record = dir.join("record");

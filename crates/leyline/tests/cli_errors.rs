@@ -35,7 +35,7 @@ fn assert_one_line_error(out: &Output, want: &[&str]) {
 }
 
 fn default_model() -> PathBuf {
-    leyline_model::registry::default_model_path().expect("fetch the default model")
+    leyline_hub::default_model_path().expect("fetch the default model")
 }
 
 #[test]

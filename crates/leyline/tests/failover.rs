@@ -41,7 +41,7 @@ fn free_base_port() -> u16 {
 fn killing_a_replica_moves_only_its_conversations_and_each_is_rebuilt() {
     require("nginx", &["-v"]);
     require("curl", &["--version"]);
-    leyline_model::registry::default_model_path().expect("fetch the default model");
+    leyline_hub::default_model_path().expect("fetch the default model");
     let root = repo();
     let traces = root.join("data/traces/tau-bench.jsonl");
     assert!(traces.exists(), "no tau-bench trajectories at {traces:?}");

@@ -72,7 +72,7 @@ fn healthy(port: u16) -> bool {
 #[test]
 fn a_two_task_smoke_run_on_qwen_goes_through_the_loop_and_the_report() {
     require_python_packages();
-    leyline_model::registry::known_model_path("qwen2.5-coder-0.5b")
+    leyline_hub::known_model_path("qwen2.5-coder-0.5b")
         .expect("fetch qwen2.5-coder-0.5b (leyline model fetch qwen2.5-coder-0.5b)");
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

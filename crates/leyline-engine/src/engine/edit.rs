@@ -496,7 +496,7 @@ impl Engine {
     fn compact_if_needed(
         &mut self,
         id: SessionId,
-        rope: &leyline_kernels::rope::RopeSpec,
+        rope: &leyline_kernels::rope::LayerRopes,
         report: &mut EditReport,
     ) -> Result<()> {
         if self.cfg.rotation != RotationMode::Lazy {
@@ -530,7 +530,7 @@ impl Engine {
         &mut self,
         id: SessionId,
         batch: &DirectiveBatch,
-        rope: &leyline_kernels::rope::RopeSpec,
+        rope: &leyline_kernels::rope::LayerRopes,
         forward: &mut std::time::Duration,
     ) -> std::result::Result<Spliced, SpliceError<leyline_model::ModelError>> {
         let s = self

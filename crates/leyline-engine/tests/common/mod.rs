@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub fn lm() -> &'static LoadedModel {
     static M: OnceLock<LoadedModel> = OnceLock::new();
     M.get_or_init(|| {
-        let path = leyline_model::registry::default_model_path()
+        let path = leyline_hub::default_model_path()
             .expect("the default model is needed: fetching it failed");
         leyline_model::load_gguf(&path).expect("load the default model")
     })

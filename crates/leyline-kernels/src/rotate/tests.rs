@@ -87,18 +87,19 @@ fn unit_roundoff(dt: Dt) -> f64 {
     }
 }
 
-/// Independent f64 RoPE: pairs by layout, frequency `1 / (theta^(2i/rd) * factor)`.
+/// Independent f64 RoPE: pairs by layout, frequency `1 / (theta^(2i/rd) * factor * ff[i])`
+/// (`ff` empty: no per-frequency factors).
 fn ref_rope(
     x: &[f64],
     pos: f64,
     theta: f64,
     rd: usize,
-    factor: f64,
+    (factor, ff): (f64, &[f64]),
     layout: RotaryLayout,
 ) -> Vec<f64> {
     let mut y = x.to_vec();
     for i in 0..rd / 2 {
-        let f = 1.0 / (theta.powf(2.0 * i as f64 / rd as f64) * factor);
+        let f = 1.0 / (theta.powf(2.0 * i as f64 / rd as f64) * factor * ff.get(i).unwrap_or(&1.0));
         let (j0, j1) = match layout {
             RotaryLayout::Interleaved => (2 * i, 2 * i + 1),
             RotaryLayout::Neox => (i, i + rd / 2),
@@ -130,8 +131,13 @@ fn shift_equals_rotation_from_scratch() {
         .collect();
     let pos = |s: usize| 3000.0 + 13.0 * s as f64;
     let shifted: Vec<u32> = vec![1, 4, 5, 6, 10];
+    // Llama 3-like per-frequency factors (1 for short wavelengths, 8 for long ones, a ramp
+    // between), composed with a linear factor: what a GGUF `rope_freqs.weight` carries.
+    let ff: Vec<f64> = (0..32)
+        .map(|i| 1.0 + 7.0 * (i as f64 / 31.0).powi(2))
+        .collect();
     for layout in [RotaryLayout::Interleaved, RotaryLayout::Neox] {
-        for (rd, factor) in [(64usize, 1.0), (32, 1.5)] {
+        for (rd, factor, ff) in [(64usize, 1.0, &[][..]), (32, 1.5, &[]), (64, 2.0, &ff[..])] {
             let scaling = if factor == 1.0 {
                 RopeScaling::None
             } else {
@@ -143,11 +149,12 @@ fn shift_equals_rotation_from_scratch() {
                 rotary_dim: rd,
                 layout,
                 scaling,
+                freq_factors: (!ff.is_empty()).then(|| ff.into()),
             };
             let at = |s: usize, p: f64| -> Vec<f64> {
                 pre[s]
                     .chunks(head_dim)
-                    .flat_map(|h| ref_rope(h, p, theta, rd, factor, layout))
+                    .flat_map(|h| ref_rope(h, p, theta, rd, (factor, ff), layout))
                     .collect()
             };
             for dt in [Dt::F32, Dt::F16, Dt::Bf16] {
@@ -221,6 +228,7 @@ fn yarn_norms_survive_100_shifts() {
             mscale: 1.0,
             mscale_all_dim: 0.0,
         },
+        freq_factors: None,
     };
     assert!(spec.attention_factor() > 1.3);
     let mut rng = Rng(11);
@@ -484,7 +492,7 @@ fn lowprec_rotation_drifts_more() {
     }
     let want: Vec<f64> = pre
         .chunks(64)
-        .flat_map(|h| ref_rope(h, 740.0, 10000.0, 64, 1.0, RotaryLayout::Neox))
+        .flat_map(|h| ref_rope(h, 740.0, 10000.0, 64, (1.0, &[]), RotaryLayout::Neox))
         .collect();
     let (e_hi, e_lo) = (rel_l2(&hi.to_f64(), &want), rel_l2(&lo.to_f64(), &want));
     assert!(e_hi < e_lo, "f32 math {e_hi} vs bf16 math {e_lo}");

@@ -26,8 +26,8 @@ use crate::shift::{key_shifts, KeyShift, RotationMode};
 use crate::slots::Lineage;
 use crate::storage::{KRowsBackup, KvStorage};
 use leyline_core::DirectiveBatch;
-use leyline_kernels::rope::{RopeSpec, Rotation};
-use leyline_kernels::rotate::{shift_rows_with, shift_table};
+use leyline_kernels::rope::{LayerRopes, Rotation};
+use leyline_kernels::rotate::{shift_rows_with, shift_tables};
 use leyline_kernels::Tier;
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -115,7 +115,7 @@ pub enum SpliceError<E> {
 pub fn apply_splice<E>(
     cache: &mut PrefixCache,
     kv: &mut KvStorage,
-    rope: &RopeSpec,
+    rope: &LayerRopes,
     mode: RotationMode,
     target: SpliceTarget<'_>,
     batch: &DirectiveBatch,
@@ -161,8 +161,11 @@ struct Txn {
     /// Fresh slots of the replacements, then of the copies, in allocation order.
     fresh: Vec<u32>,
     copies_from: usize,
-    /// Kept segments with a non-zero delta, in sequence order: new-index range and table.
-    rotations: Vec<(Range<usize>, Rotation)>,
+    /// Kept segments with a non-zero delta, in sequence order: new-index range and one
+    /// table per rope spec.
+    rotations: Vec<(Range<usize>, Vec<Rotation>)>,
+    /// Per layer, the index of its rope spec's table.
+    spec_of_layer: Vec<usize>,
     /// Rotations done so far.
     rotated: usize,
     /// Slots the sequence owns alone (rotated in place, not copied).
@@ -178,20 +181,21 @@ impl Txn {
     fn plan(
         cache: &mut PrefixCache,
         kv: &mut KvStorage,
-        rope: &RopeSpec,
+        rope: &LayerRopes,
         mode: RotationMode,
         target: SpliceTarget<'_>,
         batch: &DirectiveBatch,
     ) -> Result<Self> {
         // Tables first: a rope that cannot shift refuses before any allocation.
+        let geometry = kv.geometry();
+        check_rope_layers(rope, geometry.layers)?;
         let segments = batch.segments();
-        let mut tables: HashMap<i64, Rotation> = HashMap::new();
+        let mut tables: HashMap<i64, Vec<Rotation>> = HashMap::new();
         for s in segments.iter().filter(|s| s.delta != 0) {
             if let std::collections::hash_map::Entry::Vacant(e) = tables.entry(s.delta) {
-                e.insert(shift_table(rope, s.delta)?);
+                e.insert(shift_tables(rope, s.delta)?);
             }
         }
-        let geometry = kv.geometry();
         for &s in target.slots {
             if s as usize >= kv.capacity() {
                 return Err(KvError::SlotOutOfRange {
@@ -283,7 +287,7 @@ impl Txn {
             .collect();
         // Every kernel call below is checked now, so the mutation cannot fail half-way.
         let tier = Tier::best();
-        for rot in tables.values() {
+        for rot in tables.values().flatten() {
             // Zero slots: checks the shapes and the tier, rotates nothing.
             if let Err(e) = shift_rows_with(
                 kv.k_rows_mut(0),
@@ -310,6 +314,7 @@ impl Txn {
             fresh,
             copies_from,
             rotations,
+            spec_of_layer: rope.of_layer().to_vec(),
             rotated: 0,
             owned,
             backups: Vec::new(),
@@ -346,7 +351,7 @@ impl Txn {
                 }
             }
             // Shapes, tier and slots were checked in `plan`.
-            rotate_checked(kv, slots, rot, self.tier);
+            rotate_checked(kv, slots, rot, &self.spec_of_layer, self.tier);
             self.rotated += 1;
         }
     }
@@ -394,20 +399,41 @@ impl Txn {
     }
 }
 
-/// Rotates the keys of `slots` in every layer by `rot`; the caller has checked the slots,
-/// the table's shape and the tier (a zero-slot [`shift_rows_with`] call), so nothing fails.
-pub(super) fn rotate_checked(kv: &mut KvStorage, slots: &[u32], rot: &Rotation, tier: Tier) {
+/// Rotates the keys of `slots` in every layer `l` by `rots[spec_of_layer[l]]` (one table per
+/// rope spec); the caller has checked the slots, the tables' shapes, the tier (a zero-slot
+/// [`shift_rows_with`] call) and the layer map ([`check_rope_layers`]), so nothing fails.
+pub(super) fn rotate_checked(
+    kv: &mut KvStorage,
+    slots: &[u32],
+    rots: &[Rotation],
+    spec_of_layer: &[usize],
+    tier: Tier,
+) {
     let g = kv.geometry();
-    for layer in 0..g.layers {
+    for (layer, &spec) in spec_of_layer.iter().enumerate().take(g.layers) {
         let _ = shift_rows_with(
             kv.k_rows_mut(layer),
             g.k_heads,
             g.k_head_dim,
             slots,
-            rot,
+            &rots[spec],
             tier,
         );
     }
+}
+
+/// Checks that `rope` names a spec for each of the pool's `layers`.
+///
+/// # Errors
+/// [`KvError::SpliceInput`] naming both counts.
+pub(super) fn check_rope_layers(rope: &LayerRopes, layers: usize) -> Result<()> {
+    if rope.layers() != layers {
+        return Err(KvError::SpliceInput(format!(
+            "the rope names specs for {} layers; the pool has {layers}",
+            rope.layers()
+        )));
+    }
+    Ok(())
 }
 
 /// Drops one reference on each of `slots`; those that come free holding session-private or

@@ -10,8 +10,8 @@ use crate::error::{KvError, Result};
 
 use crate::radix::PrefixCache;
 use crate::storage::KvStorage;
-use leyline_kernels::rope::RopeSpec;
-use leyline_kernels::rotate::{shift_rows_with, shift_table};
+use leyline_kernels::rope::LayerRopes;
+use leyline_kernels::rotate::{shift_rows_with, shift_tables};
 use leyline_kernels::Tier;
 
 /// What [`compact`] did.
@@ -38,9 +38,10 @@ pub struct Compacted {
 pub fn compact(
     cache: &mut PrefixCache,
     kv: &mut KvStorage,
-    rope: &RopeSpec,
+    rope: &LayerRopes,
     slots: &[u32],
 ) -> Result<Compacted> {
+    super::apply::check_rope_layers(rope, kv.geometry().layers)?;
     let runs = cache.pool().key_shifts(slots)?;
     let mut out = Compacted {
         slots: slots.to_vec(),
@@ -53,7 +54,7 @@ pub fn compact(
     }
     let tables = runs
         .iter()
-        .map(|r| shift_table(rope, r.offset))
+        .map(|r| shift_tables(rope, r.offset))
         .collect::<leyline_kernels::Result<Vec<_>>>()?;
     for &s in slots {
         if s as usize >= kv.capacity() {
@@ -65,7 +66,7 @@ pub fn compact(
     }
     let g = kv.geometry();
     let tier = Tier::best();
-    for rot in &tables {
+    for rot in tables.iter().flatten() {
         // Zero slots: checks the shapes and the tier, rotates nothing.
         shift_rows_with(kv.k_rows_mut(0), g.k_heads, g.k_head_dim, &[], rot, tier)?;
     }
@@ -86,7 +87,7 @@ pub fn compact(
     }
     for (run, rot) in runs.iter().zip(&tables) {
         let moved = &out.slots[run.range.clone()];
-        super::apply::rotate_checked(kv, moved, rot, tier);
+        super::apply::rotate_checked(kv, moved, rot, rope.of_layer(), tier);
         out.rotated += moved.len();
     }
     let pool = cache.pool_mut();

@@ -44,8 +44,8 @@ pub fn start_server(
     engine: EngineConfig,
     configure: impl FnOnce(&mut ServerConfig) + Send + 'static,
 ) -> SocketAddr {
-    let path = leyline_model::registry::default_model_path()
-        .expect("the default model is needed: fetching it failed");
+    let path =
+        leyline_hub::default_model_path().expect("the default model is needed: fetching it failed");
     start_server_on(path, engine, configure)
 }
 

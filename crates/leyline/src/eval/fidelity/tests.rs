@@ -113,6 +113,7 @@ fn drift_of_mla_k_pe_rows_with_yarn() {
             mscale: 0.707,
             mscale_all_dim: 0.707,
         },
+        freq_factors: None,
     };
     let k = keys(256, 8, 13);
     let d = splice_deltas(100, 3, 512);

@@ -8,20 +8,20 @@
 //! per-head `k_nope` and `v` on every call (no weight absorption).
 
 mod config;
-mod weights;
 
 pub use config::{DeepseekV2Config, MoeConfig};
 
+use crate::blocks::moe::{Mlp, Moe};
+use crate::checkpoint::Weights;
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
-use crate::{CausalLm, ForwardSeq, ModelInfo};
+use crate::model::{CausalLm, ForwardSeq, ModelInfo};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ops::{rms_norm, softmax_last_dim};
-use leyline_kernels::rope::Rotation;
+use leyline_kernels::rope::{LayerRopes, Rotation};
 use leyline_kv::{KvGeometry, KvStorage};
 use std::path::Path;
 use std::sync::Arc;
-use weights::Weights;
 
 /// Loads a DeepSeek-V2-family checkpoint directory (`config.json` + safetensors) as a
 /// [`CausalLm`].
@@ -30,6 +30,14 @@ use weights::Weights;
 /// As [`DeepseekV2::load_dir`].
 pub fn load_dir(dir: &Path) -> Result<Arc<dyn CausalLm>> {
     Ok(Arc::new(DeepseekV2::load_dir(dir)?))
+}
+
+/// [`read_config`] for the architecture table: the config checked, nothing kept.
+///
+/// # Errors
+/// As [`read_config`].
+pub fn check_config(dir: &Path) -> Result<()> {
+    read_config(dir).map(drop)
 }
 
 /// Reads and checks `dir/config.json` without touching the weights, so a directory that is
@@ -74,103 +82,6 @@ struct Attn {
     kv_a_norm: Tensor,
     kv_b: Linear,
     o: Linear,
-}
-
-struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-}
-
-impl Mlp {
-    fn load(w: &mut Weights, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
-        let mut lin = |n: &str, shape: &[usize]| -> Result<Linear> {
-            Linear::from_f32(w.take(&format!("{prefix}.{n}.weight"), shape)?, None)
-        };
-        Ok(Self {
-            gate: lin("gate_proj", &[inter, hidden])?,
-            up: lin("up_proj", &[inter, hidden])?,
-            down: lin("down_proj", &[hidden, inter])?,
-        })
-    }
-
-    /// Routed experts, saved one by one (`mlp.experts.{e}.gate_proj.weight`, ...) or fused as
-    /// transformers 5 holds them (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`).
-    fn load_experts(w: &mut Weights, p: &str, hidden: usize, m: &MoeConfig) -> Result<Vec<Self>> {
-        let (n, inter) = (m.n_routed_experts, m.moe_intermediate_size);
-        let fused = format!("{p}.mlp.experts.gate_up_proj");
-        if !w.has(&fused) {
-            return (0..n)
-                .map(|e| Self::load(w, &format!("{p}.mlp.experts.{e}"), hidden, inter))
-                .collect();
-        }
-        let gate_up = w.take(&fused, &[n, 2 * inter, hidden])?;
-        let down = w.take(&format!("{p}.mlp.experts.down_proj"), &[n, hidden, inter])?;
-        let lin = |t: Tensor| Linear::from_f32(t.contiguous()?, None);
-        (0..n)
-            .map(|e| {
-                let gu = gate_up.get(e)?;
-                Ok(Self {
-                    gate: lin(gu.narrow(0, 0, inter)?)?,
-                    up: lin(gu.narrow(0, inter, inter)?)?,
-                    down: lin(down.get(e)?)?,
-                })
-            })
-            .collect()
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = (self.gate.forward(x)?.silu()? * self.up.forward(x)?)?;
-        self.down.forward(&h)
-    }
-}
-
-struct Moe {
-    router: Tensor,
-    experts: Vec<Mlp>,
-    shared: Option<Mlp>,
-    top_k: usize,
-    scale: f64,
-}
-
-impl Moe {
-    /// Softmax over all routed experts, greedy top-k, selected probabilities times
-    /// `routed_scaling_factor` (no renormalization), plus the shared experts.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let n = x.dim(0)?;
-        let probs = softmax_last_dim(&x.matmul(&self.router.t()?)?)?.to_vec2::<f32>()?;
-        let mut picked: Vec<(Vec<u32>, Vec<f32>)> =
-            vec![(Vec::new(), Vec::new()); self.experts.len()];
-        let mut order: Vec<usize> = Vec::with_capacity(self.experts.len());
-        for (t, p) in probs.iter().enumerate() {
-            order.clear();
-            order.extend(0..p.len());
-            // Descending probability; a tie goes to the lower expert index.
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            for &e in &order[..self.top_k] {
-                picked[e].0.push(t as u32);
-                picked[e].1.push((p[e] as f64 * self.scale) as f32);
-            }
-        }
-        let mut out = x.zeros_like()?;
-        for (e, (rows, w)) in picked.into_iter().enumerate() {
-            if rows.is_empty() {
-                continue;
-            }
-            let m = rows.len();
-            let idx = Tensor::from_vec(rows, m, &Device::Cpu)?;
-            let w = Tensor::from_vec(w, (m, 1), &Device::Cpu)?;
-            let y = self.experts[e]
-                .forward(&x.index_select(&idx, 0)?)?
-                .broadcast_mul(&w)?;
-            out = out.index_add(&idx, &y, 0)?;
-        }
-        debug_assert_eq!(out.dim(0)?, n);
-        if let Some(s) = &self.shared {
-            out = (out + s.forward(x)?)?;
-        }
-        Ok(out)
-    }
 }
 
 enum Ffn {
@@ -247,7 +158,12 @@ impl DeepseekV2 {
             };
             let ffn = match (&cfg.moe, cfg.is_moe_layer(i)) {
                 (Some(m), true) => {
-                    let experts = Mlp::load_experts(w, &p, hd, m)?;
+                    let experts = Mlp::load_experts(
+                        w,
+                        &p,
+                        hd,
+                        (m.n_routed_experts, m.moe_intermediate_size),
+                    )?;
                     let shared = if m.n_shared_experts > 0 {
                         let inter = m.moe_intermediate_size * m.n_shared_experts;
                         Some(Mlp::load(w, &format!("{p}.mlp.shared_experts"), hd, inter)?)
@@ -260,6 +176,7 @@ impl DeepseekV2 {
                         experts,
                         shared,
                         top_k: m.num_experts_per_tok,
+                        norm_topk: false,
                         scale: m.routed_scaling_factor,
                     })
                 }
@@ -283,14 +200,7 @@ impl DeepseekV2 {
         } else {
             lin(w, "lm_head", &[cfg.vocab_size, hd])?
         };
-        let left = w.remaining();
-        if !left.is_empty() {
-            tracing::warn!(
-                "{name}: {} checkpoint tensors unused, e.g. {:?}",
-                left.len(),
-                &left[..left.len().min(4)]
-            );
-        }
+        w.ensure_all_taken("deepseek_v2")?;
         let info = ModelInfo {
             name: name.to_string(),
             arch: "deepseek_v2".into(),
@@ -302,7 +212,7 @@ impl DeepseekV2 {
                 k_head_dim: dr,
                 v_width: r,
             },
-            rope: cfg.rope,
+            rope: LayerRopes::uniform(cfg.rope.clone(), cfg.num_hidden_layers),
         };
         let rope_gain = cfg.rope.attention_factor() as f32;
         Ok(Self {
@@ -389,12 +299,12 @@ impl DeepseekV2 {
         kv: &mut KvStorage,
         seqs: &[ForwardSeq<'_>],
         stop: Option<(usize, &[u32])>,
-    ) -> Result<crate::Ran> {
-        let crate::FlatBatch {
+    ) -> Result<crate::model::Ran> {
+        let crate::model::FlatBatch {
             tokens,
             positions,
             new_slots,
-        } = crate::FlatBatch::new(seqs);
+        } = crate::model::FlatBatch::new(seqs);
         let n = tokens.len();
         let rot = self.rotations(&positions);
         let eps = self.cfg.rms_norm_eps as f32;
@@ -407,8 +317,8 @@ impl DeepseekV2 {
             let q = Tensor::from_vec(self.queries(&b.attn, &xn, &rot)?, (n, row), &Device::Cpu)?;
             let (k_pe, latent) = self.cache_rows(&b.attn, &xn, &rot)?;
             if let Some((layer, cached)) = stop.filter(|&(layer, _)| layer == li) {
-                let d = crate::kv_distances(kv, layer, cached, &k_pe, &latent)?;
-                return Ok(crate::Ran::Deviation(d));
+                let d = crate::model::kv_distances(kv, layer, cached, &k_pe, &latent)?;
+                return Ok(crate::model::Ran::Deviation(d));
             }
             let (r, dr) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
             for (i, &slot) in new_slots.iter().enumerate() {
@@ -429,16 +339,16 @@ impl DeepseekV2 {
             x = (x + y)?;
         }
         // Only the rows whose logits are wanted go through the head.
-        let (rows, counts) = crate::logit_rows(seqs);
+        let (rows, counts) = crate::model::logit_rows(seqs);
         if rows.is_empty() {
-            return Ok(crate::Ran::Logits(vec![Vec::new(); seqs.len()]));
+            return Ok(crate::model::Ran::Logits(vec![Vec::new(); seqs.len()]));
         }
         let nrows = rows.len();
         let idx = Tensor::from_vec(rows, nrows, &Device::Cpu)?;
         let xs = rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
         let logits = self.lm_head.forward(&xs)?.to_dtype(DType::F32)?;
         let logits = logits.flatten_all()?.to_vec1::<f32>()?;
-        Ok(crate::Ran::Logits(crate::split_logits(
+        Ok(crate::model::Ran::Logits(crate::model::split_logits(
             &logits,
             &counts,
             self.info.vocab_size,
@@ -461,7 +371,7 @@ impl DeepseekV2 {
         let q = q_pe.flatten_all()?.to_vec1::<f32>()?;
         let mut turned = q.clone();
         for run in shifts {
-            let rot = Rotation::new(&self.info.rope, -run.offset);
+            let rot = Rotation::new(&self.cfg.rope, -run.offset);
             turned.copy_from_slice(&q);
             for (i, row) in turned.chunks_exact_mut(dr).enumerate() {
                 rot.apply_f32(row);
@@ -552,7 +462,7 @@ impl CausalLm for DeepseekV2 {
     }
 
     fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
-        crate::check_batch(&self.info, kv, seqs)?;
+        crate::model::check_batch(&self.info, kv, seqs)?;
         self.run(kv, seqs, None)?.logits()
     }
 
@@ -563,7 +473,7 @@ impl CausalLm for DeepseekV2 {
         layer: usize,
         cached: &[u32],
     ) -> Result<Vec<f32>> {
-        crate::kv_deviation_by(
+        crate::model::kv_deviation_by(
             &self.info,
             kv,
             seq,
@@ -577,7 +487,7 @@ impl CausalLm for DeepseekV2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::LogitsFor;
+    use crate::model::LogitsFor;
     use std::collections::HashMap;
 
     fn fixture(name: &str) -> std::path::PathBuf {

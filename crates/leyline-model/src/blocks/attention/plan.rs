@@ -2,9 +2,9 @@
 //! batch splits into, and the grouping of decodes that share a context prefix. The kernels
 //! run the tasks and merge split tasks' partial sums ([`leyline_kernels::attend`]).
 
-use crate::ForwardSeq;
+use crate::model::ForwardSeq;
 use leyline_kernels::attend::{direct, last_piece, offset_of, Heads, Task, Work, KB, RB};
-use leyline_kernels::rope::{RopeSpec, Rotation};
+use leyline_kernels::rope::{LayerRopes, Rotation};
 use leyline_kv::shift::KeyShift;
 use std::cmp::Reverse;
 
@@ -28,19 +28,25 @@ enum Merge {
 }
 
 /// The tasks of one attention call, the same on every layer of a forward pass, and the
-/// RoPE that turns queries back for the keys of shifted runs.
+/// RoPE that turns queries back for the keys of shifted runs: the rotations of every rope
+/// spec, the layer's own in [`Work::rotations`] ([`Self::select`]).
 pub(crate) struct Plan<'a> {
     pub(super) work: Work<'a>,
-    rope: &'a RopeSpec,
+    rope: &'a LayerRopes,
+    /// Per rope spec, its rotations by the offsets of [`Work::rotations`] (same order); the
+    /// selected spec's entry is empty, its rotations being in `work`.
+    others: Vec<Vec<(i64, Rotation)>>,
+    /// The spec whose rotations `work` holds.
+    selected: usize,
 }
 
 impl<'a> Plan<'a> {
     /// The tasks for `seqs` on `threads` threads; `rope` turns queries back for the keys of
-    /// shifted runs ([`ForwardSeq::shifts`]).
+    /// shifted runs ([`ForwardSeq::shifts`]), each layer by its own spec.
     pub(crate) fn new(
         seqs: &'a [ForwardSeq<'a>],
         shape: Heads,
-        rope: &'a RopeSpec,
+        rope: &'a LayerRopes,
         threads: usize,
     ) -> Self {
         let Heads {
@@ -61,6 +67,8 @@ impl<'a> Plan<'a> {
                 rotations: Vec::new(),
             },
             rope,
+            others: Vec::new(),
+            selected: 0,
         };
         let rows_at: Vec<usize> = seqs
             .iter()
@@ -149,7 +157,28 @@ impl<'a> Plan<'a> {
             .map(|t| t.rows(g) * (shape.head_dim + 2))
             .sum();
         plan.work.scratch = vec![0f32; len];
+        plan.others = (0..rope.specs().len())
+            .map(|s| match s {
+                0 => Vec::new(),
+                _ => plan
+                    .work
+                    .rotations
+                    .iter()
+                    .map(|&(o, _)| (o, Rotation::new(&rope.specs()[s], -o)))
+                    .collect(),
+            })
+            .collect();
         plan
+    }
+
+    /// Makes [`Work::rotations`] those of `layer`'s rope spec.
+    pub(crate) fn select(&mut self, layer: usize) {
+        let want = self.rope.of_layer()[layer];
+        if want != self.selected {
+            std::mem::swap(&mut self.work.rotations, &mut self.others[self.selected]);
+            std::mem::swap(&mut self.work.rotations, &mut self.others[want]);
+            self.selected = want;
+        }
     }
 
     /// Adds, for every kv head, the tasks of the query tokens `toks(kv_head)` over the keys
@@ -269,7 +298,7 @@ impl<'a> Plan<'a> {
         }
         self.work
             .rotations
-            .push((offset, Rotation::new(self.rope, -offset)));
+            .push((offset, Rotation::new(&self.rope.specs()[0], -offset)));
         self.work.rotations.len() - 1
     }
 }

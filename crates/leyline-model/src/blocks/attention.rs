@@ -1,0 +1,216 @@
+//! Causal GQA self-attention over the pool's key and value rows: the weights of one layer
+//! ([`Attention`]), and one forward pass's state shared by its layers ([`AttnPass`]: the
+//! Q/K/V rows, the plan of the batch's tasks (`plan.rs`), run by the kernels of
+//! [`leyline_kernels::attend`], which read the pool's rows in place).
+//!
+//! Decode batches have one query token per sequence, so few tasks and few rows per task: a
+//! task then covers part of the context only (its running max and sum merged afterwards),
+//! so that both threads stay busy. Decoding sequences whose contexts begin with the same
+//! slots (agent sessions behind one system prompt, as the prefix tree shares it) read that
+//! prefix once: its tasks hold every such sequence's query rows, each sequence's own tasks
+//! cover the keys after it, and the parts are merged the same way. The tasks depend on the
+//! batch only, so a forward pass plans them once ([`Plan`]) for all its layers.
+//!
+//! An architecture wires the steps in its own order: [`AttnPass::project`], then whatever
+//! it does to the heads (per-head norms: [`AttnPass::norm_q_k`]), [`AttnPass::rope`],
+//! [`AttnPass::store`] and [`AttnPass::attend`].
+
+use crate::blocks::norm::rms_norm_heads;
+use crate::blocks::rope::RopeTables;
+use crate::error::Result;
+use crate::gguf::GgufFile;
+use crate::linear::{FusedLinear, Linear, RowSplit};
+use crate::model::ForwardSeq;
+use leyline_kernels::attend::{Heads, KvRows, Queries};
+use leyline_kernels::pool::SpinPool;
+use leyline_kernels::qmatmul::QMatrix;
+use leyline_kernels::rope::LayerRopes;
+use leyline_kernels::Tier;
+use leyline_kv::KvStorage;
+
+pub(crate) use plan::Plan;
+
+mod plan;
+#[cfg(test)]
+mod tests;
+
+/// The weights of one attention layer: Q, K and V fused into one product (with their
+/// biases when the file has them), and the output projection.
+pub(crate) struct Attention {
+    qkv: FusedLinear,
+    o: Linear,
+}
+
+impl Attention {
+    /// Loads `blk.{layer}.attn_q`, `attn_k`, `attn_v` (and their `.bias` when present) and
+    /// `attn_output`.
+    ///
+    /// # Errors
+    /// Missing or unreadable tensors, Q/K/V that do not fuse.
+    pub(crate) fn load(f: &mut GgufFile, layer: usize) -> Result<Self> {
+        let mut lin = |n: &str| Linear::load(f, &format!("blk.{layer}.{n}"));
+        let qkv = FusedLinear::new(vec![lin("attn_q")?, lin("attn_k")?, lin("attn_v")?])?;
+        Ok(Self {
+            qkv,
+            o: lin("attn_output")?,
+        })
+    }
+
+    /// The layer's quantized matrices (for [`QMatrix::share_pages`]).
+    pub(crate) fn quantized_mut(&mut self) -> impl Iterator<Item = &mut QMatrix> {
+        self.qkv.quantized_mut().chain(self.o.quantized_mut())
+    }
+}
+
+/// One forward pass's attention state, reused by every layer: the batch's Q/K/V rows
+/// (`[n, (heads + 2 kv_heads) * head_dim]`, queries then keys then values), its output, the
+/// rotary tables of each rope spec at the new tokens' positions, and the tasks' plan.
+pub(crate) struct AttnPass<'a> {
+    shape: Heads,
+    rope: &'a LayerRopes,
+    tables: Vec<RopeTables>,
+    plan: Plan<'a>,
+    qkv: Vec<f32>,
+    out: Vec<f32>,
+}
+
+impl<'a> AttnPass<'a> {
+    /// The state for a batch of `positions.len()` new tokens (`seqs`, flattened in order).
+    pub(crate) fn new(
+        seqs: &'a [ForwardSeq<'a>],
+        positions: &[u32],
+        shape: Heads,
+        rope: &'a LayerRopes,
+        threads: usize,
+    ) -> Self {
+        let n = positions.len();
+        let Heads {
+            heads: h,
+            kv_heads: kvh,
+            head_dim: hd,
+        } = shape;
+        Self {
+            shape,
+            rope,
+            tables: rope
+                .specs()
+                .iter()
+                .map(|s| RopeTables::new(s, positions))
+                .collect(),
+            plan: Plan::new(seqs, shape, rope, threads),
+            qkv: vec![0f32; n * (h + 2 * kvh) * hd],
+            out: vec![0f32; n * h * hd],
+        }
+    }
+
+    /// Width of a Q/K/V row.
+    fn stride(&self) -> usize {
+        (self.shape.heads + 2 * self.shape.kv_heads) * self.shape.head_dim
+    }
+
+    /// `Q, K, V = xn W_qkv (+ b)`.
+    ///
+    /// # Errors
+    /// Widths that do not match the layer.
+    pub(crate) fn project(&mut self, a: &Attention, xn: &[f32], split: &RowSplit) -> Result<()> {
+        a.qkv.forward_split(xn, split, &mut self.qkv)
+    }
+
+    /// RMSNorm of every query head by `q_norm` and every key head by `k_norm` (one weight
+    /// vector of `head_dim` per kind), before RoPE: Qwen3's and Gemma 3's Q/K norms.
+    #[allow(dead_code, reason = "the first users are qwen3 and gemma3 (issue 60)")]
+    pub(crate) fn norm_q_k(&mut self, q_norm: &[f32], k_norm: &[f32], eps: f32) {
+        let (h, kvh, stride) = (self.shape.heads, self.shape.kv_heads, self.stride());
+        rms_norm_heads(&mut self.qkv, stride, 0..h, q_norm, eps);
+        rms_norm_heads(&mut self.qkv, stride, h..h + kvh, k_norm, eps);
+    }
+
+    /// Rotates the queries and keys by the positions' rotary tables of `layer`'s rope spec.
+    pub(crate) fn rope(&mut self, layer: usize) {
+        let stride = self.stride();
+        let spec = self.rope.of_layer()[layer];
+        let heads = self.shape.heads + self.shape.kv_heads;
+        self.tables[spec].apply(&mut self.qkv, stride, 0..heads);
+    }
+
+    /// The new tokens' keys and values, each row-major as the pool stores them.
+    pub(crate) fn kv_rows(&self) -> (Vec<f32>, Vec<f32>) {
+        let (qw, w) = (
+            self.shape.heads * self.shape.head_dim,
+            self.shape.kv_heads * self.shape.head_dim,
+        );
+        let rows = self.qkv.chunks_exact(self.stride());
+        let k = rows.clone().flat_map(|r| &r[qw..qw + w]).copied().collect();
+        let v = rows.flat_map(|r| &r[qw + w..qw + 2 * w]).copied().collect();
+        (k, v)
+    }
+
+    /// Writes the new tokens' keys and values into `new_slots` of `layer`.
+    ///
+    /// # Errors
+    /// A slot outside the pool.
+    pub(crate) fn store(&self, kv: &mut KvStorage, layer: usize, new_slots: &[u32]) -> Result<()> {
+        let (qw, w) = (
+            self.shape.heads * self.shape.head_dim,
+            self.shape.kv_heads * self.shape.head_dim,
+        );
+        for (row, &slot) in self.qkv.chunks_exact(self.stride()).zip(new_slots) {
+            kv.write(layer, slot, &row[qw..qw + w], &row[qw + w..qw + 2 * w])?;
+        }
+        Ok(())
+    }
+
+    /// The causal attention of the queries over each sequence's context followed by its new
+    /// slots at `layer` (whose new keys and values must be stored), then the output
+    /// projection into `y: [n, hidden]`.
+    ///
+    /// # Errors
+    /// Widths that do not match the layer.
+    pub(crate) fn attend(
+        &mut self,
+        pool: &SpinPool,
+        kv: &KvStorage,
+        layer: usize,
+        a: &Attention,
+        split: &RowSplit,
+        y: &mut [f32],
+    ) -> Result<()> {
+        let q = Queries {
+            rows: &self.qkv,
+            stride: self.stride(),
+        };
+        attend_with(
+            Tier::best(),
+            pool,
+            kv,
+            layer,
+            q,
+            &mut self.plan,
+            &mut self.out,
+        );
+        a.o.forward_split(&self.out, split, y)
+    }
+}
+
+/// Writes into `out: [n, heads * head_dim]` the causal attention of the batch's queries `q`
+/// over each sequence's context followed by its new slots (the sequences `plan` was made
+/// for), reading keys and values from `kv` at `layer`, with the kernel compiled for `tier`,
+/// which the CPU must run. The new slots must be written.
+fn attend_with(
+    tier: Tier,
+    pool: &SpinPool,
+    kv: &KvStorage,
+    layer: usize,
+    q: Queries<'_>,
+    plan: &mut Plan<'_>,
+    out: &mut [f32],
+) {
+    plan.select(layer);
+    let rows = KvRows {
+        k: kv.k_rows(layer),
+        v: kv.v_rows(layer),
+        k_width: kv.geometry().k_width(),
+        v_width: kv.geometry().v_width,
+    };
+    leyline_kernels::attend::attend(tier, pool, rows, q, &mut plan.work, out)
+}
