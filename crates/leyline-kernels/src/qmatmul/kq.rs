@@ -142,21 +142,12 @@ unsafe fn tile<const K: u8, const GA: usize>(
         unsafe {
             let blk = base.add(s * bytes);
             // The unit scales as 16-bit integers, and d / dmin.
-            let (d, dmin, scv, mins) = if K == Q6_K {
-                let sc = _mm_loadu_si128(blk.add(192) as *const __m128i);
-                let d = half_at(blk.add(208));
-                (d, 0.0, _mm256_cvtepi8_epi16(sc), _mm_setzero_si128())
-            } else {
-                let (sc, mn) = super::avx2::k4_scales(blk.add(4));
-                let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64));
-                let mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
-                (
-                    half_at(blk),
-                    half_at(blk.add(2)),
-                    _mm256_set_m128i(sc16, sc16),
-                    mn16,
-                )
-            };
+            let Scales {
+                d,
+                dmin,
+                sc: scv,
+                mins,
+            } = block_scales::<K>(blk);
             let mut acc = [_mm256_setzero_si256(); GA];
             for k in 0..8 {
                 let u = 8 * s + k;
@@ -220,23 +211,8 @@ unsafe fn tile_vnni<const K: u8, const GA: usize>(
         // of super-block s in each activation row.
         unsafe {
             let blk = base.add(s * bytes);
-            // The scales as 16-bit integers in the low lanes of `sc`: 8 (Q4_K, Q5_K: one per
-            // unit) or 16 (Q6_K: one per 16 values).
-            let (d, dmin, sc, mins) = if K == Q6_K {
-                let sc = _mm_loadu_si128(blk.add(192) as *const __m128i);
-                let sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc));
-                (half_at(blk.add(208)), 0.0, sc, _mm_setzero_si128())
-            } else {
-                let (sc, mn) = super::avx2::k4_scales(blk.add(4));
-                let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64));
-                let mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
-                (
-                    half_at(blk),
-                    half_at(blk.add(2)),
-                    _mm512_castsi128_si512(sc16),
-                    mn16,
-                )
-            };
+            let Scales { d, dmin, sc, mins } = block_scales::<K>(blk);
+            let sc = _mm512_castsi256_si512(sc);
             let mut acc = [_mm512_setzero_si512(); GA];
             for t in 0..4 {
                 let u = 8 * s + 2 * t;
@@ -295,6 +271,49 @@ fn scale_index<const K: u8>(t: usize) -> __m512i {
     }
     // SAFETY: `idx` holds 64 readable bytes.
     unsafe { _mm512_loadu_si512(idx.as_ptr() as *const _) }
+}
+
+/// A K-quant super-block's scales, as both tiles read them.
+struct Scales {
+    /// The super-block's scale.
+    d: f32,
+    /// Its scale of the minimums (Q4_K, Q5_K; 0 for Q6_K).
+    dmin: f32,
+    /// The unit scales as 16-bit integers: Q4_K / Q5_K's eight in both 128-bit halves, Q6_K's
+    /// sixteen (one per 16 values) in order.
+    sc: __m256i,
+    /// Q4_K / Q5_K's eight minimums as 16-bit integers (zeros for Q6_K).
+    mins: __m128i,
+}
+
+/// The scales of the super-block at `blk`.
+///
+/// # Safety
+/// AVX2, F16C; a whole super-block of kind `K` at `blk`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_scales<const K: u8>(blk: *const u8) -> Scales {
+    // SAFETY: the loads lie in the super-block (offsets from the format).
+    unsafe {
+        if K == Q6_K {
+            let sc = _mm_loadu_si128(blk.add(192) as *const __m128i);
+            Scales {
+                d: half_at(blk.add(208)),
+                dmin: 0.0,
+                sc: _mm256_cvtepi8_epi16(sc),
+                mins: _mm_setzero_si128(),
+            }
+        } else {
+            let (sc, mn) = super::avx2::k4_scales(blk.add(4));
+            let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64));
+            Scales {
+                d: half_at(blk),
+                dmin: half_at(blk.add(2)),
+                sc: _mm256_set_m128i(sc16, sc16),
+                mins: _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64)),
+            }
+        }
+    }
 }
 
 /// Unit `k`'s scales in the 16-bit lanes that `maddubs` leaves its products in: Q4_K / Q5_K
