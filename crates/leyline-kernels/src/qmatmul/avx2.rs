@@ -55,7 +55,7 @@ pub(super) unsafe fn k4_scales(p: *const u8) -> (u64, u64) {
 /// F16C; 2 readable bytes at `p`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn half_at(p: *const u8) -> f32 {
+pub(super) unsafe fn half_at(p: *const u8) -> f32 {
     // SAFETY: the caller's contract covers the 2 bytes.
     let bits = unsafe { (p as *const u16).read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))

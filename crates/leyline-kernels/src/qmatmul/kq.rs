@@ -129,11 +129,8 @@ unsafe fn tile<const K: u8, const GA: usize>(
     g: RowGeom,
     xs: &[Q8KRow],
 ) -> [f32; GA] {
-    let bytes = match K {
-        Q4_K => 144,
-        Q5_K => 176,
-        _ => 210,
-    };
+    // Bytes per super-block, from the row's geometry.
+    let bytes = g.stride / (g.nb / 8);
     let mut accf = [_mm256_setzero_ps(); GA];
     let mut accm = [_mm_setzero_ps(); GA];
     for s in 0..g.nb / 8 {
@@ -199,11 +196,8 @@ unsafe fn tile_vnni<const K: u8, const GA: usize>(
     g: RowGeom,
     xs: &[Q8KRow],
 ) -> [f32; GA] {
-    let bytes = match K {
-        Q4_K => 144,
-        Q5_K => 176,
-        _ => 210,
-    };
+    // Bytes per super-block, from the row's geometry.
+    let bytes = g.stride / (g.nb / 8);
     let mut accf = [_mm512_setzero_ps(); GA];
     let mut accm = [_mm_setzero_ps(); GA];
     for s in 0..g.nb / 8 {
@@ -298,7 +292,7 @@ unsafe fn block_scales<const K: u8>(blk: *const u8) -> Scales {
         if K == Q6_K {
             let sc = _mm_loadu_si128(blk.add(192) as *const __m128i);
             Scales {
-                d: half_at(blk.add(208)),
+                d: super::avx2::half_at(blk.add(208)),
                 dmin: 0.0,
                 sc: _mm256_cvtepi8_epi16(sc),
                 mins: _mm_setzero_si128(),
@@ -307,8 +301,8 @@ unsafe fn block_scales<const K: u8>(blk: *const u8) -> Scales {
             let (sc, mn) = super::avx2::k4_scales(blk.add(4));
             let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64));
             Scales {
-                d: half_at(blk),
-                dmin: half_at(blk.add(2)),
+                d: super::avx2::half_at(blk),
+                dmin: super::avx2::half_at(blk.add(2)),
                 sc: _mm256_set_m128i(sc16, sc16),
                 mins: _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64)),
             }
@@ -377,17 +371,6 @@ unsafe fn unit_scales<const K: u8>(scv: __m256i, k: usize) -> __m256i {
             )
         }
     }
-}
-
-/// f16 at `p` as f32.
-///
-/// # Safety
-/// F16C; 2 readable bytes at `p`.
-#[inline]
-unsafe fn half_at(p: *const u8) -> f32 {
-    // SAFETY: the caller's contract covers the 2 bytes.
-    let bits = unsafe { (p as *const u16).read_unaligned() };
-    half::f16::from_bits(bits).to_f32()
 }
 
 /// The sum of four lanes.

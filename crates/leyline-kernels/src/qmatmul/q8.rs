@@ -51,29 +51,21 @@ impl Q8Row {
 
     /// The values the row stands for, `d[i / 32] * q[i]`, into `out` (the row's length).
     pub(crate) fn dequantize_into(&self, out: &mut [f32]) {
-        for ((ob, qb), &d) in out
-            .chunks_exact_mut(BLOCK)
-            .zip(self.q.chunks_exact(BLOCK))
-            .zip(&self.d)
-        {
-            for (o, &q) in ob.iter_mut().zip(qb) {
-                *o = d * f32::from(q);
-            }
-        }
+        dequantize(&self.q, &self.d, BLOCK, out);
     }
 }
 
-/// `x: [m, cols]` with each row rounded as [`Q8Row`] rounds it (`cols` a multiple of 32).
-pub(crate) fn round_rows(x: &[f32], cols: usize) -> Vec<f32> {
-    assert!(cols.is_multiple_of(BLOCK) && x.len().is_multiple_of(cols.max(1)));
-    let mut out = vec![0f32; x.len()];
-    for (row, o) in x
-        .chunks_exact(cols.max(1))
-        .zip(out.chunks_exact_mut(cols.max(1)))
+/// `d[i / block] * q[i]` into `out`.
+fn dequantize(q: &[i8], d: &[f32], block: usize, out: &mut [f32]) {
+    for ((ob, qb), &d) in out
+        .chunks_exact_mut(block)
+        .zip(q.chunks_exact(block))
+        .zip(d)
     {
-        Q8Row::quantize(row).dequantize_into(o);
+        for (o, &q) in ob.iter_mut().zip(qb) {
+            *o = d * f32::from(q);
+        }
     }
-    out
 }
 
 /// One activation row quantized per super-block of 256 values, for the K-quant kernels
@@ -130,31 +122,26 @@ impl Q8KRow {
 
     /// The values the row stands for, `d[i / 256] * q[i]`, into `out` (the row's length).
     pub(crate) fn dequantize_into(&self, out: &mut [f32]) {
-        for ((ob, qb), &d) in out
-            .chunks_exact_mut(SUPER)
-            .zip(self.q.chunks_exact(SUPER))
-            .zip(&self.d)
-        {
-            for (o, &q) in ob.iter_mut().zip(qb) {
-                *o = d * f32::from(q);
-            }
-        }
+        dequantize(&self.q, &self.d, SUPER, out);
     }
 }
 
 /// `x: [m, cols]` with each row rounded as the products with a `kind` matrix read it:
-/// [`Q8KRow`] for the K-quants, [`Q8Row`] for the blocks of 32.
+/// [`Q8KRow`] for the K-quants, [`Q8Row`] for the blocks of 32 (`cols` a multiple of the
+/// block).
 pub(crate) fn round_rows_for(kind: GgmlKind, x: &[f32], cols: usize) -> Vec<f32> {
-    if !kind.is_k() {
-        return round_rows(x, cols);
-    }
-    assert!(cols.is_multiple_of(SUPER) && x.len().is_multiple_of(cols.max(1)));
+    let block = if kind.is_k() { SUPER } else { BLOCK };
+    assert!(cols.is_multiple_of(block) && x.len().is_multiple_of(cols.max(1)));
     let mut out = vec![0f32; x.len()];
     for (row, o) in x
         .chunks_exact(cols.max(1))
         .zip(out.chunks_exact_mut(cols.max(1)))
     {
-        Q8KRow::quantize(row).dequantize_into(o);
+        if kind.is_k() {
+            Q8KRow::quantize(row).dequantize_into(o);
+        } else {
+            Q8Row::quantize(row).dequantize_into(o);
+        }
     }
     out
 }
