@@ -231,15 +231,21 @@ impl GgufFile {
 pub struct ArchKeys<'f> {
     f: &'f GgufFile,
     arch: &'f str,
-    declared: &'static [&'static str],
+    declared: Vec<&'static str>,
 }
 
 impl<'f> ArchKeys<'f> {
-    /// Checks the file's `{arch}.*` keys against `declared` (suffixes after `{arch}.`).
+    /// Checks the file's `{arch}.*` keys against `declared`, the concatenated lists of
+    /// suffixes after `{arch}.` (the keys the architectures share, then its own).
     ///
     /// # Errors
     /// [`ModelError::Unread`] naming every key under the prefix that is not declared.
-    pub fn new(f: &'f GgufFile, arch: &'f str, declared: &'static [&'static str]) -> Result<Self> {
+    pub fn new(
+        f: &'f GgufFile,
+        arch: &'f str,
+        declared: &[&'static [&'static str]],
+    ) -> Result<Self> {
+        let declared: Vec<&'static str> = declared.iter().flat_map(|l| l.iter().copied()).collect();
         let prefix = format!("{arch}.");
         let mut unknown: Vec<String> = f
             .metadata()
@@ -318,5 +324,10 @@ impl<'f> ArchKeys<'f> {
     /// The file's path (for errors).
     pub fn path(&self) -> &Path {
         self.f.path()
+    }
+
+    /// The file (for keys outside the architecture's prefix).
+    pub fn file(&self) -> &'f GgufFile {
+        self.f
     }
 }

@@ -7,7 +7,8 @@
 //! an architecture to the keys and tensors it declares), `arch/` has one file per
 //! architecture and the one table that dispatches on `general.architecture`, `blocks/`
 //! the shared pieces those files wire (attention over the pool, MLPs, MoE, norms, rope
-//! tables), `model` the forward contract with the engine, `load` the entry points,
+//! tables), `hparams` the metadata keys the llama-lineage decoders share, `model` the
+//! forward contract with the engine, `load` the entry points,
 //! `tokenizer` and `chat` the text side. The kernels live in `leyline-kernels`; fetching
 //! model files in `leyline-hub`.
 //!
@@ -28,6 +29,7 @@ pub mod chat;
 mod checkpoint;
 pub mod error;
 pub mod gguf;
+pub mod hparams;
 pub mod linear;
 mod load;
 mod model;

@@ -113,36 +113,58 @@ impl Ran {
     }
 }
 
-/// The forward pass of a model, stopping at a layer when given one (see [`Ran`]).
-pub(crate) type RunFn<'f> =
-    dyn FnOnce(&mut KvStorage, &[ForwardSeq<'_>], Option<(usize, &[u32])>) -> Result<Ran> + 'f;
+/// What an architecture implements; [`CausalLm`] follows from it (the checks, the deviation
+/// pass): one forward pass that stops at a layer when asked.
+pub(crate) trait Network: Send + Sync {
+    /// Static facts about the model.
+    fn info(&self) -> &ModelInfo;
 
-/// [`CausalLm::kv_deviation`] of a model whose forward pass is `run`: the checks, then the
-/// pass stopped at `layer`.
-pub(crate) fn kv_deviation_by(
-    info: &ModelInfo,
-    kv: &mut KvStorage,
-    seq: ForwardSeq<'_>,
-    layer: usize,
-    cached: &[u32],
-    run: Box<RunFn<'_>>,
-) -> Result<Vec<f32>> {
-    let seqs = [seq];
-    check_batch(info, kv, &seqs)?;
-    let (layers, cap) = (info.geometry.layers, kv.capacity());
-    if layer >= layers || cached.len() != seqs[0].tokens.len() {
-        return Err(ModelError::Input(format!(
-            "deviation at layer {layer} of {layers} for {} tokens and {} cached slots",
-            seqs[0].tokens.len(),
-            cached.len()
-        )));
+    /// The forward pass of checked `seqs` ([`CausalLm::forward`]), or with `stop = (layer,
+    /// cached)` the pass of [`CausalLm::kv_deviation`]: it ends at `layer`, before writing
+    /// that layer's KV, and returns the distances of [`kv_distances`].
+    fn run(
+        &self,
+        kv: &mut KvStorage,
+        seqs: &[ForwardSeq<'_>],
+        stop: Option<(usize, &[u32])>,
+    ) -> Result<Ran>;
+}
+
+impl<N: Network> CausalLm for N {
+    fn info(&self) -> &ModelInfo {
+        Network::info(self)
     }
-    if let Some(&bad) = cached.iter().find(|&&x| x as usize >= cap) {
-        return Err(ModelError::Input(format!(
-            "cached slot {bad} is outside the pool of {cap} slots"
-        )));
+
+    fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
+        check_batch(Network::info(self), kv, seqs)?;
+        self.run(kv, seqs, None)?.logits()
     }
-    run(kv, &seqs, Some((layer, cached)))?.deviation()
+
+    fn kv_deviation(
+        &self,
+        kv: &mut KvStorage,
+        seq: ForwardSeq<'_>,
+        layer: usize,
+        cached: &[u32],
+    ) -> Result<Vec<f32>> {
+        let info = Network::info(self);
+        let seqs = [seq];
+        check_batch(info, kv, &seqs)?;
+        let (layers, cap) = (info.geometry.layers, kv.capacity());
+        if layer >= layers || cached.len() != seqs[0].tokens.len() {
+            return Err(ModelError::Input(format!(
+                "deviation at layer {layer} of {layers} for {} tokens and {} cached slots",
+                seqs[0].tokens.len(),
+                cached.len()
+            )));
+        }
+        if let Some(&bad) = cached.iter().find(|&&x| x as usize >= cap) {
+            return Err(ModelError::Input(format!(
+                "cached slot {bad} is outside the pool of {cap} slots"
+            )));
+        }
+        self.run(kv, &seqs, Some((layer, cached)))?.deviation()
+    }
 }
 
 /// Per token, the L2 distance between freshly computed key and value rows (`fresh_k`,

@@ -15,7 +15,7 @@ use crate::blocks::moe::{Mlp, Moe};
 use crate::checkpoint::Weights;
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
-use crate::model::{CausalLm, ForwardSeq, ModelInfo};
+use crate::model::{CausalLm, ForwardSeq, ModelInfo, Network, Ran};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ops::{rms_norm, softmax_last_dim};
 use leyline_kernels::rope::{LayerRopes, Rotation};
@@ -291,70 +291,6 @@ impl DeepseekV2 {
         Ok((k_pe, latent))
     }
 
-    /// The forward pass ([`CausalLm::forward`], checked by the caller), or with `stop =
-    /// (layer, cached)` [`CausalLm::kv_deviation`]: it ends at `layer`, before writing that
-    /// layer's KV.
-    fn run(
-        &self,
-        kv: &mut KvStorage,
-        seqs: &[ForwardSeq<'_>],
-        stop: Option<(usize, &[u32])>,
-    ) -> Result<crate::model::Ran> {
-        let crate::model::FlatBatch {
-            tokens,
-            positions,
-            new_slots,
-        } = crate::model::FlatBatch::new(seqs);
-        let n = tokens.len();
-        let rot = self.rotations(&positions);
-        let eps = self.cfg.rms_norm_eps as f32;
-        let mut x = self
-            .embed
-            .index_select(&Tensor::from_vec(tokens, n, &Device::Cpu)?, 0)?;
-        let row = self.cfg.num_attention_heads * self.cfg.qk_head_dim();
-        for (li, b) in self.blocks.iter().enumerate() {
-            let xn = rms_norm(&x, &b.in_norm, eps)?;
-            let q = Tensor::from_vec(self.queries(&b.attn, &xn, &rot)?, (n, row), &Device::Cpu)?;
-            let (k_pe, latent) = self.cache_rows(&b.attn, &xn, &rot)?;
-            if let Some((layer, cached)) = stop.filter(|&(layer, _)| layer == li) {
-                let d = crate::model::kv_distances(kv, layer, cached, &k_pe, &latent)?;
-                return Ok(crate::model::Ran::Deviation(d));
-            }
-            let (r, dr) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
-            for (i, &slot) in new_slots.iter().enumerate() {
-                kv.write(
-                    li,
-                    slot,
-                    &k_pe[i * dr..(i + 1) * dr],
-                    &latent[i * r..(i + 1) * r],
-                )?;
-            }
-            let att = self.attention(kv, li, &b.attn, &q, seqs)?;
-            x = (x + b.attn.o.forward(&att)?)?;
-            let xn = rms_norm(&x, &b.post_norm, eps)?;
-            let y = match &b.ffn {
-                Ffn::Dense(m) => m.forward(&xn)?,
-                Ffn::Moe(m) => m.forward(&xn)?,
-            };
-            x = (x + y)?;
-        }
-        // Only the rows whose logits are wanted go through the head.
-        let (rows, counts) = crate::model::logit_rows(seqs);
-        if rows.is_empty() {
-            return Ok(crate::model::Ran::Logits(vec![Vec::new(); seqs.len()]));
-        }
-        let nrows = rows.len();
-        let idx = Tensor::from_vec(rows, nrows, &Device::Cpu)?;
-        let xs = rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
-        let logits = self.lm_head.forward(&xs)?.to_dtype(DType::F32)?;
-        let logits = logits.flatten_all()?.to_vec1::<f32>()?;
-        Ok(crate::model::Ran::Logits(crate::model::split_logits(
-            &logits,
-            &counts,
-            self.info.vocab_size,
-        )))
-    }
-
     /// `pe: [rows, keys]` (query rows times `k_pe` rows) with the columns of each shifted
     /// run recomputed from the queries turned back by the run's offset: lazy rotation's
     /// `q_pe` path (the latent part has no position and is read as it is).
@@ -456,31 +392,70 @@ impl DeepseekV2 {
     }
 }
 
-impl CausalLm for DeepseekV2 {
+impl Network for DeepseekV2 {
     fn info(&self) -> &ModelInfo {
         &self.info
     }
 
-    fn forward(&self, kv: &mut KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<Vec<Vec<f32>>> {
-        crate::model::check_batch(&self.info, kv, seqs)?;
-        self.run(kv, seqs, None)?.logits()
-    }
-
-    fn kv_deviation(
+    fn run(
         &self,
         kv: &mut KvStorage,
-        seq: ForwardSeq<'_>,
-        layer: usize,
-        cached: &[u32],
-    ) -> Result<Vec<f32>> {
-        crate::model::kv_deviation_by(
-            &self.info,
-            kv,
-            seq,
-            layer,
-            cached,
-            Box::new(|kv, s, stop| self.run(kv, s, stop)),
-        )
+        seqs: &[ForwardSeq<'_>],
+        stop: Option<(usize, &[u32])>,
+    ) -> Result<Ran> {
+        let crate::model::FlatBatch {
+            tokens,
+            positions,
+            new_slots,
+        } = crate::model::FlatBatch::new(seqs);
+        let n = tokens.len();
+        let rot = self.rotations(&positions);
+        let eps = self.cfg.rms_norm_eps as f32;
+        let mut x = self
+            .embed
+            .index_select(&Tensor::from_vec(tokens, n, &Device::Cpu)?, 0)?;
+        let row = self.cfg.num_attention_heads * self.cfg.qk_head_dim();
+        for (li, b) in self.blocks.iter().enumerate() {
+            let xn = rms_norm(&x, &b.in_norm, eps)?;
+            let q = Tensor::from_vec(self.queries(&b.attn, &xn, &rot)?, (n, row), &Device::Cpu)?;
+            let (k_pe, latent) = self.cache_rows(&b.attn, &xn, &rot)?;
+            if let Some((layer, cached)) = stop.filter(|&(layer, _)| layer == li) {
+                let d = crate::model::kv_distances(kv, layer, cached, &k_pe, &latent)?;
+                return Ok(Ran::Deviation(d));
+            }
+            let (r, dr) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
+            for (i, &slot) in new_slots.iter().enumerate() {
+                kv.write(
+                    li,
+                    slot,
+                    &k_pe[i * dr..(i + 1) * dr],
+                    &latent[i * r..(i + 1) * r],
+                )?;
+            }
+            let att = self.attention(kv, li, &b.attn, &q, seqs)?;
+            x = (x + b.attn.o.forward(&att)?)?;
+            let xn = rms_norm(&x, &b.post_norm, eps)?;
+            let y = match &b.ffn {
+                Ffn::Dense(m) => m.forward(&xn)?,
+                Ffn::Moe(m) => m.forward(&xn)?,
+            };
+            x = (x + y)?;
+        }
+        // Only the rows whose logits are wanted go through the head.
+        let (rows, counts) = crate::model::logit_rows(seqs);
+        if rows.is_empty() {
+            return Ok(Ran::Logits(vec![Vec::new(); seqs.len()]));
+        }
+        let nrows = rows.len();
+        let idx = Tensor::from_vec(rows, nrows, &Device::Cpu)?;
+        let xs = rms_norm(&x.index_select(&idx, 0)?, &self.norm, eps)?;
+        let logits = self.lm_head.forward(&xs)?.to_dtype(DType::F32)?;
+        let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+        Ok(Ran::Logits(crate::model::split_logits(
+            &logits,
+            &counts,
+            self.info.vocab_size,
+        )))
     }
 }
 

@@ -4,6 +4,8 @@
 
 pub mod deepseek2;
 pub mod llama;
+pub mod olmo2;
+pub mod qwen3;
 
 use crate::error::Result;
 use crate::gguf::GgufFile;
@@ -43,6 +45,14 @@ pub const ARCHITECTURES: &[Architecture] = &[
     Architecture {
         name: "qwen2",
         loader: Loader::Gguf(llama::load),
+    },
+    Architecture {
+        name: "qwen3",
+        loader: Loader::Gguf(qwen3::load),
+    },
+    Architecture {
+        name: "olmo2",
+        loader: Loader::Gguf(olmo2::load),
     },
     Architecture {
         name: "deepseek_v2",

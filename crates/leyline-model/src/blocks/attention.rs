@@ -17,10 +17,10 @@
 
 use crate::blocks::norm::rms_norm_heads;
 use crate::blocks::rope::RopeTables;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::linear::{FusedLinear, Linear, RowSplit};
-use crate::model::ForwardSeq;
+use crate::model::{ForwardSeq, Ran};
 use leyline_kernels::attend::{Heads, KvRows, Queries};
 use leyline_kernels::pool::SpinPool;
 use leyline_kernels::qmatmul::QMatrix;
@@ -116,13 +116,30 @@ impl<'a> AttnPass<'a> {
         a.qkv.forward_split(xn, split, &mut self.qkv)
     }
 
-    /// RMSNorm of every query head by `q_norm` and every key head by `k_norm` (one weight
-    /// vector of `head_dim` per kind), before RoPE: Qwen3's and Gemma 3's Q/K norms.
-    #[allow(dead_code, reason = "the first users are qwen3 and gemma3 (issue 60)")]
-    pub(crate) fn norm_q_k(&mut self, q_norm: &[f32], k_norm: &[f32], eps: f32) {
-        let (h, kvh, stride) = (self.shape.heads, self.shape.kv_heads, self.stride());
-        rms_norm_heads(&mut self.qkv, stride, 0..h, q_norm, eps);
-        rms_norm_heads(&mut self.qkv, stride, h..h + kvh, k_norm, eps);
+    /// RMSNorm of the queries by `q_norm` and the keys by `k_norm` before RoPE: per head
+    /// when a weight vector is one head wide (Qwen3's and Gemma 3's Q/K norms, the vector
+    /// shared by the heads), over all heads of a kind together when it spans them (OLMo 2's).
+    ///
+    /// # Errors
+    /// A weight vector of another width.
+    pub(crate) fn norm_q_k(&mut self, q_norm: &[f32], k_norm: &[f32], eps: f32) -> Result<()> {
+        let Heads {
+            heads: h,
+            kv_heads: kvh,
+            head_dim: hd,
+        } = self.shape;
+        for (w, heads) in [(q_norm, h), (k_norm, kvh)] {
+            if w.len() != hd && w.len() != heads * hd {
+                return Err(ModelError::Input(format!(
+                    "a Q/K norm of {} values for {heads} heads of {hd}",
+                    w.len()
+                )));
+            }
+        }
+        let stride = self.stride();
+        rms_norm_heads(&mut self.qkv, stride, 0..h * hd, q_norm, eps);
+        rms_norm_heads(&mut self.qkv, stride, h * hd..(h + kvh) * hd, k_norm, eps);
+        Ok(())
     }
 
     /// Rotates the queries and keys by the positions' rotary tables of `layer`'s rope spec.
@@ -143,6 +160,28 @@ impl<'a> AttnPass<'a> {
         let k = rows.clone().flat_map(|r| &r[qw..qw + w]).copied().collect();
         let v = rows.flat_map(|r| &r[qw + w..qw + 2 * w]).copied().collect();
         (k, v)
+    }
+
+    /// At the stop layer of a deviation pass ([`crate::model::Network::run`]), the
+    /// distances of the new tokens' keys and values (rotated, not yet stored) from those the
+    /// `cached` slots hold; `None` at any other layer or without a stop.
+    ///
+    /// # Errors
+    /// A slot outside the pool.
+    pub(crate) fn deviation(
+        &self,
+        kv: &KvStorage,
+        layer: usize,
+        stop: Option<(usize, &[u32])>,
+    ) -> Result<Option<Ran>> {
+        match stop {
+            Some((at, cached)) if at == layer => {
+                let (k, v) = self.kv_rows();
+                let d = crate::model::kv_distances(kv, layer, cached, &k, &v)?;
+                Ok(Some(Ran::Deviation(d)))
+            }
+            _ => Ok(None),
+        }
     }
 
     /// Writes the new tokens' keys and values into `new_slots` of `layer`.

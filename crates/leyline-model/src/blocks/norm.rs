@@ -16,20 +16,22 @@ pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// RMSNorm of each head in place: in every `stride`-wide row of `x`, the heads `heads`
-/// (of `w.len()` values each) are normalized by `w` (Qwen3's and Gemma 3's Q/K norms, one
-/// weight vector shared by all heads of a kind).
+/// RMSNorm of each head in place: in every `stride`-wide row of `x`, the values `span` are
+/// cut into heads of `w.len()` values, each normalized by `w` (Qwen3's and Gemma 3's Q/K
+/// norms: one weight vector shared by all heads of a kind; OLMo 2's: one head spanning
+/// them all).
 pub(crate) fn rms_norm_heads(
     x: &mut [f32],
     stride: usize,
-    heads: Range<usize>,
+    span: Range<usize>,
     w: &[f32],
     eps: f32,
 ) {
     let d = w.len();
+    debug_assert_eq!(span.len() % d, 0, "a span of whole heads");
     let mut tmp = vec![0f32; d];
     for row in x.chunks_exact_mut(stride) {
-        for h in row[heads.start * d..heads.end * d].chunks_exact_mut(d) {
+        for h in row[span.clone()].chunks_exact_mut(d) {
             rms_norm(h, w, eps, &mut tmp);
             h.copy_from_slice(&tmp);
         }
@@ -74,7 +76,7 @@ mod tests {
             .collect();
         let w = [0.5f32, 1.0, 1.5, 2.0];
         let mut y = x.clone();
-        rms_norm_heads(&mut y, stride, 1..3, &w, 1e-6);
+        rms_norm_heads(&mut y, stride, d..3 * d, &w, 1e-6);
         for r in 0..2 {
             for i in 0..stride {
                 let at = r * stride + i;
