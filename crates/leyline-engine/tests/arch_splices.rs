@@ -25,7 +25,7 @@ use std::sync::Arc;
 const SAME: f32 = 1e-4;
 
 /// The architectures with tiny fixtures.
-const ARCHS: &[&str] = &["llama", "qwen3", "olmo2"];
+const ARCHS: &[&str] = &["llama", "qwen3", "qwen3moe", "olmo2"];
 
 fn model(arch: &str) -> Arc<dyn CausalLm> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

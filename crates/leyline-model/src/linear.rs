@@ -266,6 +266,11 @@ impl Linear {
         self.out
     }
 
+    /// Input width.
+    pub fn inp(&self) -> usize {
+        self.inp
+    }
+
     fn check_lengths(&self, x: &[f32], m: usize, y: &[f32]) -> Result<()> {
         if x.len() != m * self.inp || y.len() != m * self.out {
             return Err(ModelError::Input(format!(

@@ -37,7 +37,7 @@ const Q8_OVER_LLAMA_CPP: f32 = 1.5;
 const GAP: f32 = 0.1;
 
 /// The architectures Leyline runs from these fixtures.
-const ARCHS: &[&str] = &["llama", "qwen3", "olmo2"];
+const ARCHS: &[&str] = &["llama", "qwen3", "qwen3moe", "olmo2"];
 
 fn dir(arch: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

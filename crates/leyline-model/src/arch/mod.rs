@@ -6,6 +6,7 @@ pub mod deepseek2;
 pub mod llama;
 pub mod olmo2;
 pub mod qwen3;
+pub mod qwen3moe;
 
 use crate::error::Result;
 use crate::gguf::GgufFile;
@@ -49,6 +50,10 @@ pub const ARCHITECTURES: &[Architecture] = &[
     Architecture {
         name: "qwen3",
         loader: Loader::Gguf(qwen3::load),
+    },
+    Architecture {
+        name: "qwen3moe",
+        loader: Loader::Gguf(qwen3moe::load),
     },
     Architecture {
         name: "olmo2",

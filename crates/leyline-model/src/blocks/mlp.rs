@@ -45,6 +45,25 @@ impl GatedMlp {
         })
     }
 
+    /// An MLP of given gate, up and down layers (a mixture's expert).
+    ///
+    /// # Errors
+    /// Gate and up that do not fuse.
+    pub(crate) fn new(
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+        width: usize,
+        act: Activation,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: FusedLinear::new(vec![gate, up])?,
+            down,
+            act,
+            width,
+        })
+    }
+
     /// The layer's quantized matrices (for [`QMatrix::share_pages`]).
     pub(crate) fn quantized_mut(&mut self) -> impl Iterator<Item = &mut QMatrix> {
         self.gate_up

@@ -1,0 +1,152 @@
+//! `qwen3moe` (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B): `qwen3`'s attention (per-head Q/K
+//! norms, no biases) with routed experts in place of the dense MLP in every layer: softmax
+//! routing over `expert_count` experts, the top `expert_used_count` renormalized (the
+//! checkpoints' `norm_topk_prob`, which llama.cpp assumes and the file does not state).
+
+use crate::blocks::attention::{Attention, AttnPass};
+use crate::blocks::moe::{MoeScratch, RoutedExperts};
+use crate::blocks::norm::{add_into, load_norm, rms_norm};
+use crate::blocks::output::{load_embedding, Ends};
+use crate::error::Result;
+use crate::gguf::{ArchKeys, GgufFile};
+use crate::hparams::{Hparams, SHARED_KEYS};
+use crate::model::{CausalLm, ForwardSeq, ModelInfo, Network, Ran};
+use leyline_kernels::attend::Heads;
+use leyline_kernels::pool::SpinPool;
+use leyline_kernels::rope::{LayerRopes, RotaryLayout};
+use leyline_kv::KvStorage;
+use std::sync::Arc;
+
+/// The `qwen3moe.*` keys read besides the shared ones.
+const KEYS: &[&str] = &[
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+];
+
+/// Loads a `qwen3moe` GGUF file (the entry of [`crate::arch::ARCHITECTURES`]).
+///
+/// # Errors
+/// As [`Qwen3Moe::load`].
+pub fn load(f: &mut GgufFile, name: &str) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(Qwen3Moe::load(f, name)?))
+}
+
+/// One decoder layer's weights.
+struct Layer {
+    attn_norm: Vec<f32>,
+    attn: Attention,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    moe: RoutedExperts,
+}
+
+/// A loaded Qwen3 mixture-of-experts model.
+pub struct Qwen3Moe {
+    hp: Hparams,
+    info: ModelInfo,
+    layers: Vec<Layer>,
+    ends: Ends,
+}
+
+impl Qwen3Moe {
+    /// Loads the weights of an opened `qwen3moe` GGUF file; every tensor and `qwen3moe.*`
+    /// key of the file must be one it reads.
+    ///
+    /// # Errors
+    /// Unsupported metadata, missing, unreadable or unread tensors or keys.
+    pub fn load(f: &mut GgufFile, name: &str) -> Result<Self> {
+        let k = ArchKeys::new(f, "qwen3moe", &[SHARED_KEYS, KEYS])?;
+        let hp = Hparams::read(&k)?;
+        let experts = (
+            k.usize("expert_count")?,
+            k.usize("expert_feed_forward_length")?,
+            k.usize("expert_used_count")?,
+        );
+        let rope = hp.rope(&k, hp.rope_theta, RotaryLayout::Neox)?;
+        let table = load_embedding(f, hp.hidden)?;
+        let norm = |f: &mut GgufFile, i: usize, n: &str, w: usize| {
+            load_norm(f, &format!("blk.{i}.{n}.weight"), w)
+        };
+        let mut layers = Vec::with_capacity(hp.layers);
+        for i in 0..hp.layers {
+            layers.push(Layer {
+                attn_norm: norm(f, i, "attn_norm", hp.hidden)?,
+                attn: Attention::load(f, i)?,
+                q_norm: norm(f, i, "attn_q_norm", hp.head_dim)?,
+                k_norm: norm(f, i, "attn_k_norm", hp.head_dim)?,
+                ffn_norm: norm(f, i, "ffn_norm", hp.hidden)?,
+                moe: RoutedExperts::load(f, i, experts, true)?,
+            });
+        }
+        let mats = layers
+            .iter_mut()
+            .flat_map(|l| l.attn.quantized_mut().chain(l.moe.quantized_mut()));
+        let ends = Ends::load(f, table, hp.hidden, mats)?;
+        f.ensure_all_taken("qwen3moe")?;
+        let info = hp.info(
+            name,
+            "qwen3moe",
+            ends.vocab(),
+            LayerRopes::uniform(rope, hp.layers),
+        );
+        Ok(Self {
+            hp,
+            info,
+            layers,
+            ends,
+        })
+    }
+}
+
+impl Network for Qwen3Moe {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn run(
+        &self,
+        kv: &mut KvStorage,
+        seqs: &[ForwardSeq<'_>],
+        stop: Option<(usize, &[u32])>,
+    ) -> Result<Ran> {
+        let pool = SpinPool::global();
+        let hp = &self.hp;
+        let batch = crate::model::FlatBatch::new(seqs);
+        let (n, hid, eps) = (batch.tokens.len(), hp.hidden, hp.rms_eps as f32);
+        let split = crate::blocks::row_split(seqs);
+        let shape = Heads {
+            heads: hp.heads,
+            kv_heads: hp.kv_heads,
+            head_dim: hp.head_dim,
+        };
+        let mut att = AttnPass::new(
+            seqs,
+            &batch.positions,
+            shape,
+            &self.info.rope,
+            pool.threads(),
+        );
+        let mut x = Vec::with_capacity(n * hid);
+        self.ends.embed.gather(&batch.tokens, &mut x)?;
+        let (mut xn, mut y) = (vec![0f32; n * hid], vec![0f32; n * hid]);
+        let mut moe = MoeScratch::default();
+        for (li, l) in self.layers.iter().enumerate() {
+            rms_norm(&x, &l.attn_norm, eps, &mut xn);
+            att.project(&l.attn, &xn, &split)?;
+            att.norm_q_k(&l.q_norm, &l.k_norm, eps)?;
+            att.rope(li);
+            if let Some(d) = att.deviation(kv, li, stop)? {
+                return Ok(d);
+            }
+            att.store(kv, li, &batch.new_slots)?;
+            att.attend(pool, kv, li, &l.attn, &split, &mut y)?;
+            add_into(&mut x, &y);
+            rms_norm(&x, &l.ffn_norm, eps, &mut xn);
+            l.moe.forward(&xn, &mut moe, &mut y)?;
+            add_into(&mut x, &y);
+        }
+        self.ends.logits(&x, seqs, eps)
+    }
+}
