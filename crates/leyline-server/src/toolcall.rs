@@ -1,6 +1,8 @@
-//! Tool calls in generated text: the chat-template format of Qwen2.5 and Hermes-style models,
-//! `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, split out of the text as it
-//! streams, so both APIs can answer with structured calls (`tool_use` blocks, `tool_calls`).
+//! Tool calls in generated text: the chat-template format of Qwen2.5, Qwen3 and Hermes-style
+//! models, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, and Qwen3-Coder's
+//! XML inside the same tags (`<function=NAME>` then `<parameter=KEY>VALUE</parameter>`s),
+//! split out of the text as it streams, so both APIs can answer with structured calls
+//! (`tool_use` blocks, `tool_calls`).
 
 use serde_json::Value;
 
@@ -236,8 +238,12 @@ fn bare_calls(text: &str, names: &[String]) -> Option<Vec<Segment>> {
     (!calls.is_empty()).then_some(calls)
 }
 
-/// `{"name": "...", "arguments": {...}}` (also `parameters`, or arguments as a JSON string).
+/// `{"name": "...", "arguments": {...}}` (also `parameters`, or arguments as a JSON string),
+/// or Qwen3-Coder's `<function=...>` form ([`parse_xml_call`]).
 fn parse_call(body: &str) -> Option<Segment> {
+    if body.trim_start().starts_with("<function=") {
+        return parse_xml_call(body.trim());
+    }
     let v: Value = serde_json::from_str(body.trim()).ok()?;
     let name = v.get("name")?.as_str()?.to_string();
     let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
@@ -250,10 +256,138 @@ fn parse_call(body: &str) -> Option<Segment> {
         .then_some(Segment::Call { name, arguments })
 }
 
+/// Qwen3-Coder's call: `<function=NAME>`, then any number of `<parameter=KEY>\nVALUE\n</parameter>`,
+/// then `</function>`, whitespace between them. A value is read as JSON when it parses as
+/// JSON (numbers, booleans, objects, arrays, quoted strings), else kept as the text between
+/// the tags less one newline at each end (the template writes values so). Anything else
+/// between the tags, a repeated key or a missing close is not a call.
+fn parse_xml_call(body: &str) -> Option<Segment> {
+    let rest = body.strip_prefix("<function=")?;
+    let (name, mut rest) = rest.split_once('>')?;
+    let name = name.trim();
+    if name.is_empty() || name.contains(['<', '\n']) {
+        return None;
+    }
+    let mut arguments = serde_json::Map::new();
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix("</function>") {
+            return after.trim().is_empty().then(|| Segment::Call {
+                name: name.to_string(),
+                arguments: Value::Object(arguments),
+            });
+        }
+        let p = rest.strip_prefix("<parameter=")?;
+        let (key, p) = p.split_once('>')?;
+        let (raw, after) = p.split_once("</parameter>")?;
+        let raw = raw.strip_prefix('\n').unwrap_or(raw);
+        let raw = raw.strip_suffix('\n').unwrap_or(raw);
+        let value = serde_json::from_str(raw.trim()).unwrap_or_else(|_| Value::String(raw.into()));
+        if arguments.insert(key.trim().to_string(), value).is_some() {
+            return None;
+        }
+        rest = after;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Every call Qwen3-Coder's own template renders (transformers, the model crate's
+    /// fixtures) parses back to the message's name and arguments.
+    #[test]
+    fn calls_rendered_by_qwen3_coders_template_parse_back() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../leyline-model/tests/fixtures/qwen3moe/chat_template_cases.qwen3-coder.json"
+        );
+        let cases: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let mut checked = 0;
+        for c in cases["cases"].as_array().unwrap() {
+            let Some(text) = c["text"].as_str() else {
+                continue;
+            };
+            let want: Vec<Segment> = c["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|m| m["tool_calls"].as_array())
+                .flatten()
+                .map(|t| {
+                    let f = &t["function"];
+                    let args = match &f["arguments"] {
+                        Value::String(s) => serde_json::from_str(s).unwrap(),
+                        a => a.clone(),
+                    };
+                    call(f["name"].as_str().unwrap(), args)
+                })
+                .collect();
+            if want.is_empty() {
+                // (A case may hold a call typed into an assistant's text by hand.)
+                continue;
+            }
+            let got: Vec<Segment> = ToolCallSplitter::split(text, None)
+                .into_iter()
+                .filter(|s| matches!(s, Segment::Call { .. }))
+                .collect();
+            // The instructions of a prompt that offers tools show an example call first.
+            assert_eq!(
+                got[got.len().saturating_sub(want.len())..],
+                want,
+                "case {}",
+                c["name"]
+            );
+            checked += want.len();
+        }
+        assert!(
+            checked >= 4,
+            "only {checked} rendered calls in the fixtures"
+        );
+    }
+
+    /// Qwen3-Coder's template writes a call as below (its `tool_calls` rendering); the values
+    /// come back typed where they are JSON, as text otherwise, and a malformed body stays text.
+    #[test]
+    fn qwen3_coder_xml_calls_are_calls() {
+        let text = "Let me look.\n<tool_call>\n<function=read_file>\n<parameter=path>\nsrc/main.rs\n</parameter>\n<parameter=limit>\n40\n</parameter>\n<parameter=opts>\n{\"raw\": true}\n</parameter>\n</function>\n</tool_call>";
+        for cut in [1, 7, 30, 64, text.len()] {
+            let mut s = ToolCallSplitter::default();
+            let mut out = Vec::new();
+            for chunk in text.as_bytes().chunks(cut) {
+                out.extend(s.push(std::str::from_utf8(chunk).unwrap()));
+            }
+            out.extend(s.finish());
+            assert_eq!(
+                merge_text(out),
+                vec![
+                    Segment::Text("Let me look.\n".into()),
+                    call(
+                        "read_file",
+                        json!({"path": "src/main.rs", "limit": 40, "opts": {"raw": true}})
+                    ),
+                ],
+                "cut every {cut} bytes"
+            );
+        }
+        let multi_line = "<tool_call>\n<function=write>\n<parameter=body>\nline 1\nline 2\n</parameter>\n</function>\n</tool_call>";
+        assert_eq!(
+            ToolCallSplitter::split(multi_line, None),
+            vec![call("write", json!({"body": "line 1\nline 2"}))]
+        );
+        for bad in [
+            "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</tool_call>",
+            "<tool_call>\n<function=f>\nhello\n</function>\n</tool_call>",
+            "<tool_call>\n<function=f>\n<parameter=a>1</parameter><parameter=a>2</parameter></function>\n</tool_call>",
+        ] {
+            assert_eq!(
+                ToolCallSplitter::split(bad, None),
+                vec![Segment::Text(bad.into())],
+                "{bad:?}"
+            );
+        }
+    }
 
     fn call(name: &str, arguments: Value) -> Segment {
         Segment::Call {
