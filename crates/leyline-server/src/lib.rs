@@ -26,6 +26,7 @@ pub mod logprobs;
 mod messages;
 pub mod metrics;
 pub mod openai;
+pub mod reasoning;
 mod record;
 pub mod responses;
 pub mod responses_output;

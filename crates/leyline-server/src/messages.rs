@@ -8,9 +8,10 @@ use crate::error::{Result, ServerError};
 use crate::generation::Piece;
 use crate::handler::{parse, ApiJson, St};
 use crate::openai::{GenerationFields, LeylineOptions, StopSpec};
+use crate::reasoning::OutputSplitter;
 use crate::state::AppState;
 use crate::submit::{collect_text, report, start, Collected, SessionRun, Started};
-use crate::toolcall::{Segment, ToolCallSplitter};
+use crate::toolcall::Segment;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -183,11 +184,17 @@ async fn handle(
     body: std::result::Result<ApiJson, ServerError>,
 ) -> Result<Response> {
     let p = prepare(&st, &headers, body, false).await?;
+    // A forced tool call opens right after the generation prompt: no reasoning first.
+    let think = match p.forced {
+        Some(_) => None,
+        None => st.think_for(&p.prompt),
+    };
     let started = start(&st, who, p.prompt, p.bounds, &p.gen, &p.fields).await?;
     let ctx = Ctx {
         id: format!("msg_{:024x}", rand::random::<u128>() >> 32),
         model: st.config.model_name.clone(),
         tool_names: p.tools.offered.as_deref().map(crate::toolcall::tool_names),
+        think,
         context_management: p.context_management,
         unsupported_tools: p.tools.unsupported,
         breakpoint_tokens: p.breakpoint_tokens,
@@ -218,6 +225,8 @@ struct Ctx {
     model: String,
     /// The offered tools' names, if any: then tool calls are split out of the text.
     tool_names: Option<Vec<String>>,
+    /// For a model that reasons, whether the prompt left a `<think>` block open.
+    think: Option<bool>,
     /// What the request's context edits did, when it asked for any.
     context_management: Option<Value>,
     /// Server tools the request listed that were not offered.
@@ -251,6 +260,9 @@ fn tool_use_id() -> String {
 fn block(s: &Segment) -> Value {
     match s {
         Segment::Text(t) => json!({"type": "text", "text": t}),
+        // No signature: nothing signs a local model's reasoning, and these blocks are
+        // dropped when a client sends them back (the templates render no old reasoning).
+        Segment::Reasoning(t) => json!({"type": "thinking", "thinking": t, "signature": ""}),
         Segment::Call { name, arguments } => {
             json!({"type": "tool_use", "id": tool_use_id(), "name": name, "input": arguments})
         }
@@ -275,13 +287,7 @@ async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Respon
         Some(open) => format!("{open}{text}"),
         None => text,
     };
-    let segments = if ctx.tool_names.is_some() {
-        ToolCallSplitter::split(&text, ctx.tool_names.clone())
-    } else if text.is_empty() {
-        Vec::new()
-    } else {
-        vec![Segment::Text(text)]
-    };
+    let segments = OutputSplitter::split(&text, ctx.tool_names.clone(), ctx.think);
     let called = segments.iter().any(|s| matches!(s, Segment::Call { .. }));
     let content: Vec<Value> = segments.iter().map(block).collect();
     let mut body = json!({
@@ -304,8 +310,16 @@ async fn collect(st: Arc<AppState>, ctx: Ctx, started: Started) -> Result<Respon
 /// Builds the stream's events: content blocks open, grow and close in order.
 struct Blocks {
     next: usize,
-    open_text: Option<usize>,
+    /// The text or thinking block that grows with the next delta of its kind.
+    open: Option<(usize, Grows)>,
     called: bool,
+}
+
+/// A block that grows by deltas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Grows {
+    Text,
+    Thinking,
 }
 
 impl Blocks {
@@ -313,8 +327,8 @@ impl Blocks {
         Event::default().event(name).data(data.to_string())
     }
 
-    fn close_text(&mut self, out: &mut Vec<Event>) {
-        if let Some(i) = self.open_text.take() {
+    fn close_open(&mut self, out: &mut Vec<Event>) {
+        if let Some((i, _)) = self.open.take() {
             out.push(Self::event(
                 "content_block_stop",
                 json!({"type": "content_block_stop", "index": i}),
@@ -322,29 +336,45 @@ impl Blocks {
         }
     }
 
+    /// The index of the open block of `kind`, opening one (and closing another kind's).
+    fn grow(&mut self, kind: Grows, out: &mut Vec<Event>) -> usize {
+        match self.open {
+            Some((i, k)) if k == kind => return i,
+            Some(_) => self.close_open(out),
+            None => {}
+        }
+        let i = self.next;
+        self.next += 1;
+        self.open = Some((i, kind));
+        let block = match kind {
+            Grows::Text => json!({"type": "text", "text": ""}),
+            Grows::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
+        };
+        out.push(Self::event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": i, "content_block": block}),
+        ));
+        i
+    }
+
     fn push(&mut self, s: Segment, out: &mut Vec<Event>) {
         match s {
             Segment::Text(t) => {
-                let i = match self.open_text {
-                    Some(i) => i,
-                    None => {
-                        let i = self.next;
-                        self.next += 1;
-                        self.open_text = Some(i);
-                        out.push(Self::event(
-                            "content_block_start",
-                            json!({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}}),
-                        ));
-                        i
-                    }
-                };
+                let i = self.grow(Grows::Text, out);
                 out.push(Self::event(
                     "content_block_delta",
                     json!({"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": t}}),
                 ));
             }
+            Segment::Reasoning(t) => {
+                let i = self.grow(Grows::Thinking, out);
+                out.push(Self::event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": i, "delta": {"type": "thinking_delta", "thinking": t}}),
+                ));
+            }
             Segment::Call { name, arguments } => {
-                self.close_text(out);
+                self.close_open(out);
                 let i = self.next;
                 self.next += 1;
                 self.called = true;
@@ -392,13 +422,10 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
         ];
         let mut blocks = Blocks {
             next: 0,
-            open_text: None,
+            open: None,
             called: false,
         };
-        let mut splitter = match &ctx.tool_names {
-            Some(names) => ToolCallSplitter::with_tools(names.clone()),
-            None => ToolCallSplitter::default(),
-        };
+        let mut splitter = OutputSplitter::new(ctx.tool_names.clone(), ctx.think);
         if let Some(open) = &ctx.forced {
             // The opening only starts a call: nothing of it is released before the call.
             for s in splitter.push(open) {
@@ -431,12 +458,7 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
             ping.reset_after(every);
             match piece {
                 Some(Piece::Text(t)) => {
-                    let segments = if ctx.tool_names.is_some() {
-                        splitter.push(&t)
-                    } else {
-                        vec![Segment::Text(t)]
-                    };
-                    for s in segments {
+                    for s in splitter.push(&t) {
                         blocks.push(s, &mut events);
                     }
                 }
@@ -450,7 +472,7 @@ fn stream(st: Arc<AppState>, ctx: Ctx, started: Started) -> impl IntoResponse {
                     for s in splitter.finish() {
                         blocks.push(s, &mut events);
                     }
-                    blocks.close_text(&mut events);
+                    blocks.close_open(&mut events);
                     let reason = anthropic::stop_reason(
                         finish_reason,
                         stop_sequence.as_deref(),

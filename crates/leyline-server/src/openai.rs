@@ -618,6 +618,9 @@ pub struct ResponseMessage {
     pub role: &'static str,
     /// The generated text (null when the reply is only tool calls).
     pub content: Option<String>,
+    /// The reasoning of a model that reasons (`<think>`), apart from the answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     /// Tool calls the model made (requests with `tools`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<Value>>,
@@ -665,6 +668,9 @@ pub struct Delta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// New reasoning (a model that reasons in `<think>` blocks).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     /// Tool calls, each whole in one delta (`index`, `id`, `type`, `function`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<Value>>,

@@ -19,6 +19,14 @@ pub fn response_id() -> String {
     new_id("resp")
 }
 
+/// The reasoning item being written.
+#[derive(Debug)]
+struct OpenReasoning {
+    index: usize,
+    id: String,
+    text: String,
+}
+
 /// The message item being written.
 #[derive(Debug)]
 struct OpenMessage {
@@ -30,10 +38,12 @@ struct OpenMessage {
 /// Builds a response's output items from generated segments, and the stream events that
 /// announce them (numbered from the events already built): text goes into a message item
 /// (opened by its first non-blank text, so blank text around tool calls makes none), each
-/// call becomes a `function_call` item.
+/// call becomes a `function_call` item, reasoning a `reasoning` item (its text as
+/// `reasoning_text` content, as open-weight servers write it; no summary).
 #[derive(Debug, Default)]
 pub struct Output {
     items: Vec<Value>,
+    thinking: Option<OpenReasoning>,
     open: Option<OpenMessage>,
     /// Blank text not yet in a message.
     blank: String,
@@ -57,8 +67,12 @@ impl Output {
 
     /// Adds a segment.
     pub fn push(&mut self, s: Segment) {
+        if !matches!(s, Segment::Reasoning(_)) {
+            self.close_reasoning("completed");
+        }
         match s {
             Segment::Text(t) => self.text(t),
+            Segment::Reasoning(t) => self.reasoning(t),
             Segment::Call { name, arguments } => {
                 self.close_message("completed");
                 self.blank.clear();
@@ -91,6 +105,57 @@ impl Output {
                 self.items.push(item);
             }
         }
+    }
+
+    fn reasoning(&mut self, t: String) {
+        self.close_message("completed");
+        let r = match &mut self.thinking {
+            Some(r) => r,
+            None => {
+                let r = OpenReasoning {
+                    index: self.items.len(),
+                    id: new_id("rs"),
+                    text: String::new(),
+                };
+                self.emit(
+                    "response.output_item.added",
+                    json!({"output_index": r.index, "item": {
+                        "type": "reasoning", "id": r.id, "summary": [], "content": [],
+                    }}),
+                );
+                self.emit(
+                    "response.content_part.added",
+                    json!({"item_id": r.id, "output_index": r.index, "content_index": 0,
+                           "part": {"type": "reasoning_text", "text": ""}}),
+                );
+                self.thinking.insert(r)
+            }
+        };
+        r.text.push_str(&t);
+        let body =
+            json!({"item_id": r.id, "output_index": r.index, "content_index": 0, "delta": t});
+        self.emit("response.reasoning_text.delta", body);
+    }
+
+    fn close_reasoning(&mut self, status: &str) {
+        let Some(r) = self.thinking.take() else {
+            return;
+        };
+        let part = json!({"type": "reasoning_text", "text": r.text});
+        self.emit(
+            "response.reasoning_text.done",
+            json!({"item_id": r.id, "output_index": r.index, "content_index": 0, "text": r.text}),
+        );
+        self.emit(
+            "response.content_part.done",
+            json!({"item_id": r.id, "output_index": r.index, "content_index": 0, "part": part}),
+        );
+        let item = json!({"type": "reasoning", "id": r.id, "summary": [], "content": [part], "status": status});
+        self.emit(
+            "response.output_item.done",
+            json!({"output_index": r.index, "item": item}),
+        );
+        self.items.push(item);
     }
 
     fn text(&mut self, t: String) {
@@ -151,6 +216,12 @@ impl Output {
     /// Ends the output: the open message closes (`incomplete` when the generation hit its
     /// token limit); a reply with no item at all becomes one message (its text may be blank).
     pub fn finish(&mut self, incomplete: bool) {
+        let status = if incomplete {
+            "incomplete"
+        } else {
+            "completed"
+        };
+        self.close_reasoning(status);
         if self.items.is_empty() && self.open.is_none() {
             self.open_message();
             let blank = std::mem::take(&mut self.blank);
@@ -158,11 +229,7 @@ impl Output {
                 self.text(blank);
             }
         }
-        self.close_message(if incomplete {
-            "incomplete"
-        } else {
-            "completed"
-        });
+        self.close_message(status);
     }
 
     /// The events built since the last call.

@@ -8,12 +8,13 @@ use crate::error::{Result, ServerError};
 use crate::generation::Piece;
 use crate::handler::{ApiJson, St};
 use crate::openai::GenerationFields;
+use crate::reasoning::OutputSplitter;
 use crate::responses::{input_to_chat, split_tools, ResponsesRequest};
 use crate::responses_output::{response_id, usage, Output};
 use crate::responses_store::{ResponseStore, StoredResponse};
 use crate::state::AppState;
 use crate::submit::{collect_text, report, start, Collected, SessionRun, Started};
-use crate::toolcall::{tool_names, Segment, ToolCallSplitter};
+use crate::toolcall::tool_names;
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -176,6 +177,7 @@ async fn create(
         .render_chat(chat, tools.template.clone(), &mut fields)
         .await
         .map_err(rename_params)?;
+    let think = st.think_for(&prompt);
     let started = start(&st, who, prompt, bounds, &gen, &fields)
         .await
         .map_err(rename_params)?;
@@ -184,6 +186,7 @@ async fn create(
         skeleton: req.skeleton(&id, &st.config.model_name, &tools, stored),
         id,
         tool_names: names,
+        think,
         unsupported: tools.unsupported,
         keep,
     };
@@ -200,6 +203,8 @@ struct Ctx {
     skeleton: Value,
     /// The offered tools' names, if any: then tool calls are split out of the text.
     tool_names: Option<Vec<String>>,
+    /// For a model that reasons, whether the prompt left a `<think>` block open.
+    think: Option<bool>,
     /// Hosted tools the request named, not offered to the model.
     unsupported: Vec<Value>,
     /// With `store`: where to keep the response, for whom, and its conversation so far.
@@ -269,10 +274,7 @@ async fn collect(st: Arc<AppState>, mut ctx: Ctx, started: Started) -> Result<Re
         logprobs,
         ..
     } = collect_text(&st, &mut rx).await?;
-    let segments = match &ctx.tool_names {
-        Some(names) => ToolCallSplitter::split(&text, Some(names.clone())),
-        None => vec![Segment::Text(text)],
-    };
+    let segments = OutputSplitter::split(&text, ctx.tool_names.clone(), ctx.think);
     let mut out = Output::default();
     for s in segments {
         out.push(s);
@@ -328,7 +330,7 @@ async fn pump(
     keepalive: Duration,
 ) -> bool {
     let mut out = Output::default();
-    let mut splitter = ctx.tool_names.clone().map(ToolCallSplitter::with_tools);
+    let mut splitter = OutputSplitter::new(ctx.tool_names.clone(), ctx.think);
     let lifecycle = json!({"response": ctx.skeleton});
     let mut pending = vec![
         out.event("response.created", lifecycle.clone()),
@@ -356,11 +358,7 @@ async fn pump(
         };
         match piece {
             Some(Piece::Text(t)) => {
-                let segments = match &mut splitter {
-                    Some(sp) => sp.push(&t),
-                    None => vec![Segment::Text(t)],
-                };
-                for s in segments {
+                for s in splitter.push(&t) {
                     out.push(s);
                 }
                 pending = out.take_events();
@@ -371,7 +369,7 @@ async fn pump(
                 logprobs,
                 ..
             }) => {
-                for s in splitter.as_mut().map(|sp| sp.finish()).unwrap_or_default() {
+                for s in splitter.finish() {
                     out.push(s);
                 }
                 out.finish(finish_reason == "length");
@@ -428,6 +426,7 @@ mod tests {
             id: "resp_1".into(),
             skeleton: json!({"id": "resp_1", "object": "response", "status": "in_progress"}),
             tool_names: None,
+            think: None,
             unsupported: Vec::new(),
             keep: None,
         };

@@ -5,10 +5,11 @@ use crate::error::{Result, ServerError};
 use crate::generation::Piece;
 use crate::handler::{engine_call, parse, ApiJson, St};
 use crate::openai::*;
+use crate::reasoning::OutputSplitter;
 use crate::session_routes;
 use crate::state::AppState;
 use crate::submit::{collect_text, report, start, Collected, SessionRun, Started};
-use crate::toolcall::{Segment, ToolCallSplitter};
+use crate::toolcall::Segment;
 use axum::extract::{Request, State};
 use axum::http::HeaderMap;
 use axum::middleware::{from_fn_with_state, Next};
@@ -401,16 +402,18 @@ async fn chat_completions(
         }
         None => None,
     };
-    let extras = ChatExtras {
-        tool_names: req
-            .tools
-            .as_deref()
-            .filter(|t| !t.is_empty())
-            .map(crate::toolcall::tool_names),
-        context_management,
-    };
+    let tool_names = req
+        .tools
+        .as_deref()
+        .filter(|t| !t.is_empty())
+        .map(crate::toolcall::tool_names);
     // Message bounds anchor the engine's diff of the next turn.
     let (prompt, bounds) = st.render_chat(messages, req.tools, &mut fields).await?;
+    let extras = ChatExtras {
+        tool_names,
+        think: st.think_for(&prompt),
+        context_management,
+    };
     run(st, who, Kind::Chat(extras), prompt, bounds, gen, fields).await
 }
 
@@ -419,6 +422,9 @@ async fn chat_completions(
 struct ChatExtras {
     /// The offered tools' names, if any: the model's tool calls come back as `tool_calls`.
     tool_names: Option<Vec<String>>,
+    /// For a model that reasons, whether the prompt left a `<think>` block open: its
+    /// reasoning comes back as `reasoning_content`.
+    think: Option<bool>,
     /// `leyline.context_management` of the response.
     context_management: Option<Value>,
 }
@@ -565,11 +571,11 @@ async fn collect(
     let body = match &ctx.kind {
         Kind::Chat(x) => {
             leyline.context_management = x.context_management.clone();
-            let (content, tool_calls) = if x.tool_names.is_some() {
-                split_reply(&text, x.tool_names.clone())
-            } else {
-                (Some(text), None)
-            };
+            let Reply {
+                content,
+                reasoning_content,
+                tool_calls,
+            } = split_reply(&text, x);
             let finish_reason = match (&tool_calls, finish_reason) {
                 (Some(_), "stop") => "tool_calls",
                 (_, r) => r,
@@ -584,6 +590,7 @@ async fn collect(
                     message: ResponseMessage {
                         role: "assistant",
                         content,
+                        reasoning_content,
                         tool_calls,
                     },
                     finish_reason,
@@ -624,22 +631,40 @@ fn tool_call(index: Option<usize>, name: &str, arguments: &Value) -> Value {
     call
 }
 
-/// A whole reply as `content` and `tool_calls`: the text around the calls (null if there is
-/// none), the calls in order (none: `None`).
-fn split_reply(text: &str, names: Option<Vec<String>>) -> (Option<String>, Option<Vec<Value>>) {
+/// A whole chat reply's parts.
+struct Reply {
+    /// The text around the calls (null when there are calls and no other text).
+    content: Option<String>,
+    /// The reasoning, for a model that reasons and wrote some.
+    reasoning_content: Option<String>,
+    /// The calls in order (none: `None`).
+    tool_calls: Option<Vec<Value>>,
+}
+
+/// A whole reply split as the request's extras say.
+fn split_reply(text: &str, x: &ChatExtras) -> Reply {
     let mut content = String::new();
+    let mut reasoning: Option<String> = None;
     let mut calls = Vec::new();
-    for seg in ToolCallSplitter::split(text, names) {
+    for seg in OutputSplitter::split(text, x.tool_names.clone(), x.think) {
         match seg {
             Segment::Text(t) => content.push_str(&t),
+            Segment::Reasoning(t) => reasoning.get_or_insert_with(String::new).push_str(&t),
             Segment::Call { name, arguments } => calls.push(tool_call(None, &name, &arguments)),
         }
     }
     if calls.is_empty() {
-        return (Some(content), None);
+        return Reply {
+            content: Some(content),
+            reasoning_content: reasoning,
+            tool_calls: None,
+        };
     }
-    let content = (!content.trim().is_empty()).then_some(content);
-    (content, Some(calls))
+    Reply {
+        content: (!content.trim().is_empty()).then_some(content),
+        reasoning_content: reasoning,
+        tool_calls: Some(calls),
+    }
 }
 
 impl Ctx {
@@ -650,6 +675,14 @@ impl Ctx {
         for seg in segments {
             match seg {
                 Segment::Text(t) => out.push(self.chunk(Some(t), false, None)),
+                Segment::Reasoning(t) => {
+                    let mut c = self.chunk(None, false, None);
+                    c.choices[0].delta = Some(Delta {
+                        reasoning_content: Some(t),
+                        ..Delta::default()
+                    });
+                    out.push(c);
+                }
                 Segment::Call { name, arguments } => {
                     let mut c = self.chunk(None, false, None);
                     c.choices[0].delta = Some(Delta {
@@ -671,7 +704,7 @@ impl Ctx {
                 delta: Some(Delta {
                     role: role.then_some("assistant"),
                     content: text,
-                    tool_calls: None,
+                    ..Delta::default()
                 }),
                 text: None,
                 finish_reason: finish,
@@ -727,7 +760,7 @@ fn stream(
         };
         let mut ok = true;
         let mut splitter = match &ctx.kind {
-            Kind::Chat(x) => x.tool_names.clone().map(ToolCallSplitter::with_tools),
+            Kind::Chat(x) => Some(OutputSplitter::new(x.tool_names.clone(), x.think)),
             Kind::Completion => None,
         };
         let mut calls = 0;

@@ -127,6 +127,9 @@ pub struct AppState {
     /// Whether the chat template renders a `system` message after the first one at its
     /// place (ChatML's do); when not, such a message joins the next user message.
     pub(crate) mid_system: bool,
+    /// Whether the model reasons in `<think>` blocks (its chat template knows `</think>`):
+    /// its outputs' reasoning is split from their answers.
+    pub(crate) thinks: bool,
     /// The open recording (`record`).
     pub(crate) recorder: Option<crate::record::Recorder>,
 }
@@ -158,6 +161,10 @@ impl AppState {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let mid_system = lm.chat.as_ref().is_some_and(renders_mid_system);
+        let thinks = lm
+            .chat
+            .as_ref()
+            .is_some_and(|t| t.source().contains("</think>"));
         let recorder = config
             .record
             .as_deref()
@@ -181,8 +188,21 @@ impl AppState {
             abort: watch::channel(false).0,
             created,
             mid_system,
+            thinks,
             recorder,
         }))
+    }
+
+    /// How the output of `prompt` is read for reasoning ([`crate::reasoning::OutputSplitter`]):
+    /// `None` for a model that does not reason, else whether the prompt left a `<think>`
+    /// block open.
+    pub(crate) fn think_for(&self, prompt: &[u32]) -> Option<bool> {
+        if !self.thinks {
+            return None;
+        }
+        let tail = &prompt[prompt.len().saturating_sub(8)..];
+        let text = self.tokenizer.decode(tail, false).unwrap_or_default();
+        Some(crate::reasoning::ThinkSplitter::opened_by(&text))
     }
 
     /// Refuse new work (503); running requests continue.

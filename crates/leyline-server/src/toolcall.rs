@@ -14,6 +14,8 @@ const CLOSE: &str = "</tool_call>";
 pub enum Segment {
     /// Plain text.
     Text(String),
+    /// Reasoning the model wrote before its answer ([`crate::reasoning`]).
+    Reasoning(String),
     /// One well-formed tool call.
     Call {
         /// The tool's name.
@@ -187,12 +189,13 @@ fn push_text(out: &mut Vec<Segment>, t: &str) {
     }
 }
 
-/// Joins neighbouring text segments.
+/// Joins neighbouring text segments, and neighbouring reasoning segments.
 pub fn merge_text(segments: Vec<Segment>) -> Vec<Segment> {
     let mut out: Vec<Segment> = Vec::with_capacity(segments.len());
     for s in segments {
         match (out.last_mut(), s) {
             (Some(Segment::Text(a)), Segment::Text(b)) => a.push_str(&b),
+            (Some(Segment::Reasoning(a)), Segment::Reasoning(b)) => a.push_str(&b),
             (_, s) => out.push(s),
         }
     }

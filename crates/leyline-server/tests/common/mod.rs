@@ -55,9 +55,20 @@ pub fn start_server_on(
     engine: EngineConfig,
     configure: impl FnOnce(&mut ServerConfig) + Send + 'static,
 ) -> SocketAddr {
+    start_server_with(path, engine, |_| {}, configure)
+}
+
+/// [`start_server_on`], the loaded model adjusted by `adjust` first (another template).
+pub fn start_server_with(
+    path: std::path::PathBuf,
+    engine: EngineConfig,
+    adjust: impl FnOnce(&mut leyline_model::LoadedModel) + Send + 'static,
+    configure: impl FnOnce(&mut ServerConfig) + Send + 'static,
+) -> SocketAddr {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let lm = leyline_model::load_gguf(&path).expect("load the default model");
+        let mut lm = leyline_model::load_gguf(&path).expect("load the default model");
+        adjust(&mut lm);
         let engine = Engine::new(Arc::clone(&lm.model), engine).expect("engine");
         let thread = EngineThread::spawn(engine).expect("engine thread");
         let mut sc = ServerConfig::new(MODEL);
