@@ -350,6 +350,59 @@ mod tests {
         );
     }
 
+    /// Llama 3.1-3.3 write a call as a bare JSON object (`{"name": ..., "parameters": ...}`)
+    /// as the whole assistant turn: every such turn their own templates render (the model
+    /// crate's fixtures) is a call when the tool is offered.
+    #[test]
+    fn calls_rendered_by_llama_3_templates_parse_back() {
+        let mut checked = 0;
+        for v in ["3.1", "3.2", "3.3"] {
+            let path = format!(
+                "{}/../leyline-model/tests/fixtures/llama/chat_template_cases.llama{v}.json",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            let cases: Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            for c in cases["cases"].as_array().unwrap() {
+                let Some(text) = c["text"].as_str() else {
+                    continue;
+                };
+                let calls: Vec<&Value> = c["messages"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter_map(|m| m["tool_calls"].as_array())
+                    .flatten()
+                    .collect();
+                if calls.len() != 1 {
+                    continue;
+                }
+                let f = &calls[0]["function"];
+                let name = f["name"].as_str().unwrap();
+                let args = match &f["arguments"] {
+                    Value::String(s) => serde_json::from_str(s).unwrap(),
+                    a => a.clone(),
+                };
+                let turn = text
+                    .split("<|start_header_id|>assistant<|end_header_id|>\n\n")
+                    .find(|t| t.starts_with('{'))
+                    .and_then(|t| t.split("<|eot_id|>").next())
+                    .unwrap_or_else(|| panic!("llama {v} {}: no call turn", c["name"]));
+                assert_eq!(
+                    ToolCallSplitter::split(turn, Some(vec![name.to_string()])),
+                    vec![call(name, args)],
+                    "llama {v} case {}",
+                    c["name"]
+                );
+                checked += 1;
+            }
+        }
+        assert!(
+            checked >= 6,
+            "only {checked} rendered calls in the fixtures"
+        );
+    }
+
     /// Qwen3-Coder's template writes a call as below (its `tool_calls` rendering); the values
     /// come back typed where they are JSON, as text otherwise, and a malformed body stays text.
     #[test]
