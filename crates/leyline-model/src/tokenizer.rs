@@ -1,7 +1,9 @@
-//! Byte-level BPE tokenizer built from a GGUF file's `tokenizer.ggml.*` metadata.
+//! The tokenizer of a GGUF file, built from its `tokenizer.ggml.*` metadata: byte-level BPE
+//! (`tokenizer.ggml.model = "gpt2"`: SmolLM2, Qwen, Llama 3) or SentencePiece (`"llama"`:
+//! Gemma 3; the private `spm` module describes its encoding).
 //!
-//! The vocabulary and merges come from the file; the pre-tokenizer is chosen by
-//! `tokenizer.ggml.pre`. Control tokens (`token_type == 3`) are special: their text in the
+//! Byte-level BPE: the vocabulary and merges come from the file; the pre-tokenizer is chosen
+//! by `tokenizer.ggml.pre`. Control tokens (`token_type == 3`) are special: their text in the
 //! input maps to one id, and `skip_special` decoding drops them.
 //!
 //! Digits: for `pre = "smollm"` every `\p{N}` character is isolated before the byte-level
@@ -22,6 +24,8 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::error::{ModelError, Result};
+
+mod spm;
 
 /// GGUF `token_type` of a control token (`<|im_start|>`, `<|endoftext|>`, ...).
 const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -50,6 +54,10 @@ const END_OF_GENERATION_TEXTS: [&str; 8] = [
 /// Which added tokens (control tokens such as `<|im_start|>`, and user-defined ones such as
 /// Qwen's `<tool_call>`) may be read from a piece of text as their ids; the others' text is
 /// tokenized as ordinary text.
+///
+/// In a SentencePiece vocabulary user-defined pieces are ordinary text (Gemma's newline,
+/// tab and space runs, HTML tags: a newline has no other piece there), matched whatever this
+/// says; only control tokens (`<start_of_turn>`, `<bos>`, ...) follow it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Specials {
     /// Every added token: text the chat template wrote.
@@ -61,14 +69,14 @@ pub enum Specials {
     None,
 }
 
-/// A byte-level BPE tokenizer with the special tokens of one model.
+/// The tokenizer of one model (byte-level BPE or SentencePiece) with its special tokens.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    model: Model,
     /// Finds added tokens' text, leftmost-longest as the inner tokenizer does.
     added_matcher: aho_corasick::AhoCorasick,
     /// Per pattern of `added_matcher`: the id and whether it is a control token.
     added: Vec<(u32, bool)>,
-    /// Vocabulary strings in their byte-level form, by id.
+    /// Vocabulary strings as the file writes them, by id.
     tokens: Vec<String>,
     /// The bytes each id decodes to (special tokens: their text).
     token_bytes: Vec<Vec<u8>>,
@@ -82,9 +90,35 @@ pub struct Tokenizer {
     add_eos: bool,
 }
 
+/// What the two kinds of vocabulary build differently.
+struct Parts<'t> {
+    model: Model,
+    /// Texts of the added tokens [`Tokenizer::encode_pieces`] matches.
+    added_texts: Vec<&'t str>,
+    /// Per added text: its id and whether it is a control token.
+    added_ids: Vec<(u32, bool)>,
+    /// The bytes each id decodes to.
+    token_bytes: Vec<Vec<u8>>,
+}
+
+/// The encoder between added tokens.
+enum Model {
+    /// Byte-level BPE: pre-tokenizer and merges.
+    Bpe(Box<tokenizers::Tokenizer>),
+    /// SentencePiece: user-defined pieces, then scored merges with byte fallback.
+    Spm(Box<spm::SentencePiece>),
+}
+
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tokenizer")
+            .field(
+                "model",
+                &match self.model {
+                    Model::Bpe(_) => "bpe",
+                    Model::Spm(_) => "sentencepiece",
+                },
+            )
             .field("vocab_size", &self.tokens.len())
             .field("bos", &self.bos)
             .field("eos", &self.eos)
@@ -97,13 +131,15 @@ impl Tokenizer {
     /// Builds the tokenizer from GGUF metadata (`tokenizer.ggml.*` keys).
     ///
     /// # Errors
-    /// [`ModelError::Tokenizer`] if the model is not byte-level BPE (`gpt2`), the
-    /// pre-tokenizer is unknown, or the vocabulary, types or merges are missing or malformed.
+    /// [`ModelError::Tokenizer`] if the model is neither byte-level BPE (`gpt2`) nor
+    /// SentencePiece (`llama`), the pre-tokenizer is unknown, or the vocabulary, types,
+    /// scores or merges are missing or malformed.
     pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<Self> {
         let model = md_str(md, "tokenizer.ggml.model")?;
-        if model != "gpt2" {
+        if model != "gpt2" && model != "llama" {
             return Err(tok_err(format!(
-                "tokenizer model '{model}' is not supported (only byte-level BPE 'gpt2')"
+                "tokenizer model '{model}' is not supported (byte-level BPE 'gpt2' and \
+                 SentencePiece 'llama' are)"
             )));
         }
         let tokens: Vec<String> = md_array(md, "tokenizer.ggml.tokens")?
@@ -133,6 +169,67 @@ impl Tokenizer {
                 types.len()
             )));
         }
+        let special: Vec<bool> = types.iter().map(|&t| t == TOKEN_TYPE_CONTROL).collect();
+        let Parts {
+            model,
+            added_texts,
+            added_ids,
+            token_bytes,
+        } = if model == "gpt2" {
+            Self::bpe_parts(md, &tokens, &types)?
+        } else {
+            Self::spm_parts(md, &tokens, &types)?
+        };
+        let added_matcher = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(&added_texts)
+            .map_err(|e| tok_err(format!("added tokens: {e}")))?;
+
+        let bos = md_opt_u32(md, "tokenizer.ggml.bos_token_id")?;
+        let eos = md_opt_u32(md, "tokenizer.ggml.eos_token_id")?;
+        for (what, id) in [("bos", bos), ("eos", eos)] {
+            if let Some(id) = id {
+                if id as usize >= n {
+                    return Err(tok_err(format!("{what} id {id} >= vocabulary size {n}")));
+                }
+            }
+        }
+        let mut stop: Vec<u32> = Vec::new();
+        for key in ["eos", "eot", "eom"] {
+            let id = md_opt_u32(md, &format!("tokenizer.ggml.{key}_token_id"))?;
+            stop.extend(id.filter(|&id| (id as usize) < n));
+        }
+        stop.extend(
+            (0..n)
+                .filter(|&id| special[id] && END_OF_GENERATION_TEXTS.contains(&tokens[id].as_str()))
+                .map(|id| id as u32),
+        );
+        let mut seen = std::collections::HashSet::new();
+        stop.retain(|id| seen.insert(*id));
+        let add_bos = md_opt_bool(md, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+        let add_eos = md_opt_bool(md, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
+        Ok(Self {
+            model,
+            added_matcher,
+            added: added_ids,
+            tokens,
+            token_bytes,
+            special,
+            bos,
+            eos,
+            stop,
+            add_bos,
+            add_eos,
+        })
+    }
+
+    /// The byte-level BPE encoder of the file, its added tokens (control and user-defined:
+    /// texts, and per text its id and whether it is a control token) and each id's bytes.
+    fn bpe_parts<'t>(
+        md: &HashMap<String, Value>,
+        tokens: &'t [String],
+        types: &[i32],
+    ) -> Result<Parts<'t>> {
         let merges = md_array(md, "tokenizer.ggml.merges")?
             .iter()
             .map(|v| {
@@ -160,11 +257,10 @@ impl Tokenizer {
         inner.with_pre_tokenizer(Some(pre_tokenizer));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
 
-        let special: Vec<bool> = types.iter().map(|&t| t == TOKEN_TYPE_CONTROL).collect();
         let added = |kind: i32, is_special: bool| -> Vec<AddedToken> {
             tokens
                 .iter()
-                .zip(&types)
+                .zip(types)
                 .filter(|(_, &t)| t == kind)
                 .map(|(s, _)| AddedToken::from(s.clone(), is_special).normalized(false))
                 .collect()
@@ -173,64 +269,67 @@ impl Tokenizer {
         inner.add_tokens(&added(TOKEN_TYPE_USER_DEFINED, false));
         let mut added_texts = Vec::new();
         let mut added_ids = Vec::new();
-        for (id, (t, &ty)) in tokens.iter().zip(&types).enumerate() {
+        for (id, (t, &ty)) in tokens.iter().zip(types).enumerate() {
             if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
                 added_texts.push(t.as_str());
                 added_ids.push((id as u32, ty == TOKEN_TYPE_CONTROL));
             }
         }
-        let added_matcher = aho_corasick::AhoCorasick::builder()
-            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
-            .build(&added_texts)
-            .map_err(|e| tok_err(format!("added tokens: {e}")))?;
-
         let token_bytes = tokens
             .iter()
-            .zip(&special)
-            .map(|(t, &sp)| {
-                if sp {
+            .zip(types)
+            .map(|(t, &ty)| {
+                if ty == TOKEN_TYPE_CONTROL {
                     t.as_bytes().to_vec()
                 } else {
                     byte_level_bytes(t)
                 }
             })
             .collect();
+        Ok(Parts {
+            model: Model::Bpe(Box::new(inner)),
+            added_texts,
+            added_ids,
+            token_bytes,
+        })
+    }
 
-        let bos = md_opt_u32(md, "tokenizer.ggml.bos_token_id")?;
-        let eos = md_opt_u32(md, "tokenizer.ggml.eos_token_id")?;
-        for (what, id) in [("bos", bos), ("eos", eos)] {
-            if let Some(id) = id {
-                if id as usize >= n {
-                    return Err(tok_err(format!("{what} id {id} >= vocabulary size {n}")));
-                }
+    /// The SentencePiece encoder of the file (`tokenizer.ggml.scores`, `unknown_token_id`,
+    /// `add_space_prefix`), its control tokens as added tokens (user-defined pieces are the
+    /// encoder's) and each id's bytes.
+    fn spm_parts<'t>(
+        md: &HashMap<String, Value>,
+        tokens: &'t [String],
+        types: &[i32],
+    ) -> Result<Parts<'t>> {
+        let scores: Vec<f32> = md_array(md, "tokenizer.ggml.scores")?
+            .iter()
+            .map(|v| v.to_f32().map_err(|e| tok_err(format!("scores: {e}"))))
+            .collect::<Result<_>>()?;
+        let params = spm::SpmParams {
+            unk: md_opt_u32(md, "tokenizer.ggml.unknown_token_id")?,
+            // llama.cpp's default where the key is missing: SentencePiece's add_dummy_prefix.
+            add_space_prefix: md_opt_bool(md, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true),
+        };
+        let enc = spm::SentencePiece::new(tokens, &scores, types, params)?;
+        let mut added_texts = Vec::new();
+        let mut added_ids = Vec::new();
+        for (id, (t, &ty)) in tokens.iter().zip(types).enumerate() {
+            if ty == TOKEN_TYPE_CONTROL && !t.is_empty() {
+                added_texts.push(t.as_str());
+                added_ids.push((id as u32, true));
             }
         }
-        let mut stop: Vec<u32> = Vec::new();
-        for key in ["eos", "eot", "eom"] {
-            let id = md_opt_u32(md, &format!("tokenizer.ggml.{key}_token_id"))?;
-            stop.extend(id.filter(|&id| (id as usize) < n));
-        }
-        stop.extend(
-            (0..n)
-                .filter(|&id| special[id] && END_OF_GENERATION_TEXTS.contains(&tokens[id].as_str()))
-                .map(|id| id as u32),
-        );
-        let mut seen = std::collections::HashSet::new();
-        stop.retain(|id| seen.insert(*id));
-        let add_bos = md_opt_bool(md, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
-        let add_eos = md_opt_bool(md, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
-        Ok(Self {
-            inner,
-            added_matcher,
-            added: added_ids,
-            tokens,
+        let token_bytes = tokens
+            .iter()
+            .zip(types)
+            .map(|(t, &ty)| spm::piece_bytes(t, ty))
+            .collect();
+        Ok(Parts {
+            model: Model::Spm(Box::new(enc)),
+            added_texts,
+            added_ids,
             token_bytes,
-            special,
-            bos,
-            eos,
-            stop,
-            add_bos,
-            add_eos,
         })
     }
 
@@ -241,16 +340,19 @@ impl Tokenizer {
     /// # Errors
     /// [`ModelError::Tokenizer`] if the underlying tokenizer fails.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode_fast(text, false)
-            .map_err(|e| tok_err(format!("encode: {e}")))?;
-        let body = enc.get_ids();
-        let mut ids = Vec::with_capacity(body.len() + 2);
+        let mut ids = Vec::new();
         if add_special && self.add_bos {
             ids.extend(self.bos);
         }
-        ids.extend_from_slice(body);
+        match &self.model {
+            Model::Bpe(inner) => {
+                let enc = inner
+                    .encode_fast(text, false)
+                    .map_err(|e| tok_err(format!("encode: {e}")))?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            Model::Spm(_) => ids.extend(self.encode_pieces(&[(text, Specials::All)])?),
+        }
         if add_special && self.add_eos {
             ids.extend(self.eos);
         }
@@ -306,18 +408,23 @@ impl Tokenizer {
     }
 
     /// Tokenizes `text` with no added token matched: pre-tokenizer and BPE alone, which is
-    /// what [`Self::encode`] does between added tokens.
+    /// what [`Self::encode`] does between added tokens (SentencePiece: user-defined pieces,
+    /// then scored merges).
     fn encode_plain(&self, text: &str, ids: &mut Vec<u32>) -> Result<()> {
-        use tokenizers::{Model, OffsetType, PreTokenizedString, PreTokenizer};
+        use tokenizers::{Model as _, OffsetType, PreTokenizedString, PreTokenizer};
         if text.is_empty() {
             return Ok(());
         }
+        let inner = match &self.model {
+            Model::Bpe(inner) => inner,
+            Model::Spm(enc) => return enc.encode(text, ids),
+        };
         let err = |e: tokenizers::Error| tok_err(format!("encode: {e}"));
         let mut pts = PreTokenizedString::from(text);
-        if let Some(pre) = self.inner.get_pre_tokenizer() {
+        if let Some(pre) = inner.get_pre_tokenizer() {
             pre.pre_tokenize(&mut pts).map_err(err)?;
         }
-        let model = self.inner.get_model();
+        let model = inner.get_model();
         pts.tokenize(|n| model.tokenize(n.get())).map_err(err)?;
         let enc = pts.into_encoding(None, 0, OffsetType::Byte).map_err(err)?;
         ids.extend_from_slice(enc.get_ids());
@@ -331,9 +438,20 @@ impl Tokenizer {
     /// [`ModelError::Tokenizer`] if an id is outside the vocabulary.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         self.check_ids(ids)?;
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| tok_err(format!("decode: {e}")))
+        match &self.model {
+            Model::Bpe(inner) => inner
+                .decode(ids, skip_special)
+                .map_err(|e| tok_err(format!("decode: {e}"))),
+            Model::Spm(_) => {
+                let mut bytes = Vec::new();
+                for &id in ids {
+                    if !(skip_special && self.special[id as usize]) {
+                        bytes.extend_from_slice(&self.token_bytes[id as usize]);
+                    }
+                }
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
+        }
     }
 
     /// A streaming decoder over this tokenizer's vocabulary.
@@ -368,8 +486,8 @@ impl Tokenizer {
         self.add_bos
     }
 
-    /// The vocabulary string of `id` in its byte-level form (space is `Ġ`), or `None`
-    /// outside the vocabulary.
+    /// The vocabulary string of `id` as the file writes it (byte-level BPE: space is `Ġ`;
+    /// SentencePiece: space is `▁`, a byte piece `<0x0A>`), or `None` outside the vocabulary.
     pub fn token_str(&self, id: u32) -> Option<&str> {
         self.tokens.get(id as usize).map(String::as_str)
     }
@@ -380,9 +498,13 @@ impl Tokenizer {
         self.token_bytes.get(id as usize).map(Vec::as_slice)
     }
 
-    /// The id of a vocabulary string (byte-level form, or a special token's text).
+    /// The id of a vocabulary string (as [`Self::token_str`] writes it, or a special token's
+    /// text).
     pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.model {
+            Model::Bpe(inner) => inner.token_to_id(token),
+            Model::Spm(enc) => enc.id(token),
+        }
     }
 
     /// Whether `id` is a control token (`token_type == 3`); false outside the vocabulary.

@@ -435,6 +435,11 @@ fn chat(a: ChatArgs) -> Result<()> {
             lm.path.display()
         )
     })?;
+    if let Some(arch) = template.builtin_for() {
+        eprintln!(
+            "leyline: the file has no chat template; using Leyline's built-in {arch} template"
+        );
+    }
     let params = params(&a.sampling, &lm)?;
     let mut messages = Vec::new();
     if let Some(s) = &a.system {

@@ -204,6 +204,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max: a.max_sessions.max(1),
         idle_timeout: std::time::Duration::from_secs(a.session_idle_timeout),
     };
+    if let Some(arch) = lm.chat.as_ref().and_then(|t| t.builtin_for()) {
+        eprintln!(
+            "leyline: the file has no chat template; using Leyline's built-in {arch} template"
+        );
+    }
     eprintln!(
         "leyline: serving {} on http://{} ({} KV slots)",
         cfg.model_name, a.addr, slots
