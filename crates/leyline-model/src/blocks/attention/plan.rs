@@ -205,6 +205,7 @@ impl<'a> Plan<'a> {
                     kv_head,
                     toks: toks.clone(),
                     diag,
+                    window: None,
                     k0: keys[0],
                     k1: keys[1],
                     merged: merge != Merge::Alone,
