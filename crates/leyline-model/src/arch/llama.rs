@@ -284,6 +284,7 @@ impl Llama {
             &batch.positions,
             shape,
             &self.info.rope,
+            &[],
             pool.threads(),
         );
         let mut x = Vec::with_capacity(n * hid);
