@@ -265,6 +265,11 @@ fn check_window(shape: Heads, cut: Cutting, window: Option<usize>, store: Store)
             stride: h * hd,
         };
         attend(tier, &pool, rows, queries, &mut work, &mut out);
+        check_parts(
+            &work,
+            window,
+            &format!("{tier} {store:?} {shape:?} {cut:?} {window:?}"),
+        );
         for (r, (got, want)) in out.chunks_exact(hd).zip(want.chunks_exact(hd)).enumerate() {
             let (mut num, mut den) = (0f64, 0f64);
             for (&a, &b) in got.iter().zip(want) {
@@ -280,6 +285,42 @@ fn check_window(shape: Heads, cut: Cutting, window: Option<usize>, store: Store)
                 r % h
             );
         }
+    }
+}
+
+/// Each task's partial output in `work.scratch`: a row that sees no key of its task (a part
+/// below its window) holds zeros, max `-inf` and sum exactly 0 (so the merge weighs it 0
+/// whatever the other parts hold); a row that sees some holds a finite max and a sum >= 1.
+fn check_parts(work: &Work<'_>, window: Option<usize>, what: &str) {
+    let hd = work.shape.head_dim;
+    let g = work.shape.heads / work.shape.kv_heads;
+    let mut off = 0;
+    for t in &work.tasks {
+        let rows = t.rows(g);
+        let (o, ml) = work.scratch[off..off + rows * (hd + 2)].split_at(rows * hd);
+        for r in 0..rows {
+            let at = t.diag + r / g;
+            let sees = (t.k0..t.k1).any(|j| j <= at && window.is_none_or(|w| at - j < w));
+            let (m, l) = (ml[r], ml[rows + r]);
+            if sees {
+                assert!(
+                    m.is_finite() && l >= 1.0,
+                    "{what}: row {r} keys {}..{}: max {m} sum {l}",
+                    t.k0,
+                    t.k1
+                );
+            } else {
+                assert!(
+                    m == f32::NEG_INFINITY
+                        && l == 0.0
+                        && o[r * hd..][..hd].iter().all(|&x| x == 0.0),
+                    "{what}: row {r} sees none of keys {}..{}: max {m} sum {l}",
+                    t.k0,
+                    t.k1
+                );
+            }
+        }
+        off += rows * (hd + 2);
     }
 }
 

@@ -138,10 +138,10 @@ fn check_windowed(
 
 /// [`check_windowed`] with each sequence's shifted runs.
 ///
-/// Three layers share one plan: layer 2 is checked; layer 0 has its window but another
-/// rope spec and other rows, and runs first (a stale output or rotation must not leak);
-/// layer 1 has another window (`None` for a windowed layer, 3 keys for a global one) and
-/// runs in between (the plan must hand each layer its window's tasks).
+/// Three layers share one plan, run in order, and layer 2 is checked. Layer 0 has another
+/// window (`None` for a windowed layer, 3 keys for a global one: its cut comes first, so the
+/// plan must hand each layer its own window's tasks); layer 1 has layer 2's window, but
+/// another rope spec and other rows (a stale output or rotation must not leak).
 fn check_shifted(
     dtype: KvDtype,
     shape: Heads,
@@ -215,14 +215,14 @@ fn check_shifted(
     let q: Vec<f32> = (0..n * h * hd).map(|_| rng.next() * 2.0).collect();
     let pool = SpinPool::new(threads);
     let want = reference(&kv, layer, shape, layout, &q, &seqs, window);
-    // Layer 0 reads its shifted runs by another spec (the first, which the plan is built
-    // with), layer 2 (the one checked) by THETA's: the plan must hand each layer its own.
+    // Layers 0 and 1 read their shifted runs by another spec (the first, which the plan is
+    // built with), layer 2 (the one checked) by THETA's: the plan must hand each its own.
     let rope = LayerRopes::new(
         vec![
             RopeSpec::plain(7.0 * THETA, hd, layout),
             RopeSpec::plain(THETA, hd, layout),
         ],
-        vec![0, 1, 1],
+        vec![0, 0, 1],
     )
     .unwrap();
     let other = match window {
@@ -230,7 +230,7 @@ fn check_shifted(
         None => NonZeroUsize::new(3),
     };
     let window = window.map(|w| NonZeroUsize::new(w).unwrap());
-    let windows = [window, other, window];
+    let windows = [other, window, window];
     // Rows wider than the queries (as in the fused Q/K/V buffer), padding unread.
     let stride = h * hd + 5;
     let padded: Vec<f32> = q
@@ -601,9 +601,18 @@ fn windowed_decodes_read_only_the_window() {
     // Gemma 3's pattern: local layers with one window, a global one between them.
     let windows = [w(512), w(512), None, w(512), w(512), w(1 << 20)];
     for threads in [1, 2, 16] {
-        let plan = Plan::new(&seqs, shape, &rope, &windows, threads);
+        let mut plan = Plan::new(&seqs, shape, &rope, &windows, threads);
         assert_eq!(plan.cuts.len(), 2, "one cut per distinct window");
         assert_eq!(plan.cut_of_layer, [0, 0, 1, 0, 0, 1]);
+        for (l, want) in [w(512), w(512), None, w(512), w(512), None]
+            .into_iter()
+            .enumerate()
+        {
+            assert!(
+                plan.select(l).tasks.iter().all(|t| t.window == want),
+                "layer {l}"
+            );
+        }
         for (cut, want) in plan.cuts.iter().zip([512, 16_385]) {
             let keys = |seq: usize, kv_head: usize| {
                 let mut ranges: Vec<_> = cut
