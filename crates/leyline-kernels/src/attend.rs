@@ -7,7 +7,8 @@
 //! blocks of [`KB`] keys. The queries are transposed once per task, so a block's scores come
 //! out transposed too (`[key][query row]`, keys broadcast from their rows into accumulators
 //! that span 64 query rows): the online softmax then runs down the keys with the query rows
-//! across vector lanes, and the causal mask of a key is a prefix of its row. Value sums read
+//! across vector lanes, and the causal mask of a key is a prefix of its row (a sliding
+//! window's, [`Task::window`], a suffix of its real rows). Value sums read
 //! the value rows. With f32 storage nothing is copied; bf16/f16 blocks are converted once.
 //! Scores are kept in log2 units (the query is pre-scaled by `log2(e)`), so the softmax needs
 //! only `exp2`, computed by a polynomial the compiler vectorizes.
@@ -79,7 +80,8 @@ pub struct KvRows<'a> {
 }
 
 /// Writes into `out: [n, heads * head_dim]` the causal attention of the batch's queries `q`
-/// over the keys and values of `rows` that `work`'s tasks name, with the kernel compiled for
+/// over the keys and values of `rows` that `work`'s tasks name (within each task's sliding
+/// window, if it has one), with the kernel compiled for
 /// `tier`, on `pool`'s threads.
 ///
 /// # Panics

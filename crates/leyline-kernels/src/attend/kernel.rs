@@ -329,6 +329,7 @@ fn task<T: Copy, const W: usize>(
     // Keys from here on are masked for some rows: row `r` sees key `j` iff
     // `j < diag + r / g + 1`.
     let diag = task.diag;
+    let window = task.window.map(|w| w.get());
     let (mut first, mut loads) = (0, task.loads.iter().peekable());
     let mut rot = None;
     let mut j0 = task.k0;
@@ -404,7 +405,18 @@ fn task<T: Copy, const W: usize>(
                 srow[..hidden].fill(f32::NEG_INFINITY);
             }
         }
-        softmax_block(st, lanes, nb, m, l, corr);
+        // The window hides key `j` from rows `r >= (j + w - diag) g`, a suffix of its real
+        // rows (padding lanes keep their finite scores); only blocks that begin below the
+        // last row's window are touched.
+        if let Some(w) = window {
+            if j0 + w < diag + task.toks.len() {
+                for (jj, srow) in st.chunks_exact_mut(lanes).take(nb).enumerate() {
+                    let from = ((j0 + jj + w).saturating_sub(diag) * g).min(rows);
+                    srow[from..rows].fill(f32::NEG_INFINITY);
+                }
+            }
+        }
+        softmax_block(st, lanes, nb, m, l, corr, window.is_some());
         for (r, &cr) in corr[..padded].iter().enumerate() {
             if cr != 1.0 {
                 for x in &mut o[r * hd..(r + 1) * hd] {
@@ -416,7 +428,8 @@ fn task<T: Copy, const W: usize>(
         j0 += nb;
     }
     for r in 0..rows {
-        let inv = 1.0 / l[r];
+        // A row that saw no key (a windowed part below its window) writes zeros, not NaN.
+        let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
         for (d, &x) in out[r * hd..(r + 1) * hd]
             .iter_mut()
             .zip(&o[r * hd..(r + 1) * hd])
@@ -451,6 +464,11 @@ fn block_rows<'a>(
 /// One block's online softmax over its first `nb` keys, 16 query rows at a time: updates
 /// each row's running max `m` and sum `l`, turns the scores `st` into `2^(s - m)`, and
 /// leaves in `corr` the factor by which the row's earlier value sums must be scaled.
+///
+/// With `empty` (a windowed task), a row may have seen no key yet (max `-inf`): it then
+/// subtracts 0 instead, so its probabilities and correction are 0, not `2^(-inf - -inf)` =
+/// NaN, and its max stays `-inf` and its sum 0. Without, the rows' maxima are finite after a
+/// task's first block (every row sees its first key) and nothing is tested.
 #[inline(always)]
 fn softmax_block(
     st: &mut [f32],
@@ -459,6 +477,7 @@ fn softmax_block(
     m: &mut [f32],
     l: &mut [f32],
     corr: &mut [f32],
+    empty: bool,
 ) {
     for c0 in (0..lanes).step_by(16) {
         let at = |jj: usize| jj * lanes + c0;
@@ -469,23 +488,29 @@ fn softmax_block(
                 *a = a.max(x);
             }
         }
+        let base = if empty {
+            mx.map(|x| if x == f32::NEG_INFINITY { 0.0 } else { x })
+        } else {
+            mx
+        };
         let mut sum = [0f32; 16];
         for jj in 0..nb {
             let s: &mut [f32; 16] = (&mut st[at(jj)..at(jj) + 16]).try_into().expect("16 lanes");
-            for ((x, a), &mr) in s.iter_mut().zip(&mut sum).zip(&mx) {
+            for ((x, a), &mr) in s.iter_mut().zip(&mut sum).zip(&base) {
                 *x = exp2(*x - mr);
                 *a += *x;
             }
         }
         let rows = c0..c0 + 16;
-        for ((((mo, lo), co), &mr), &sr) in m[rows.clone()]
+        for (((((mo, lo), co), &mr), &b), &sr) in m[rows.clone()]
             .iter_mut()
             .zip(&mut l[rows.clone()])
             .zip(&mut corr[rows])
             .zip(&mx)
+            .zip(&base)
             .zip(&sum)
         {
-            let cr = exp2(*mo - mr);
+            let cr = exp2(*mo - b);
             *co = cr;
             *lo = *lo * cr + sr;
             *mo = mr;

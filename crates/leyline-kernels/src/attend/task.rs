@@ -3,6 +3,7 @@
 //! The planner that cuts a batch into tasks is the caller's (it knows the batch).
 
 use crate::rope::Rotation;
+use std::num::NonZeroUsize;
 
 /// Keys per block.
 pub const KB: usize = 64;
@@ -43,6 +44,12 @@ pub struct Task<'a> {
     /// Keys from here on are masked for some rows: row `r` sees key `j` iff
     /// `j < diag + r / g + 1`.
     pub diag: usize,
+    /// A sliding window of `w` keys: row `r` sees key `j` only if `diag + r / g - j < w`
+    /// (key indices, not encoded positions: after a splice the window follows the new
+    /// indices). A row may then see no key of a task (part of a split row): its output is 0,
+    /// its running max `-inf` and its sum 0, and the merge gives it weight 0. `None`: all
+    /// keys up to the diagonal.
+    pub window: Option<NonZeroUsize>,
     /// Keys `k0..k1` of the context followed by the new tokens.
     pub k0: usize,
     /// End of the task's keys.
@@ -80,7 +87,8 @@ pub fn last_piece(pieces: &[(usize, Option<usize>)], j1: usize) -> usize {
 
 /// Copies each task's rows from the task-major `scratch` to their places in `out`, merging
 /// the parts of split tasks: `out = sum_p w_p o_p / sum_p w_p` with
-/// `w_p = l_p 2^(m_p - max_p m_p)`, where each part's `o_p` is already divided by its sum `l_p`.
+/// `w_p = l_p 2^(m_p - max_p m_p)`, where each part's `o_p` is already divided by its sum `l_p`
+/// (a part in which the row sees no key, `l_p = 0`, weighs 0).
 pub(super) fn write_out(
     tasks: &[Task<'_>],
     scratch: &[f32],
@@ -122,7 +130,13 @@ pub(super) fn write_out(
                 continue;
             }
             let mr = merge_at(t, r);
-            let w = ml[rows + r] * (ml[r] - max[mr]).exp2();
+            let l = ml[rows + r];
+            // Tested first: `2^(-inf - -inf)` would be NaN where every part is empty so far.
+            let w = if l > 0.0 {
+                l * (ml[r] - max[mr]).exp2()
+            } else {
+                0.0
+            };
             den[mr] += w;
             for (d, &x) in dst.iter_mut().zip(src) {
                 *d += w * x;

@@ -181,6 +181,7 @@ impl Network for Llama {
             &batch.positions,
             shape,
             &self.info.rope,
+            &[],
             pool.threads(),
         );
         let mut x = Vec::with_capacity(n * hid);

@@ -115,6 +115,7 @@ impl Network for Olmo2 {
             &batch.positions,
             shape,
             &self.info.rope,
+            &[],
             pool.threads(),
         );
         let mut x = Vec::with_capacity(n * hid);

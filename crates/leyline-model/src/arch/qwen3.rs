@@ -114,6 +114,7 @@ impl Network for Qwen3 {
             &batch.positions,
             shape,
             &self.info.rope,
+            &[],
             pool.threads(),
         );
         let mut x = Vec::with_capacity(n * hid);

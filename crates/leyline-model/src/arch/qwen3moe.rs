@@ -126,6 +126,7 @@ impl Network for Qwen3Moe {
             &batch.positions,
             shape,
             &self.info.rope,
+            &[],
             pool.threads(),
         );
         let mut x = Vec::with_capacity(n * hid);

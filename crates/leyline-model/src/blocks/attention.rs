@@ -9,7 +9,15 @@
 //! slots (agent sessions behind one system prompt, as the prefix tree shares it) read that
 //! prefix once: its tasks hold every such sequence's query rows, each sequence's own tasks
 //! cover the keys after it, and the parts are merged the same way. The tasks depend on the
-//! batch only, so a forward pass plans them once ([`Plan`]) for all its layers.
+//! batch only, so a forward pass plans them once ([`Plan`]) for all its layers, once per
+//! distinct sliding window when some layers have one.
+//!
+//! A layer with a sliding window of `w` keys (Gemma 3's local layers) lets the query at
+//! index `i` of its sequence (context then new tokens) see key `j` iff `j <= i` and
+//! `i - j < w`, as Hugging Face and llama.cpp define it. Indices, not encoded positions:
+//! after a splice the context is re-indexed and the window follows; keys a lazy splice left
+//! at older rotary positions still sit at their index. Windowed layers keep every key (a
+//! splice needs them); their tasks merely start at the window.
 //!
 //! An architecture wires the steps in its own order: [`AttnPass::project`], then whatever
 //! it does to the heads (per-head norms: [`AttnPass::norm_q_k`]), [`AttnPass::rope`],
@@ -27,6 +35,7 @@ use leyline_kernels::qmatmul::QMatrix;
 use leyline_kernels::rope::LayerRopes;
 use leyline_kernels::Tier;
 use leyline_kv::KvStorage;
+use std::num::NonZeroUsize;
 
 pub(crate) use plan::Plan;
 
@@ -76,11 +85,17 @@ pub(crate) struct AttnPass<'a> {
 
 impl<'a> AttnPass<'a> {
     /// The state for a batch of `positions.len()` new tokens (`seqs`, flattened in order).
+    /// `rope` gives each layer's rope spec; `windows[l]` is layer `l`'s sliding window in
+    /// keys (`None`: global attention), or `&[]` when every layer is global.
+    ///
+    /// # Panics
+    /// If `windows` is neither empty nor one entry per layer of `rope`.
     pub(crate) fn new(
         seqs: &'a [ForwardSeq<'a>],
         positions: &[u32],
         shape: Heads,
         rope: &'a LayerRopes,
+        windows: &[Option<NonZeroUsize>],
         threads: usize,
     ) -> Self {
         let n = positions.len();
@@ -97,7 +112,7 @@ impl<'a> AttnPass<'a> {
                 .iter()
                 .map(|s| RopeTables::new(s, positions))
                 .collect(),
-            plan: Plan::new(seqs, shape, rope, threads),
+            plan: Plan::new(seqs, shape, rope, windows, threads),
             qkv: vec![0f32; n * (h + 2 * kvh) * hd],
             out: vec![0f32; n * h * hd],
         }
@@ -200,7 +215,8 @@ impl<'a> AttnPass<'a> {
     }
 
     /// The causal attention of the queries over each sequence's context followed by its new
-    /// slots at `layer` (whose new keys and values must be stored), then the output
+    /// slots at `layer` (whose new keys and values must be stored), within the layer's
+    /// sliding window if it has one, then the output
     /// projection into `y: [n, hidden]`.
     ///
     /// # Errors
@@ -233,7 +249,7 @@ impl<'a> AttnPass<'a> {
 
 /// Writes into `out: [n, heads * head_dim]` the causal attention of the batch's queries `q`
 /// over each sequence's context followed by its new slots (the sequences `plan` was made
-/// for), reading keys and values from `kv` at `layer`, with the kernel compiled for `tier`,
+/// for, within `layer`'s window), reading keys and values from `kv` at `layer`, with the kernel compiled for `tier`,
 /// which the CPU must run. The new slots must be written.
 fn attend_with(
     tier: Tier,
@@ -244,12 +260,12 @@ fn attend_with(
     plan: &mut Plan<'_>,
     out: &mut [f32],
 ) {
-    plan.select(layer);
+    let work = plan.select(layer);
     let rows = KvRows {
         k: kv.k_rows(layer),
         v: kv.v_rows(layer),
         k_width: kv.geometry().k_width(),
         v_width: kv.geometry().v_width,
     };
-    leyline_kernels::attend::attend(tier, pool, rows, q, &mut plan.work, out)
+    leyline_kernels::attend::attend(tier, pool, rows, q, work, out)
 }

@@ -1,12 +1,17 @@
 //! Planning an attention call: the tasks (sequence, kv head, query rows, stretch of keys) a
 //! batch splits into, and the grouping of decodes that share a context prefix. The kernels
 //! run the tasks and merge split tasks' partial sums ([`leyline_kernels::attend`]).
+//!
+//! Layers with a sliding window read other keys than global ones, so a forward pass cuts
+//! the batch once per distinct window ([`Cut`]), not per layer: a windowed cut's tasks begin
+//! at the lowest key any of their rows sees.
 
 use crate::model::ForwardSeq;
 use leyline_kernels::attend::{direct, last_piece, offset_of, Heads, Task, Work, KB, RB};
 use leyline_kernels::rope::{LayerRopes, Rotation};
 use leyline_kv::shift::KeyShift;
 use std::cmp::Reverse;
+use std::num::NonZeroUsize;
 
 /// Query tokens per task.
 pub(super) const QB: usize = 64;
@@ -27,10 +32,83 @@ enum Merge {
     Joins,
 }
 
-/// The tasks of one attention call, the same on every layer of a forward pass, and the
-/// RoPE that turns queries back for the keys of shifted runs: the rotations of every rope
-/// spec, the layer's own in [`Work::rotations`] ([`Self::select`]).
+/// The tasks of one attention call for every layer of a forward pass: one [`Cut`] per
+/// distinct sliding window of the layers ([`Self::select`] hands out a layer's).
 pub(crate) struct Plan<'a> {
+    pub(super) cuts: Vec<Cut<'a>>,
+    /// Per layer, the index of its cut.
+    pub(super) cut_of_layer: Vec<usize>,
+    rope: &'a LayerRopes,
+}
+
+impl<'a> Plan<'a> {
+    /// The tasks for `seqs` on `threads` threads; `rope` turns queries back for the keys of
+    /// shifted runs ([`ForwardSeq::shifts`]), each layer by its own spec. `windows[l]` is
+    /// layer `l`'s sliding window (`None`: global); an empty slice makes every layer global.
+    /// A window that reaches every key of the batch is planned as global (same bits).
+    ///
+    /// # Panics
+    /// If `windows` is neither empty nor one entry per layer of `rope`.
+    pub(crate) fn new(
+        seqs: &'a [ForwardSeq<'a>],
+        shape: Heads,
+        rope: &'a LayerRopes,
+        windows: &[Option<NonZeroUsize>],
+        threads: usize,
+    ) -> Self {
+        let layers = rope.of_layer().len();
+        assert!(
+            windows.is_empty() || windows.len() == layers,
+            "{} windows for {layers} layers",
+            windows.len()
+        );
+        // A row at index p sees at most p + 1 keys: a window as wide as the longest
+        // sequence hides nothing.
+        let reach = seqs
+            .iter()
+            .map(|s| s.context.len() + s.tokens.len())
+            .max()
+            .unwrap_or(0);
+        let mut kinds: Vec<Option<NonZeroUsize>> = Vec::new();
+        let cut_of_layer = (0..layers)
+            .map(|l| {
+                let w = windows
+                    .get(l)
+                    .copied()
+                    .flatten()
+                    .filter(|w| w.get() < reach);
+                kinds.iter().position(|&k| k == w).unwrap_or_else(|| {
+                    kinds.push(w);
+                    kinds.len() - 1
+                })
+            })
+            .collect();
+        if kinds.is_empty() {
+            kinds.push(None);
+        }
+        Self {
+            cuts: kinds
+                .into_iter()
+                .map(|w| Cut::new(seqs, shape, rope, w, threads))
+                .collect(),
+            cut_of_layer,
+            rope,
+        }
+    }
+
+    /// The work of `layer`: its window's tasks, with [`Work::rotations`] those of its rope
+    /// spec.
+    pub(crate) fn select(&mut self, layer: usize) -> &mut Work<'a> {
+        let cut = &mut self.cuts[self.cut_of_layer[layer]];
+        cut.select(self.rope.of_layer()[layer]);
+        &mut cut.work
+    }
+}
+
+/// The tasks of the layers of one sliding window (or of the global layers), the same on
+/// each of them, and the RoPE that turns queries back for the keys of shifted runs: the
+/// rotations of every rope spec, the selected one's in [`Work::rotations`].
+pub(super) struct Cut<'a> {
     pub(super) work: Work<'a>,
     rope: &'a LayerRopes,
     /// Per rope spec, its rotations by the offsets of [`Work::rotations`] (same order); the
@@ -40,13 +118,13 @@ pub(crate) struct Plan<'a> {
     selected: usize,
 }
 
-impl<'a> Plan<'a> {
-    /// The tasks for `seqs` on `threads` threads; `rope` turns queries back for the keys of
-    /// shifted runs ([`ForwardSeq::shifts`]), each layer by its own spec.
-    pub(crate) fn new(
+impl<'a> Cut<'a> {
+    /// The tasks for `seqs` on `threads` threads for layers of sliding window `window`.
+    fn new(
         seqs: &'a [ForwardSeq<'a>],
         shape: Heads,
         rope: &'a LayerRopes,
+        window: Option<NonZeroUsize>,
         threads: usize,
     ) -> Self {
         let Heads {
@@ -80,9 +158,14 @@ impl<'a> Plan<'a> {
             .collect();
         // Decoding sequences that share a context prefix read it once, in tasks that hold all
         // their query rows; their own tasks cover the keys after it, and the parts are merged.
+        // Not with a window: a decode then reads its last keys only, rarely any shared ones.
         let mut shared = vec![0usize; seqs.len()];
         let mut base = vec![0usize; seqs.len()];
-        for (members, len) in shared_prefixes(seqs) {
+        let groups = match window {
+            None => shared_prefixes(seqs),
+            Some(_) => Vec::new(),
+        };
+        for (members, len) in groups {
             for chunk in members.chunks(QB) {
                 for &i in chunk {
                     shared[i] = len;
@@ -95,7 +178,7 @@ impl<'a> Plan<'a> {
                     .max(1);
                 let cuts: Vec<usize> = (0..=parts).map(|p| p * len / parts / KB * KB).collect();
                 // Equal slots at equal indices: the members' shifts agree on the prefix.
-                plan.push(&seqs[chunk[0]], len, &cuts, Merge::Leads, |kv_head| {
+                plan.push(&seqs[chunk[0]], len, &cuts, Merge::Leads, None, |kv_head| {
                     chunk
                         .iter()
                         .map(|&i| (rows_at[i], base[i] + kv_head * g))
@@ -113,28 +196,34 @@ impl<'a> Plan<'a> {
                     .map(|p| skip + p * (ctx - skip) / parts / KB * KB)
                     .collect();
                 cuts.push(ctx + 1);
-                plan.push(s, ctx, &cuts, Merge::Joins, |kv_head| {
+                plan.push(s, ctx, &cuts, Merge::Joins, None, |kv_head| {
                     vec![(row, base[i] + kv_head * g)]
                 });
                 continue;
             }
-            // Only context keys are split: every row sees all of them, so no part is empty.
-            let parts = if units >= wanted {
-                1
-            } else {
-                wanted.div_ceil(units).min(ctx / MIN_SPLIT).max(1)
-            };
-            let merge = if parts > 1 {
-                Merge::Leads
-            } else {
-                Merge::Alone
-            };
             for t0 in (0..t).step_by(QB) {
                 let t1 = (t0 + QB).min(t);
-                let mut cuts: Vec<usize> = (0..parts).map(|p| p * ctx / parts / KB * KB).collect();
+                // The block's first token sees the lowest keys: from `lo` on. Only context
+                // keys are split: without a window every row sees all of them, so no part is
+                // empty; with one, a row may see none of a part (it weighs 0 in the merge).
+                let lo = window.map_or(0, |w| (ctx + t0 + 1).saturating_sub(w.get()));
+                let reach = ctx.saturating_sub(lo);
+                let parts = if units >= wanted {
+                    1
+                } else {
+                    wanted.div_ceil(units).min(reach / MIN_SPLIT).max(1)
+                };
+                let merge = if parts > 1 {
+                    Merge::Leads
+                } else {
+                    Merge::Alone
+                };
+                let mut cuts: Vec<usize> = (0..parts)
+                    .map(|p| lo + p * reach / parts / KB * KB)
+                    .collect();
                 cuts.push(ctx + t1);
                 let at = plan.work.merge_rows;
-                plan.push(s, ctx + t0, &cuts, merge, |kv_head| {
+                plan.push(s, ctx + t0, &cuts, merge, window, |kv_head| {
                     (t0..t1)
                         .map(|i| (row + i, at + (kv_head * (t1 - t0) + i - t0) * g))
                         .collect()
@@ -171,9 +260,8 @@ impl<'a> Plan<'a> {
         plan
     }
 
-    /// Makes [`Work::rotations`] those of `layer`'s rope spec.
-    pub(crate) fn select(&mut self, layer: usize) {
-        let want = self.rope.of_layer()[layer];
+    /// Makes [`Work::rotations`] those of rope spec `want`.
+    fn select(&mut self, want: usize) {
         if want != self.selected {
             std::mem::swap(&mut self.work.rotations, &mut self.others[self.selected]);
             std::mem::swap(&mut self.work.rotations, &mut self.others[want]);
@@ -182,13 +270,14 @@ impl<'a> Plan<'a> {
     }
 
     /// Adds, for every kv head, the tasks of the query tokens `toks(kv_head)` over the keys
-    /// `cuts[p]..cuts[p + 1]` of `seq`, masked from `diag` on.
+    /// `cuts[p]..cuts[p + 1]` of `seq`, masked from `diag` on and below `window`.
     fn push(
         &mut self,
         seq: &'a ForwardSeq<'a>,
         diag: usize,
         cuts: &[usize],
         merge: Merge,
+        window: Option<NonZeroUsize>,
         toks: impl Fn(usize) -> Vec<(usize, usize)>,
     ) {
         let rows = toks(0).len() * (self.work.shape.heads / self.work.shape.kv_heads);
@@ -205,6 +294,7 @@ impl<'a> Plan<'a> {
                     kv_head,
                     toks: toks.clone(),
                     diag,
+                    window,
                     k0: keys[0],
                     k1: keys[1],
                     merged: merge != Merge::Alone,

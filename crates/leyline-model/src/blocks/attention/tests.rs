@@ -1,10 +1,11 @@
 use super::plan::{common_prefix, shared_prefixes, QB};
 use super::*;
 use crate::model::{ForwardSeq, LogitsFor};
-use leyline_kernels::attend::Heads;
+use leyline_kernels::attend::{Heads, KB};
 use leyline_kernels::rope::{LayerRopes, RopeSpec, RotaryLayout};
 use leyline_kv::shift::KeyShift;
 use leyline_kv::storage::{KvDtype, KvGeometry};
+use std::num::NonZeroUsize;
 
 struct Rng(u64);
 impl Rng {
@@ -36,6 +37,8 @@ fn rotate_f64(x: &mut [f64], angle: f64, layout: RotaryLayout) {
 
 /// Scalar f64 attention over the values the pool actually stores; the keys of a sequence's
 /// shifted runs are first rotated forward by the run's offset (what an eager splice stores).
+/// With a `window` of `w`, the query at index `i` (context then new tokens) sees key `j` iff
+/// `j <= i` and `i - j < w`.
 fn reference(
     kv: &KvStorage,
     layer: usize,
@@ -43,6 +46,7 @@ fn reference(
     layout: RotaryLayout,
     q: &[f32],
     seqs: &[ForwardSeq<'_>],
+    window: Option<usize>,
 ) -> Vec<f64> {
     let Heads {
         heads: h,
@@ -69,12 +73,16 @@ fn reference(
             }
         }
         for i in 0..s.tokens.len() {
-            let visible = s.context.len() + i + 1;
+            let at = s.context.len() + i;
+            let visible: Vec<usize> = (0..=at)
+                .filter(|&j| window.is_none_or(|w| at - j < w))
+                .collect();
             for head in 0..h {
                 let kh = head / g;
                 let qr = &q[(row + i) * h * hd + head * hd..][..hd];
-                let sc: Vec<f64> = (0..visible)
-                    .map(|j| {
+                let sc: Vec<f64> = visible
+                    .iter()
+                    .map(|&j| {
                         let kr = &ks[j * kvh * hd + kh * hd..][..hd];
                         qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b).sum::<f64>()
                             / (hd as f64).sqrt()
@@ -84,7 +92,7 @@ fn reference(
                 let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
                 let z: f64 = e.iter().sum();
                 let o = &mut out[(row + i) * h * hd + head * hd..][..hd];
-                for (j, p) in e.iter().enumerate() {
+                for (&j, p) in visible.iter().zip(&e) {
                     let vr = &vs[j * kvh * hd + kh * hd..][..hd];
                     for (o, &x) in o.iter_mut().zip(vr) {
                         *o += p / z * x as f64;
@@ -105,17 +113,42 @@ fn check(dtype: KvDtype, shape: Heads, plan: &[(usize, usize)], threads: usize) 
 /// [`check`] for sequences `(context, new tokens, shared)` whose contexts begin with the
 /// first `shared` slots of one common run, as the prefix tree hands them out.
 fn check_shared(dtype: KvDtype, shape: Heads, plan: &[(usize, usize, usize)], threads: usize) {
-    let none = vec![Vec::new(); plan.len()];
-    check_shifted(dtype, shape, plan, &none, RotaryLayout::Neox, threads);
+    check_windowed(dtype, shape, plan, None, threads);
 }
 
-/// [`check_shared`] with each sequence's shifted runs.
+/// [`check_shared`] for a layer with a sliding window.
+fn check_windowed(
+    dtype: KvDtype,
+    shape: Heads,
+    plan: &[(usize, usize, usize)],
+    window: Option<usize>,
+    threads: usize,
+) {
+    let none = vec![Vec::new(); plan.len()];
+    check_shifted(
+        dtype,
+        shape,
+        plan,
+        &none,
+        RotaryLayout::Neox,
+        window,
+        threads,
+    );
+}
+
+/// [`check_windowed`] with each sequence's shifted runs.
+///
+/// Three layers share one plan, run in order, and layer 2 is checked. Layer 0 has another
+/// window (`None` for a windowed layer, 3 keys for a global one: its cut comes first, so the
+/// plan must hand each layer its own window's tasks); layer 1 has layer 2's window, but
+/// another rope spec and other rows (a stale output or rotation must not leak).
 fn check_shifted(
     dtype: KvDtype,
     shape: Heads,
     plan: &[(usize, usize, usize)],
     shifts: &[Vec<KeyShift>],
     layout: RotaryLayout,
+    window: Option<usize>,
     threads: usize,
 ) {
     let Heads {
@@ -127,7 +160,7 @@ fn check_shifted(
     let total: usize = common + plan.iter().map(|(c, t, sh)| c - sh + t).sum::<usize>();
     let cap = total + 37;
     let geo = KvGeometry {
-        layers: 2,
+        layers: 3,
         k_heads: kvh,
         k_head_dim: hd,
         v_width: kvh * hd,
@@ -141,10 +174,10 @@ fn check_shifted(
         free.swap(i, j);
     }
     let w = kvh * hd;
-    let layer = 1;
-    // Keys with a large common component make the softmax peaked in places. Layer 0
-    // holds other rows, read first with the same plan.
-    for li in [0, layer] {
+    let layer = 2;
+    // Keys with a large common component make the softmax peaked in places. Layers 0 and
+    // 1 hold other rows, read first with the same plan.
+    for li in 0..3 {
         for &slot in &free[..total] {
             let k: Vec<f32> = (0..w).map(|_| rng.next() * 3.0).collect();
             let shift = if li == layer { 0.0 } else { 2.0 };
@@ -181,17 +214,23 @@ fn check_shifted(
     let n: usize = plan.iter().map(|(_, t, _)| t).sum();
     let q: Vec<f32> = (0..n * h * hd).map(|_| rng.next() * 2.0).collect();
     let pool = SpinPool::new(threads);
-    let want = reference(&kv, layer, shape, layout, &q, &seqs);
-    // Layer 0 reads its shifted runs by another spec (the first, which the plan is built
-    // with), layer 1 (the one checked) by THETA's: the plan must hand each layer its own.
+    let want = reference(&kv, layer, shape, layout, &q, &seqs, window);
+    // Layers 0 and 1 read their shifted runs by another spec (the first, which the plan is
+    // built with), layer 2 (the one checked) by THETA's: the plan must hand each its own.
     let rope = LayerRopes::new(
         vec![
             RopeSpec::plain(7.0 * THETA, hd, layout),
             RopeSpec::plain(THETA, hd, layout),
         ],
-        vec![0, 1],
+        vec![0, 0, 1],
     )
     .unwrap();
+    let other = match window {
+        Some(_) => None,
+        None => NonZeroUsize::new(3),
+    };
+    let window = window.map(|w| NonZeroUsize::new(w).unwrap());
+    let windows = [other, window, window];
     // Rows wider than the queries (as in the fused Q/K/V buffer), padding unread.
     let stride = h * hd + 5;
     let padded: Vec<f32> = q
@@ -206,9 +245,10 @@ fn check_shifted(
             stride,
         };
         // The plan serves every layer: a stale output of layer 0 must not leak into layer 1.
-        let mut work = Plan::new(&seqs, shape, &rope, pool.threads());
-        attend_with(tier, &pool, &kv, 0, q, &mut work, &mut out);
-        attend_with(tier, &pool, &kv, layer, q, &mut work, &mut out);
+        let mut work = Plan::new(&seqs, shape, &rope, &windows, pool.threads());
+        for li in 0..=layer {
+            attend_with(tier, &pool, &kv, li, q, &mut work, &mut out);
+        }
         let (mut num, mut den) = (0f64, 0f64);
         for (a, b) in out.iter().zip(&want) {
             num += (*a as f64 - b).powi(2);
@@ -217,8 +257,8 @@ fn check_shifted(
         let rel = (num / den).sqrt();
         assert!(
             rel < 2e-6,
-            "{tier} {dtype:?} hd={hd} plan={plan:?} shifts={shifts:?}: rel-L2 {rel:e} \
-             against the f64 reference"
+            "{tier} {dtype:?} hd={hd} plan={plan:?} shifts={shifts:?} window={window:?}: \
+             rel-L2 {rel:e} against the f64 reference"
         );
     }
 }
@@ -388,10 +428,18 @@ fn shifted_runs_match_rotated_keys() {
     for (plan, shifts) in &cases {
         for layout in [RotaryLayout::Neox, RotaryLayout::Interleaved] {
             for threads in [1, 2] {
-                check_shifted(KvDtype::F32, shape, plan, shifts, layout, threads);
+                check_shifted(KvDtype::F32, shape, plan, shifts, layout, None, threads);
             }
         }
-        check_shifted(KvDtype::Bf16, shape, plan, shifts, RotaryLayout::Neox, 2);
+        check_shifted(
+            KvDtype::Bf16,
+            shape,
+            plan,
+            shifts,
+            RotaryLayout::Neox,
+            None,
+            2,
+        );
     }
     // MHA and a group of 8 (the direct-score path).
     for (heads, kv_heads) in [(4, 4), (8, 1)] {
@@ -401,7 +449,15 @@ fn shifted_runs_match_rotated_keys() {
             head_dim: 64,
         };
         let (plan, shifts) = &cases[1];
-        check_shifted(KvDtype::F32, shape, plan, shifts, RotaryLayout::Neox, 2);
+        check_shifted(
+            KvDtype::F32,
+            shape,
+            plan,
+            shifts,
+            RotaryLayout::Neox,
+            None,
+            2,
+        );
     }
 }
 
@@ -426,4 +482,167 @@ fn shared_prefixes_stop_where_shifts_differ() {
     assert_eq!(shared_prefixes(&seqs), vec![(vec![0, 1, 2], 256)]);
     let seqs = [seq(&one), seq(&one)];
     assert_eq!(shared_prefixes(&seqs), vec![(vec![0, 1], 640)]);
+}
+
+/// Sliding-window layers through the planner: windows of one key, below, at and across a
+/// key block, and wider than some contexts (planned as global); several sequences in one
+/// batch, blocks of query tokens, decodes with long contexts split into merged parts, GQA
+/// groups of 1, 3 and 8, and decodes behind one shared prefix (not grouped when windowed).
+#[test]
+fn sliding_window_layers_match_the_reference() {
+    let plans: &[&[(usize, usize, usize)]] = &[
+        &[(0, 70, 0)],
+        &[(130, 1, 0), (5, 3, 0), (0, 17, 0)],
+        &[(300, 33, 0), (64, 64, 0), (63, 2, 0)],
+        &[(100, 2 * QB + 22, 0)],
+        &[(3000, 1, 0), (700, 2, 0)],
+        &[(300, 1, 300), (520, 1, 300), (1000, 1, 300), (700, 3, 300)],
+    ];
+    let windows = [1, 2, KB - 1, KB, KB + 1, 200, 1500, 100_000];
+    for (heads, kv_heads) in [(6, 2), (4, 4), (8, 1)] {
+        let shape = Heads {
+            heads,
+            kv_heads,
+            head_dim: 64,
+        };
+        for plan in plans {
+            for w in windows {
+                check_windowed(KvDtype::F32, shape, plan, Some(w), 2);
+            }
+        }
+    }
+    let shape = Heads {
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    for threads in [1, 8] {
+        check_windowed(
+            KvDtype::F32,
+            shape,
+            &[(3000, 1, 0), (513, 1, 0)],
+            Some(1200),
+            threads,
+        );
+    }
+    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+        check_windowed(dtype, shape, plans[2], Some(KB + 1), 2);
+        check_windowed(dtype, shape, plans[4], Some(1200), 2);
+    }
+}
+
+/// Lazy splices under a window: keys stored at other offsets than their index are read with
+/// the queries turned back, and the window counts indices, not stored positions.
+#[test]
+fn shifted_runs_under_a_window_match_rotated_keys() {
+    let run = |a: usize, b: usize, offset: i64| KeyShift {
+        range: a..b,
+        offset,
+    };
+    type Case = (Vec<(usize, usize, usize)>, Vec<Vec<KeyShift>>);
+    let cases: Vec<Case> = vec![
+        (vec![(200, 40, 0)], vec![vec![run(70, 200, -13)]]),
+        (
+            vec![(1500, 1, 0), (90, 1, 0)],
+            vec![
+                vec![run(0, 5, 3), run(5, 300, -7), run(700, 1499, 250)],
+                vec![run(10, 11, 1), run(60, 85, -300)],
+            ],
+        ),
+        (
+            vec![(290, 70, 0)],
+            vec![(0..29)
+                .filter(|i| i % 3 != 2)
+                .map(|i| run(10 * i, 10 * i + 7 + i % 3, (i as i64 - 14) * 37))
+                .collect()],
+        ),
+    ];
+    for (heads, kv_heads) in [(6, 2), (8, 1)] {
+        let shape = Heads {
+            heads,
+            kv_heads,
+            head_dim: 64,
+        };
+        for (plan, shifts) in &cases {
+            for w in [1, 50, KB, 130, 900] {
+                for layout in [RotaryLayout::Neox, RotaryLayout::Interleaved] {
+                    check_shifted(KvDtype::F32, shape, plan, shifts, layout, Some(w), 2);
+                }
+            }
+        }
+    }
+}
+
+/// A decode on a long context reads only its window's keys in a windowed layer, every key in
+/// a global one; layers of one window share one cut, and a window that reaches every key
+/// shares the global one.
+#[test]
+fn windowed_decodes_read_only_the_window() {
+    let ctx: Vec<u32> = (0..16_384).collect();
+    // Other slots than `ctx`'s: no shared prefix groups the two.
+    let long: Vec<u32> = (20_000..20_600).collect();
+    let seq = |context| ForwardSeq {
+        tokens: &[0],
+        positions: &[0],
+        context,
+        new_slots: &[99_999],
+        logits: LogitsFor::None,
+        shifts: &[],
+    };
+    let seqs = [seq(&ctx), seq(&long)];
+    let shape = Heads {
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let spec = RopeSpec::plain(THETA, 64, RotaryLayout::Neox);
+    let rope = LayerRopes::uniform(spec, 6);
+    let w = |n| NonZeroUsize::new(n);
+    // Gemma 3's pattern: local layers with one window, a global one between them.
+    let windows = [w(512), w(512), None, w(512), w(512), w(1 << 20)];
+    for threads in [1, 2, 16] {
+        let mut plan = Plan::new(&seqs, shape, &rope, &windows, threads);
+        assert_eq!(plan.cuts.len(), 2, "one cut per distinct window");
+        assert_eq!(plan.cut_of_layer, [0, 0, 1, 0, 0, 1]);
+        for (l, want) in [w(512), w(512), None, w(512), w(512), None]
+            .into_iter()
+            .enumerate()
+        {
+            assert!(
+                plan.select(l).tasks.iter().all(|t| t.window == want),
+                "layer {l}"
+            );
+        }
+        for (cut, want) in plan.cuts.iter().zip([512, 16_385]) {
+            let keys = |seq: usize, kv_head: usize| {
+                let mut ranges: Vec<_> = cut
+                    .work
+                    .tasks
+                    .iter()
+                    .filter(|t| t.kv_head == kv_head && t.toks[0].0 == seq)
+                    .map(|t| t.k0..t.k1)
+                    .collect();
+                ranges.sort_by_key(|r| r.start);
+                ranges
+            };
+            for kv_head in 0..2 {
+                let ranges = keys(0, kv_head);
+                // The parts tile exactly the keys the decode sees.
+                assert_eq!(ranges.first().map(|r| r.start), Some(16_385 - want));
+                assert_eq!(ranges.last().map(|r| r.end), Some(16_385));
+                assert!(ranges.windows(2).all(|p| p[0].end == p[1].start));
+                let short = keys(1, kv_head);
+                let lo = if want == 512 { 601 - 512 } else { 0 };
+                assert_eq!((short[0].start, short.last().unwrap().end), (lo, 601));
+            }
+            let read: usize = cut.work.tasks.iter().map(|t| t.k1 - t.k0).sum();
+            assert_eq!(read, 2 * (want + want.min(601)), "{threads} threads");
+        }
+    }
+    // No windows at all, and windows wider than every sequence: one global cut.
+    for windows in [&[][..], &[w(20_000); 6][..]] {
+        let plan = Plan::new(&seqs, shape, &rope, windows, 2);
+        assert_eq!(plan.cuts.len(), 1);
+        assert!(plan.cuts[0].work.tasks.iter().all(|t| t.window.is_none()));
+    }
 }
