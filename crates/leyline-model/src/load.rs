@@ -163,7 +163,7 @@ impl AnyModel {
 }
 
 /// Loads `path`: a directory as a DeepSeek-V2 checkpoint (`config.json` + safetensors, no
-/// tokenizer), anything else as a llama-family GGUF file.
+/// tokenizer), anything else as a GGUF file.
 ///
 /// # Errors
 /// As [`load_gguf`] and the checkpoint architecture's loader: a one-line error naming the

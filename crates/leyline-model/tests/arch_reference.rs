@@ -15,7 +15,7 @@
 //! - Keys ([`KEY_TOL`] = 1e-3): the pool's keys after a prefill against transformers' post-RoPE
 //!   keys, and after a shift by `delta` against an f64 RoPE of transformers' pre-RoPE keys
 //!   at the new positions (llama: transformers' Llama 3 `inv_freq`; the others:
-//!   `theta^(-2i/d)` from the config).
+//!   `theta^(-2i/d)` from the config, gemma3's per layer kind).
 
 use leyline_kernels::qmatmul::{set_activations, Activations};
 use leyline_kernels::rotate::shift_rows;
@@ -37,7 +37,7 @@ const Q8_OVER_LLAMA_CPP: f32 = 1.5;
 const GAP: f32 = 0.1;
 
 /// The architectures Leyline runs from these fixtures.
-const ARCHS: &[&str] = &["llama", "qwen3", "qwen3moe", "olmo2"];
+const ARCHS: &[&str] = &["gemma3", "llama", "qwen3", "qwen3moe", "olmo2"];
 
 fn dir(arch: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -278,7 +278,7 @@ fn keys(arch: &str) -> HashMap<String, Vec<f32>> {
 }
 
 /// Transformers' rotary inverse frequencies of `layer` (HF order: pairs `(i, i + d/2)`).
-fn inv_freq(arch: &str, r: &Value, head_dim: usize) -> Vec<f64> {
+fn inv_freq(arch: &str, r: &Value, head_dim: usize, layer: usize) -> Vec<f64> {
     if arch == "llama" {
         return r["llama3_rope"]["inv_freq_transformers"]
             .as_array()
@@ -287,9 +287,19 @@ fn inv_freq(arch: &str, r: &Value, head_dim: usize) -> Vec<f64> {
             .map(|x| x.as_f64().unwrap())
             .collect();
     }
-    let theta = r["config"]["rope_parameters"]["rope_theta"]
-        .as_f64()
-        .unwrap();
+    let theta = match arch {
+        "gemma3" => {
+            let g = &r["gemma3_layers"];
+            let global = g["global_layers"].as_array().unwrap();
+            match global.contains(&layer.into()) {
+                true => g["rope_theta_global"].as_f64().unwrap(),
+                false => g["rope_theta_sliding"].as_f64().unwrap(),
+            }
+        }
+        _ => r["config"]["rope_parameters"]["rope_theta"]
+            .as_f64()
+            .unwrap(),
+    };
     (0..head_dim / 2)
         .map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64))
         .collect()
@@ -335,7 +345,6 @@ fn cached_keys_are_transformers_keys_and_shift_to_new_positions() {
         let (kvh, hd) = (g.k_heads, g.k_head_dim);
         let tokens = u32s(&sequences(r, "f32")[2]["ids"]);
         let n = tokens.len();
-        let inv = inv_freq(arch, r, hd);
         for delta in [0i64, 1, -1, 37, 1000, -129] {
             let slots = shuffled(300, delta.unsigned_abs() + 3);
             let slots = &slots[..n];
@@ -350,6 +359,7 @@ fn cached_keys_are_transformers_keys_and_shift_to_new_positions() {
                     assert!(d <= KEY_TOL, "{arch} layer {l}: |k - transformers' k| {d}");
                     continue;
                 }
+                let inv = inv_freq(arch, r, hd, l);
                 let spec = m.info().rope.spec(l).clone();
                 shift_rows(kv.k_rows_mut(l), kvh, hd, slots, &spec, delta).unwrap();
                 kv.gather_k(l, slots, &mut ours).unwrap();

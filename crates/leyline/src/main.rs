@@ -66,10 +66,11 @@ enum ModelCommand {
 /// Options shared by every command that loads a model.
 #[derive(Args, Clone)]
 pub struct ModelArgs {
-    /// A known model's name (`leyline model list`; fetched on first use), a local
-    /// llama-family GGUF file, or a DeepSeek-V2 checkpoint directory (config.json +
-    /// safetensors; it has no tokenizer, so only `verify` takes it). A name wins over a file
-    /// of the same name: write ./NAME for the file. Default: smollm2-135m.
+    /// A known model's name (`leyline model list`; fetched on first use), a local GGUF
+    /// file (architectures llama, qwen2, qwen3, qwen3moe, gemma3, olmo2), or a DeepSeek-V2
+    /// checkpoint directory (config.json + safetensors; it has no tokenizer, so only `verify`
+    /// takes it). A name wins over a file of the same name: write ./NAME for the file.
+    /// Default: smollm2-135m.
     #[arg(long, short = 'm', env = "LEYLINE_MODEL")]
     pub model: Option<PathBuf>,
     /// KV cache storage type: f16, bf16 or f32 (exact, twice the memory).

@@ -3,6 +3,7 @@
 //! `config.json` `model_type`). A new architecture is a new file plus one row here.
 
 pub mod deepseek2;
+pub mod gemma3;
 pub mod llama;
 pub mod olmo2;
 pub mod qwen3;
@@ -54,6 +55,10 @@ pub const ARCHITECTURES: &[Architecture] = &[
     Architecture {
         name: "qwen3moe",
         loader: Loader::Gguf(qwen3moe::load),
+    },
+    Architecture {
+        name: "gemma3",
+        loader: Loader::Gguf(gemma3::load),
     },
     Architecture {
         name: "olmo2",

@@ -12,7 +12,6 @@ pub(crate) enum Activation {
     /// SiLU (SwiGLU: Llama, Qwen).
     Silu,
     /// GELU, tanh approximation (GeGLU: Gemma).
-    #[allow(dead_code, reason = "the first user is gemma3 (issue 60)")]
     GeluTanh,
 }
 
