@@ -114,6 +114,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
+        env.add_test("iterable", is_iterable);
         let source = source.into();
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(template_err)?;
@@ -241,6 +242,22 @@ fn template_err(e: Error) -> ModelError {
         src = s.source();
     }
     ModelError::Template(msg)
+}
+
+/// Python's `is iterable`: strings, lists, dicts and undefined values (Jinja's
+/// `Undefined` iterates as empty) are; `none`, numbers and booleans are not. (minijinja's
+/// own test holds `none` iterable, and Qwen3-Coder's template then takes `none | length`.)
+fn is_iterable(v: &Value) -> bool {
+    use minijinja::value::ValueKind;
+    matches!(
+        v.kind(),
+        ValueKind::Undefined
+            | ValueKind::String
+            | ValueKind::Bytes
+            | ValueKind::Seq
+            | ValueKind::Map
+            | ValueKind::Iterable
+    )
 }
 
 /// `raise_exception(msg)`: the template's own error, as transformers defines it.
