@@ -17,15 +17,18 @@
 //!   at the new positions (llama: transformers' Llama 3 `inv_freq`; the others:
 //!   `theta^(-2i/d)` from the config, gemma3's per layer kind).
 
-use leyline_kernels::qmatmul::{set_activations, Activations};
+mod common;
+
+use common::{activations, f32s, max_diff, prefill, shuffled, u32s};
+use leyline_kernels::qmatmul::Activations;
 use leyline_kernels::rotate::shift_rows;
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::gguf::GgufFile;
-use leyline_model::{load_network, CausalLm, ForwardSeq, LogitsFor};
+use leyline_model::{load_network, CausalLm};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 /// See the file's doc.
 const F32_TOL: f32 = 1e-3;
@@ -45,14 +48,6 @@ fn dir(arch: &str) -> PathBuf {
         .join(arch)
 }
 
-/// The process-wide activation switch, held for a test's run (tests share the process).
-fn activations(a: Activations) -> MutexGuard<'static, ()> {
-    static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let guard = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-    set_activations(a);
-    guard
-}
-
 fn reference(arch: &str) -> &'static Value {
     static R: OnceLock<std::sync::Mutex<HashMap<String, &'static Value>>> = OnceLock::new();
     let mut m = R.get_or_init(Default::default).lock().unwrap();
@@ -69,69 +64,8 @@ fn model(arch: &str, variant: &str) -> Arc<dyn CausalLm> {
     load_network(&mut f).unwrap_or_else(|e| panic!("{arch} {variant}: {e}"))
 }
 
-fn f32s(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 fn sequences<'a>(r: &'a Value, variant: &str) -> &'a [Value] {
     r["variants"][variant]["sequences"].as_array().unwrap()
-}
-
-/// Deterministic shuffled slots `0..n`.
-fn shuffled(n: u32, seed: u64) -> Vec<u32> {
-    let mut s = seed;
-    let mut next = move || {
-        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
-    let mut v: Vec<u32> = (0..n).collect();
-    for i in (1..v.len()).rev() {
-        v.swap(i, (next() % (i as u64 + 1)) as usize);
-    }
-    v
-}
-
-/// All logits of `tokens` at positions 0.., prefilled in calls cut at `cuts` into `slots`.
-fn prefill(
-    m: &dyn CausalLm,
-    kv: &mut KvStorage,
-    tokens: &[u32],
-    slots: &[u32],
-    cuts: &[usize],
-) -> Vec<f32> {
-    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
-    let mut bounds = vec![0];
-    bounds.extend_from_slice(cuts);
-    bounds.push(tokens.len());
-    let mut out = Vec::new();
-    for w in bounds.windows(2) {
-        let (a, b) = (w[0], w[1]);
-        let s = ForwardSeq {
-            tokens: &tokens[a..b],
-            positions: &pos[a..b],
-            context: &slots[..a],
-            new_slots: &slots[a..b],
-            logits: LogitsFor::All,
-            shifts: &[],
-        };
-        out.extend(m.forward(kv, &[s]).unwrap().remove(0));
-    }
-    out
 }
 
 fn pool(m: &dyn CausalLm) -> KvStorage {
@@ -327,11 +261,6 @@ fn to_file_order(arch: &str, r: &Value, hf: &[f32], head_dim: usize) -> Vec<f32>
     hf.chunks_exact(head_dim)
         .flat_map(|h| map.iter().map(|&j| h[j as usize]).collect::<Vec<_>>())
         .collect()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
 #[test]

@@ -13,25 +13,20 @@
 //! model is further from transformers than llama.cpp is, 1.08 against 0.70 on `p2_prose`:
 //! measured, not yet held by a test; issue 59's integer path is where that is fixed.)
 
-use leyline_kernels::qmatmul::{set_activations, Activations};
+mod common;
+
+use common::{activations, argmax, f32s, u32s};
+use leyline_kernels::qmatmul::Activations;
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::gguf::GgufFile;
 use leyline_model::{load_network, CausalLm, ForwardSeq, LogitsFor};
 use serde_json::Value;
 use std::path::PathBuf;
-use std::sync::{Arc, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 const PROMPTS: &[&str] = &["p1_short", "p2_prose", "p3_code", "p4_agent_chat"];
 /// See the file's doc.
 const F32_TOL: f32 = 5e-3;
-
-/// The process-wide activation switch, held for a test's run.
-fn activations(a: Activations) -> MutexGuard<'static, ()> {
-    static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let guard = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-    set_activations(a);
-    guard
-}
 
 fn model() -> &'static Arc<dyn CausalLm> {
     static M: OnceLock<Arc<dyn CausalLm>> = OnceLock::new();
@@ -49,20 +44,6 @@ fn fixture(name: &str) -> Value {
         .join("tests/fixtures/gemma3-270m")
         .join(format!("{name}.json"));
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    (0..row.len())
-        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-        .unwrap() as u32
 }
 
 /// The prompt's logits at every position, then `n` greedy tokens decoded one at a time.
@@ -96,14 +77,6 @@ fn run(m: &dyn CausalLm, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>) {
         out.push(next);
     }
     (logits, out)
-}
-
-fn f32s(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
 }
 
 /// Max |diff| of the prompt's logits from transformers' top-10 at every position; asserts

@@ -4,7 +4,10 @@
 //! order, batched, token by token), the compressed cache itself, the pool's size, and that
 //! shifting `k_pe` rows with leyline-kv's kernel equals RoPE recomputed at the new positions.
 
+mod common;
+
 use candle_core::{Device, Tensor};
+use common::{f32s, f64s, max_diff, shuffled, u32s};
 use leyline_kernels::rope::RotaryLayout;
 use leyline_kernels::rotate::shift_rows;
 use leyline_kv::{KvDtype, KvGeometry, KvStorage};
@@ -65,49 +68,8 @@ fn fixture(name: &str) -> &'static Fixture {
     &all[name]
 }
 
-fn f32s(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
-}
-
-fn f64s(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 fn seq(f: &Fixture, i: usize) -> &Value {
     &f.reference["sequences"][i]
-}
-
-/// Seeded permutation of `0..n` (splitmix64 + Fisher-Yates).
-fn shuffled(n: u32, seed: u64) -> Vec<u32> {
-    let mut s = seed;
-    let mut next = || {
-        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
-    let mut v: Vec<u32> = (0..n).collect();
-    for i in (1..v.len()).rev() {
-        v.swap(i, (next() % (i as u64 + 1)) as usize);
-    }
-    v
 }
 
 /// Compares `[t, vocab]` logits with the reference sequence; returns the max |diff| seen.
@@ -336,14 +298,6 @@ fn ref_rows(f: &Fixture, key: &str) -> Vec<f32> {
         .unwrap()
         .to_vec1::<f32>()
         .unwrap()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
 }
 
 #[test]

@@ -11,16 +11,15 @@
 //! see the last `attention.sliding_window` positions of their context, counted in the
 //! positions the context has now: after a splice the window follows the new positions.
 
-use crate::blocks::attention::{Attention, AttnPass};
+use crate::blocks::attention::Attention;
 use crate::blocks::mlp::{Activation, GatedMlp, MlpScratch};
 use crate::blocks::norm::{add_into, load_norm, rms_norm};
 use crate::blocks::output::{load_embedding, Ends};
+use crate::blocks::Pass;
 use crate::error::{ModelError, Result};
 use crate::gguf::{ArchKeys, GgufFile};
 use crate::hparams::{Hparams, SHARED_KEYS};
 use crate::model::{CausalLm, ForwardSeq, ModelInfo, Network, Ran};
-use leyline_kernels::attend::Heads;
-use leyline_kernels::pool::SpinPool;
 use leyline_kernels::rope::{LayerRopes, RotaryLayout};
 use leyline_kv::KvStorage;
 use std::num::NonZeroUsize;
@@ -135,47 +134,30 @@ impl Network for Gemma3 {
         seqs: &[ForwardSeq<'_>],
         stop: Option<(usize, &[u32])>,
     ) -> Result<Ran> {
-        let pool = SpinPool::global();
         let hp = &self.hp;
-        let batch = crate::model::FlatBatch::new(seqs);
-        let (n, hid, eps) = (batch.tokens.len(), hp.hidden, hp.rms_eps as f32);
-        let split = crate::blocks::row_split(seqs);
-        let shape = Heads {
-            heads: hp.heads,
-            kv_heads: hp.kv_heads,
-            head_dim: hp.head_dim,
-        };
-        let mut att = AttnPass::new(
-            seqs,
-            &batch.positions,
-            shape,
-            &self.info.rope,
-            &self.windows,
-            pool.threads(),
-        );
-        let mut x = Vec::with_capacity(n * hid);
-        self.ends.embed.gather(&batch.tokens, &mut x)?;
+        let mut p = Pass::new(seqs, hp, &self.info.rope, &self.windows, &self.ends.embed)?;
+        let (n, hid, eps) = (p.rows(), hp.hidden, hp.rms_eps as f32);
         let scale = (hid as f32).sqrt();
-        x.iter_mut().for_each(|v| *v *= scale);
+        p.x.iter_mut().for_each(|v| *v *= scale);
         let (mut xn, mut y) = (vec![0f32; n * hid], vec![0f32; n * hid]);
         let mut mlp = MlpScratch::default();
         for (li, l) in self.layers.iter().enumerate() {
-            rms_norm(&x, &l.attn_norm, eps, &mut xn);
-            att.project(&l.attn, &xn, &split)?;
-            att.norm_q_k(&l.q_norm, &l.k_norm, eps)?;
-            att.rope(li);
-            if let Some(d) = att.deviation(kv, li, stop)? {
+            rms_norm(&p.x, &l.attn_norm, eps, &mut xn);
+            p.att.project(&l.attn, &xn, &p.split)?;
+            p.att.norm_q_k(&l.q_norm, &l.k_norm, eps)?;
+            p.att.rope(li);
+            if let Some(d) = p.att.deviation(kv, li, stop)? {
                 return Ok(d);
             }
-            att.store(kv, li, &batch.new_slots)?;
-            att.attend(pool, kv, li, &l.attn, &split, &mut y)?;
+            p.att.store(kv, li, &p.batch.new_slots)?;
+            p.att.attend(p.pool, kv, li, &l.attn, &p.split, &mut y)?;
             rms_norm(&y, &l.post_attn_norm, eps, &mut xn);
-            add_into(&mut x, &xn);
-            rms_norm(&x, &l.ffn_norm, eps, &mut xn);
-            l.mlp.forward(&xn, &split, &mut mlp, &mut y)?;
+            add_into(&mut p.x, &xn);
+            rms_norm(&p.x, &l.ffn_norm, eps, &mut xn);
+            l.mlp.forward(&xn, &p.split, &mut mlp, &mut y)?;
             rms_norm(&y, &l.post_ffn_norm, eps, &mut xn);
-            add_into(&mut x, &xn);
+            add_into(&mut p.x, &xn);
         }
-        self.ends.logits(&x, seqs, eps)
+        self.ends.logits(&p.x, seqs, eps)
     }
 }

@@ -3,16 +3,15 @@
 //! routing over `expert_count` experts, the top `expert_used_count` renormalized (the
 //! checkpoints' `norm_topk_prob`, which llama.cpp assumes and the file does not state).
 
-use crate::blocks::attention::{Attention, AttnPass};
+use crate::blocks::attention::Attention;
 use crate::blocks::moe::{MoeScratch, RoutedExperts};
 use crate::blocks::norm::{add_into, load_norm, rms_norm};
 use crate::blocks::output::{load_embedding, Ends};
+use crate::blocks::Pass;
 use crate::error::Result;
 use crate::gguf::{ArchKeys, GgufFile};
 use crate::hparams::{Hparams, SHARED_KEYS};
 use crate::model::{CausalLm, ForwardSeq, ModelInfo, Network, Ran};
-use leyline_kernels::attend::Heads;
-use leyline_kernels::pool::SpinPool;
 use leyline_kernels::rope::{LayerRopes, RotaryLayout};
 use leyline_kv::KvStorage;
 use std::sync::Arc;
@@ -111,43 +110,26 @@ impl Network for Qwen3Moe {
         seqs: &[ForwardSeq<'_>],
         stop: Option<(usize, &[u32])>,
     ) -> Result<Ran> {
-        let pool = SpinPool::global();
         let hp = &self.hp;
-        let batch = crate::model::FlatBatch::new(seqs);
-        let (n, hid, eps) = (batch.tokens.len(), hp.hidden, hp.rms_eps as f32);
-        let split = crate::blocks::row_split(seqs);
-        let shape = Heads {
-            heads: hp.heads,
-            kv_heads: hp.kv_heads,
-            head_dim: hp.head_dim,
-        };
-        let mut att = AttnPass::new(
-            seqs,
-            &batch.positions,
-            shape,
-            &self.info.rope,
-            &[],
-            pool.threads(),
-        );
-        let mut x = Vec::with_capacity(n * hid);
-        self.ends.embed.gather(&batch.tokens, &mut x)?;
+        let mut p = Pass::new(seqs, hp, &self.info.rope, &[], &self.ends.embed)?;
+        let (n, hid, eps) = (p.rows(), hp.hidden, hp.rms_eps as f32);
         let (mut xn, mut y) = (vec![0f32; n * hid], vec![0f32; n * hid]);
         let mut moe = MoeScratch::default();
         for (li, l) in self.layers.iter().enumerate() {
-            rms_norm(&x, &l.attn_norm, eps, &mut xn);
-            att.project(&l.attn, &xn, &split)?;
-            att.norm_q_k(&l.q_norm, &l.k_norm, eps)?;
-            att.rope(li);
-            if let Some(d) = att.deviation(kv, li, stop)? {
+            rms_norm(&p.x, &l.attn_norm, eps, &mut xn);
+            p.att.project(&l.attn, &xn, &p.split)?;
+            p.att.norm_q_k(&l.q_norm, &l.k_norm, eps)?;
+            p.att.rope(li);
+            if let Some(d) = p.att.deviation(kv, li, stop)? {
                 return Ok(d);
             }
-            att.store(kv, li, &batch.new_slots)?;
-            att.attend(pool, kv, li, &l.attn, &split, &mut y)?;
-            add_into(&mut x, &y);
-            rms_norm(&x, &l.ffn_norm, eps, &mut xn);
+            p.att.store(kv, li, &p.batch.new_slots)?;
+            p.att.attend(p.pool, kv, li, &l.attn, &p.split, &mut y)?;
+            add_into(&mut p.x, &y);
+            rms_norm(&p.x, &l.ffn_norm, eps, &mut xn);
             l.moe.forward(&xn, &mut moe, &mut y)?;
-            add_into(&mut x, &y);
+            add_into(&mut p.x, &y);
         }
-        self.ends.logits(&x, seqs, eps)
+        self.ends.logits(&p.x, seqs, eps)
     }
 }
