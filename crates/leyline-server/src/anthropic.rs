@@ -12,8 +12,9 @@ use serde_json::{json, Value};
 /// naming it: a request is never served with part of it silently ignored.
 ///
 /// Accepted with no effect on the answer (what a stock client such as Claude Code sends by
-/// default): `metadata`, `service_tier`, `output_config.effort`, `thinking` (these models have
-/// no reasoning format: they return no thinking blocks), `cache_control` on any block (the
+/// default): `metadata`, `service_tier`, `output_config.effort`, `thinking` (a model that
+/// reasons returns thinking blocks unless `thinking.type` is `disabled`, which turns its
+/// template's `enable_thinking` off; budgets are not enforced), `cache_control` on any block (the
 /// prefix cache and implicit splices reuse KV without being asked; the breakpoints only split
 /// `usage`), `disable_parallel_tool_use`, server tools such as `web_search_*` (not offered to
 /// the model; named in `leyline.unsupported_tools`). Leyline's own fields
@@ -427,8 +428,15 @@ pub fn template_tools(req: &MessagesRequest) -> Result<Tools> {
     })
 }
 
-/// Checks `thinking` and `output_config`, which these models cannot act on: their shapes
-/// must be the API's, their values change nothing.
+/// What `thinking` asks of a model that reasons: `Some(false)` for `disabled`, else the
+/// template's default.
+pub fn thinking_wanted(req: &MessagesRequest) -> Option<bool> {
+    let t = req.thinking.as_ref()?;
+    (t.get("type").and_then(Value::as_str) == Some("disabled")).then_some(false)
+}
+
+/// Checks `thinking` and `output_config`: their shapes must be the API's; only
+/// `thinking.type: disabled` changes anything ([`thinking_wanted`]).
 ///
 /// # Errors
 /// A 400 naming the malformed field.

@@ -151,7 +151,14 @@ async fn prepare(
     let all_messages = chat.len();
     let breakpoint_chat = cached_messages.map(|n| chat[..n.min(all_messages)].to_vec());
     let offered = tools.offered.clone();
-    let (mut prompt, bounds) = st.render_chat(chat, offered.clone(), &mut fields).await?;
+    let (mut prompt, bounds) = st
+        .render_chat(
+            chat,
+            offered.clone(),
+            anthropic::thinking_wanted(&req),
+            &mut fields,
+        )
+        .await?;
     let messages_end = bounds.as_ref().and_then(|b| b.last().copied());
     let breakpoint_tokens = match (breakpoint_chat, messages_end) {
         (None, _) => None,

@@ -36,8 +36,9 @@ pub const APPLIED_FIELDS: [&str; 14] = [
 
 /// Fields accepted with no effect on the answer (values checked where one could ask for
 /// something this server does not do):
-/// - `reasoning`, `include`: this model has no reasoning format, so there is nothing to
-///   summarize or to return encrypted;
+/// - `reasoning`, `include`: nothing is summarized or returned encrypted (a model that
+///   reasons returns its reasoning as `reasoning_text`); `reasoning.effort: "none"` turns a
+///   reasoning model's thinking off, other efforts leave it as its template has it;
 /// - `client_metadata`, `user`, `safety_identifier`, `service_tier`,
 ///   `prompt_cache_retention`, `stream_options`: bookkeeping for OpenAI's own service;
 /// - `truncation`: `"disabled"` or `"auto"` (a prompt that does not fit is a 400 either way);
@@ -118,6 +119,9 @@ pub struct ResponsesRequest {
     pub leyline: Option<LeylineOptions>,
     /// Splits the prefix cache of users behind one key.
     pub cache_salt: Option<String>,
+    /// `reasoning.effort` is `none`: a model that reasons is asked not to (its template's
+    /// `enable_thinking` off); `None` leaves the template's default.
+    pub thinking: Option<bool>,
 }
 
 /// `obj[name]`, null counting as absent, deserialized with the field (and any path inside
@@ -204,6 +208,14 @@ impl ResponsesRequest {
             session_id: field(obj, "session_id")?,
             leyline,
             cache_salt: field(obj, "cache_salt")?,
+            thinking: match obj
+                .get("reasoning")
+                .and_then(|r| r.get("effort"))
+                .and_then(Value::as_str)
+            {
+                Some("none") => Some(false),
+                _ => None,
+            },
         })
     }
 }
@@ -377,7 +389,7 @@ fn text_of(v: Option<&Value>, at: &str) -> Result<String> {
 /// renders: message items keep their role (`developer` becomes `system`), consecutive
 /// `function_call` items become one assistant message's `tool_calls` (joining the assistant
 /// message just before them), `function_call_output` items become `tool` messages, and
-/// `reasoning` items are dropped (this model has no reasoning format to render them in).
+/// `reasoning` items are dropped (the templates render no earlier reasoning).
 ///
 /// Output items of a response are input items too, so a stored response's output converts
 /// the same way.
@@ -445,7 +457,7 @@ pub fn input_to_chat(input: &Value) -> Result<Vec<ChatMessage>> {
                 m.tool_call_id = Some(call_id);
                 out.push(m);
             }
-            // This model has no reasoning format: its reasoning items have nothing to render.
+            // The templates render no earlier reasoning: nothing to put in the prompt.
             "reasoning" => {}
             other => {
                 return Err(refuse(

@@ -174,7 +174,7 @@ async fn create(
     chat.extend(conversation);
     let names = tools.template.as_deref().map(tool_names);
     let (prompt, bounds) = st
-        .render_chat(chat, tools.template.clone(), &mut fields)
+        .render_chat(chat, tools.template.clone(), req.thinking, &mut fields)
         .await
         .map_err(rename_params)?;
     let think = st.think_for(&prompt);

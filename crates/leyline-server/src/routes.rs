@@ -234,10 +234,13 @@ impl AppState {
 
     /// Renders and tokenizes `chat` for generation: its size checked first, the work done
     /// off the async workers, with message bounds when the request runs in a session.
+    /// `thinking`: a value for the template's `enable_thinking` (Qwen3's switch), or `None`
+    /// for its default.
     pub(crate) async fn render_chat(
         self: &Arc<Self>,
         chat: Vec<leyline_model::chat::ChatMessage>,
         tools: Option<Vec<Value>>,
+        thinking: Option<bool>,
         fields: &mut GenerationFields,
     ) -> Result<(Vec<u32>, Option<Vec<usize>>)> {
         // A session this prompt creates is a rebuild when the prompt carries earlier turns.
@@ -248,7 +251,7 @@ impl AppState {
             .sum();
         self.check_prompt_size(chat.len(), text_bytes)?;
         let in_session = crate::submit::CachePlan::of(self, fields).needs_bounds();
-        self.render(chat, tools, true, in_session).await
+        self.render(chat, tools, thinking, true, in_session).await
     }
 
     /// Tokens of `chat` rendered without a generation prompt (as the start of a longer
@@ -258,7 +261,7 @@ impl AppState {
         chat: Vec<leyline_model::chat::ChatMessage>,
         tools: Option<Vec<Value>>,
     ) -> Result<usize> {
-        Ok(self.render(chat, tools, false, false).await?.0.len())
+        Ok(self.render(chat, tools, None, false, false).await?.0.len())
     }
 
     /// Renders and tokenizes `chat` off the async workers, as the template takes it: later
@@ -268,6 +271,7 @@ impl AppState {
         self: &Arc<Self>,
         mut chat: Vec<leyline_model::chat::ChatMessage>,
         tools: Option<Vec<Value>>,
+        thinking: Option<bool>,
         add_generation_prompt: bool,
         with_bounds: bool,
     ) -> Result<(Vec<u32>, Option<Vec<usize>>)> {
@@ -287,11 +291,14 @@ impl AppState {
                 call["function"]["arguments"] = obj;
             }
         }
-        let opts = RenderOptions {
+        let mut opts = RenderOptions {
             add_generation_prompt,
             tools,
             ..Default::default()
         };
+        if let Some(on) = thinking {
+            opts.extra.insert("enable_thinking".into(), Value::Bool(on));
+        }
         self.off_workers(move |st| {
             let template = st
                 .chat
@@ -408,7 +415,9 @@ async fn chat_completions(
         .filter(|t| !t.is_empty())
         .map(crate::toolcall::tool_names);
     // Message bounds anchor the engine's diff of the next turn.
-    let (prompt, bounds) = st.render_chat(messages, req.tools, &mut fields).await?;
+    let (prompt, bounds) = st
+        .render_chat(messages, req.tools, None, &mut fields)
+        .await?;
     let extras = ChatExtras {
         tool_names,
         think: st.think_for(&prompt),

@@ -11,13 +11,16 @@ use leyline_engine::EngineConfig;
 use leyline_model::chat::ChatTemplate;
 
 /// ChatML whose generation prompt opens a reasoning block (as Qwen3's thinking models'
-/// do), rendering earlier reasoning as Qwen3 does.
+/// do), or with `enable_thinking` false writes an empty closed one (as Qwen3's template
+/// does), rendering earlier reasoning as Qwen3 does.
 const THINKING_CHATML: &str = "{%- for m in messages -%}\
 <|im_start|>{{ m.role }}\n\
 {%- if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif -%}\
 {{ m.content }}<|im_end|>\n\
 {%- endfor -%}\
-{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif -%}";
+{%- if add_generation_prompt %}<|im_start|>assistant\n\
+{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n\
+{%- else %}<think>\n{% endif %}{% endif -%}";
 
 #[test]
 fn reasoning_comes_back_as_each_apis_reasoning() {

@@ -13,6 +13,8 @@ BASE_URL has no `/v1`. Exits non-zero with a message on the first failed check.
 |                         |   message has the same block; thinking_delta events          |
 | Responses               | one reasoning item (reasoning_text content), no message;      |
 |                         |   streamed reasoning_text deltas join to the same text        |
+| thinking switched off   | Messages thinking.type disabled and Responses reasoning       |
+|                         |   effort none: no reasoning, only the answer                 |
 """
 
 import sys
@@ -95,7 +97,25 @@ def responses(thought):
     check(final is not None and [o.type for o in final.output] == ["reasoning"], "final")
 
 
+def switched_off():
+    # The switch reaches the template (its prompt closes an empty block, so it is longer)
+    # and no reasoning comes back.
+    on = AN.messages.create(model=MODEL, messages=ASK, max_tokens=12, extra_body=GREEDY)
+    r = AN.messages.create(model=MODEL, messages=ASK, max_tokens=12, extra_body=GREEDY,
+                           thinking={"type": "disabled"})
+    kinds = [b.type for b in r.content]
+    check("thinking" not in kinds, f"thinking disabled: blocks {kinds}")
+    def prompt(u):
+        return u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0)
+    check(prompt(r.usage) > prompt(on.usage), "thinking disabled: the same prompt")
+    r = OA.responses.create(model=MODEL, input=ASK[0]["content"], max_output_tokens=12,
+                            temperature=0, reasoning={"effort": "none"})
+    kinds = [o.type for o in r.output]
+    check(kinds == ["message"], f"reasoning effort none: items {kinds}")
+
+
 thought = chat()
 messages(thought)
 responses(thought)
+switched_off()
 print("reasoning through all three APIs: ok;", repr(thought))
