@@ -4,6 +4,7 @@
 # pp512 and tg128, PAIRS alternated pairs, median ratio Leyline / llama.cpp.
 #
 #   scripts/bench_moe.sh [PAIRS] [THREADS] [WORKDIR]
+#   LEYLINE_FLAGS=--int8-decode scripts/bench_moe.sh    # extra flags for leyline bench engine
 #
 # The file (about 2.8 GB; its F16 source, about 9.7 GB, is deleted after quantizing) is made
 # once under WORKDIR (default /tmp/leyline-moe-bench) by scripts/make_moe_bench_gguf.py,
@@ -29,13 +30,14 @@ if [[ ! -f "$gguf" ]]; then
 fi
 
 echo "## $(date -u '+%F %T') UTC, $(nproc) cores, threads $threads, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)"
-echo "## file $gguf"
+echo "## file $gguf, leyline flags: ${LEYLINE_FLAGS:-none}, commit $(git -C "$repo" rev-parse --short HEAD)"
 ratios=()
 for i in $(seq 1 "$pairs"); do
     l=$("$bench" -m "$gguf" -t "$threads" -p 512 -n 128 -r 1 -o json 2>/dev/null |
         python3 -c "import json,sys; d=json.load(sys.stdin); print(' '.join(str(r['avg_ts']) for r in d))")
+    # shellcheck disable=SC2086
     y=$("$leyline" bench engine --model "$gguf" --prompt-tokens 512 --gen-tokens 128 --repeat 1 \
-        --threads "$threads" --json 2>/dev/null |
+        --threads "$threads" --json ${LEYLINE_FLAGS:-} 2>/dev/null |
         python3 -c "import json,sys; d=json.load(sys.stdin); print(d['prefill_tok_s'], d['decode_tok_s'])")
     read -r lpp ltg <<<"$l"
     read -r ypp ytg <<<"$y"
