@@ -37,7 +37,15 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
-    let chat = chat::ChatTemplate::from_gguf_metadata(f.metadata(), &tokenizer).ok();
+    // A file without a usable template still runs raw prompts; chat requests are then
+    // refused, and the reason is logged here rather than dropped.
+    let chat = match chat::ChatTemplate::from_gguf_metadata(f.metadata(), &tokenizer) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!("{}: no usable chat template: {e}", path.display());
+            None
+        }
+    };
     Ok(LoadedModel {
         model,
         tokenizer,
