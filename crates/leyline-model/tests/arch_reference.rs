@@ -19,7 +19,7 @@
 
 mod common;
 
-use common::{activations, f32s, max_diff, prefill, shuffled, u32s};
+use common::{activations, f32s, listed_diff, max_diff, prefill, shuffled, u32s};
 use leyline_kernels::qmatmul::Activations;
 use leyline_kernels::rotate::shift_rows;
 use leyline_kv::{KvDtype, KvStorage};
@@ -85,12 +85,7 @@ fn compare(what: &str, s: &Value, logits: &[f32], top1: bool) -> (f32, usize) {
     let mut counted = 0;
     for p in 0..t {
         let row = &logits[p * vocab..(p + 1) * vocab];
-        for (&id, want) in u32s(&s["top5_ids"][p])
-            .iter()
-            .zip(f32s(&s["top5_logits"][p]))
-        {
-            worst = worst.max((row[id as usize] - want).abs());
-        }
+        worst = worst.max(listed_diff(row, &s["top5_ids"][p], &s["top5_logits"][p]));
         let m = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
         let lse = m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
         worst = worst.max((lse - s["logsumexp"][p].as_f64().unwrap()).abs() as f32);

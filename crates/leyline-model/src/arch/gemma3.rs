@@ -13,7 +13,7 @@
 
 use crate::blocks::attention::Attention;
 use crate::blocks::mlp::{Activation, GatedMlp, MlpScratch};
-use crate::blocks::norm::{add_into, load_norm, rms_norm};
+use crate::blocks::norm::{add_into, load_layer_norm, rms_norm};
 use crate::blocks::output::{load_embedding, Ends};
 use crate::blocks::Pass;
 use crate::error::{ModelError, Result};
@@ -91,20 +91,17 @@ impl Gemma3 {
             }
         })?;
         let table = load_embedding(f, hp.hidden)?;
-        let norm = |f: &mut GgufFile, i: usize, n: &str, w: usize| {
-            load_norm(f, &format!("blk.{i}.{n}.weight"), w)
-        };
         let mut layers = Vec::with_capacity(hp.layers);
         for i in 0..hp.layers {
             layers.push(Layer {
-                attn_norm: norm(f, i, "attn_norm", hp.hidden)?,
+                attn_norm: load_layer_norm(f, i, "attn_norm", hp.hidden)?,
                 attn: Attention::load(f, i)?,
-                q_norm: norm(f, i, "attn_q_norm", hp.head_dim)?,
-                k_norm: norm(f, i, "attn_k_norm", hp.head_dim)?,
-                post_attn_norm: norm(f, i, "post_attention_norm", hp.hidden)?,
-                ffn_norm: norm(f, i, "ffn_norm", hp.hidden)?,
+                q_norm: load_layer_norm(f, i, "attn_q_norm", hp.head_dim)?,
+                k_norm: load_layer_norm(f, i, "attn_k_norm", hp.head_dim)?,
+                post_attn_norm: load_layer_norm(f, i, "post_attention_norm", hp.hidden)?,
+                ffn_norm: load_layer_norm(f, i, "ffn_norm", hp.hidden)?,
                 mlp: GatedMlp::load(f, i, hp.ffn, Activation::GeluTanh)?,
-                post_ffn_norm: norm(f, i, "post_ffw_norm", hp.hidden)?,
+                post_ffn_norm: load_layer_norm(f, i, "post_ffw_norm", hp.hidden)?,
             });
         }
         let mats = layers

@@ -9,7 +9,7 @@
 
 use crate::blocks::attention::Attention;
 use crate::blocks::mlp::{Activation, GatedMlp, MlpScratch};
-use crate::blocks::norm::{add_into, load_norm, rms_norm};
+use crate::blocks::norm::{add_into, load_layer_norm, rms_norm};
 use crate::blocks::output::{load_embedding, Ends};
 use crate::blocks::Pass;
 use crate::error::{ModelError, Result};
@@ -105,9 +105,9 @@ impl Llama {
         let mut layers = Vec::with_capacity(cfg.hp.layers);
         for i in 0..cfg.hp.layers {
             layers.push(Layer {
-                attn_norm: load_norm(f, &format!("blk.{i}.attn_norm.weight"), cfg.hp.hidden)?,
+                attn_norm: load_layer_norm(f, i, "attn_norm", cfg.hp.hidden)?,
                 attn: Attention::load(f, i)?,
-                ffn_norm: load_norm(f, &format!("blk.{i}.ffn_norm.weight"), cfg.hp.hidden)?,
+                ffn_norm: load_layer_norm(f, i, "ffn_norm", cfg.hp.hidden)?,
                 mlp: GatedMlp::load(f, i, cfg.hp.ffn, Activation::Silu)?,
             });
         }

@@ -7,7 +7,6 @@ pub mod gemma3;
 pub mod llama;
 pub mod olmo2;
 pub mod qwen3;
-pub mod qwen3moe;
 
 use crate::error::Result;
 use crate::gguf::GgufFile;
@@ -54,7 +53,7 @@ pub const ARCHITECTURES: &[Architecture] = &[
     },
     Architecture {
         name: "qwen3moe",
-        loader: Loader::Gguf(qwen3moe::load),
+        loader: Loader::Gguf(qwen3::load),
     },
     Architecture {
         name: "gemma3",

@@ -6,7 +6,7 @@
 
 use crate::blocks::attention::Attention;
 use crate::blocks::mlp::{Activation, GatedMlp, MlpScratch};
-use crate::blocks::norm::{add_into, load_norm, rms_norm};
+use crate::blocks::norm::{add_into, load_layer_norm, rms_norm};
 use crate::blocks::output::{load_embedding, Ends};
 use crate::blocks::Pass;
 use crate::error::Result;
@@ -54,18 +54,15 @@ impl Olmo2 {
         let hp = Hparams::read(&k)?;
         let rope = hp.rope(&k, hp.rope_theta, RotaryLayout::Neox)?;
         let table = load_embedding(f, hp.hidden)?;
-        let norm = |f: &mut GgufFile, i: usize, n: &str, w: usize| {
-            load_norm(f, &format!("blk.{i}.{n}.weight"), w)
-        };
         let mut layers = Vec::with_capacity(hp.layers);
         for i in 0..hp.layers {
             layers.push(Layer {
                 attn: Attention::load(f, i)?,
-                q_norm: norm(f, i, "attn_q_norm", hp.heads * hp.head_dim)?,
-                k_norm: norm(f, i, "attn_k_norm", hp.kv_heads * hp.head_dim)?,
-                post_attn_norm: norm(f, i, "post_attention_norm", hp.hidden)?,
+                q_norm: load_layer_norm(f, i, "attn_q_norm", hp.heads * hp.head_dim)?,
+                k_norm: load_layer_norm(f, i, "attn_k_norm", hp.kv_heads * hp.head_dim)?,
+                post_attn_norm: load_layer_norm(f, i, "post_attention_norm", hp.hidden)?,
                 mlp: GatedMlp::load(f, i, hp.ffn, Activation::Silu)?,
-                post_ffn_norm: norm(f, i, "post_ffw_norm", hp.hidden)?,
+                post_ffn_norm: load_layer_norm(f, i, "post_ffw_norm", hp.hidden)?,
             });
         }
         let mats = layers

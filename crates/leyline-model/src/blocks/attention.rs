@@ -166,7 +166,7 @@ impl<'a> AttnPass<'a> {
     }
 
     /// The new tokens' keys and values, each row-major as the pool stores them.
-    pub(crate) fn kv_rows(&self) -> (Vec<f32>, Vec<f32>) {
+    fn kv_rows(&self) -> (Vec<f32>, Vec<f32>) {
         let (qw, w) = (
             self.shape.heads * self.shape.head_dim,
             self.shape.kv_heads * self.shape.head_dim,

@@ -229,9 +229,12 @@ impl RoutedExperts {
         // Per expert: the rows that chose it and their weights.
         let mut picked: Vec<(Vec<usize>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); ne];
         let mut order: Vec<usize> = Vec::with_capacity(ne);
+        let mut p = vec![0f64; ne];
         for (t, l) in s.logits.chunks_exact(ne).enumerate() {
             let max = l.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let p: Vec<f64> = l.iter().map(|&x| f64::from(x - max).exp()).collect();
+            for (q, &x) in p.iter_mut().zip(l) {
+                *q = f64::from(x - max).exp();
+            }
             let total: f64 = p.iter().sum();
             order.clear();
             order.extend(0..ne);

@@ -63,6 +63,19 @@ pub(crate) fn load_norm(f: &mut GgufFile, name: &str, width: usize) -> Result<Ve
     Ok(v)
 }
 
+/// Layer `layer`'s norm `blk.{layer}.{name}.weight`, of `width` values.
+///
+/// # Errors
+/// As [`load_norm`].
+pub(crate) fn load_layer_norm(
+    f: &mut GgufFile,
+    layer: usize,
+    name: &str,
+    width: usize,
+) -> Result<Vec<f32>> {
+    load_norm(f, &format!("blk.{layer}.{name}.weight"), width)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -102,3 +102,19 @@ pub fn activations(a: Activations) -> MutexGuard<'static, ()> {
     set_activations(a);
     guard
 }
+
+/// The cached file of registry model `name`, fetched on first use; panics naming the model
+/// and the command that fetches it when that fails.
+pub fn known_model(name: &str) -> std::path::PathBuf {
+    leyline_hub::known_model_path(name).unwrap_or_else(|e| {
+        panic!("the {name} model is needed (`leyline model fetch {name}`): {e}")
+    })
+}
+
+/// Max |row[id] - want| over the listed ids and their reference logits (JSON arrays).
+pub fn listed_diff(row: &[f32], ids: &Value, want: &Value) -> f32 {
+    u32s(ids)
+        .iter()
+        .zip(f32s(want))
+        .fold(0f32, |m, (&id, w)| m.max((row[id as usize] - w).abs()))
+}
