@@ -138,11 +138,20 @@ pub(super) unsafe fn rows(
     }
     // SAFETY: the features are the caller's contract; lengths were asserted.
     unsafe {
+        macro_rules! of {
+            ($k:expr) => {
+                if m > A {
+                    rows_of::<$k, true>(kind, g, rows, acts, out, vnni)
+                } else {
+                    rows_of::<$k, false>(kind, g, rows, acts, out, vnni)
+                }
+            };
+        }
         match kind {
-            GgmlKind::Q4_0 => rows_of::<Q4_0>(kind, g, rows, acts, out, vnni),
-            GgmlKind::Q4_1 => rows_of::<Q4_1>(kind, g, rows, acts, out, vnni),
-            GgmlKind::Q5_0 => rows_of::<Q5_0>(kind, g, rows, acts, out, vnni),
-            GgmlKind::Q8_0 => rows_of::<Q8_0>(kind, g, rows, acts, out, vnni),
+            GgmlKind::Q4_0 => of!(Q4_0),
+            GgmlKind::Q4_1 => of!(Q4_1),
+            GgmlKind::Q5_0 => of!(Q5_0),
+            GgmlKind::Q8_0 => of!(Q8_0),
             GgmlKind::Q4K | GgmlKind::Q5K | GgmlKind::Q6K => {
                 unreachable!("the K-quants' products are kq.rs's")
             }
@@ -154,19 +163,28 @@ pub(super) unsafe fn rows(
 /// rows.
 const A: usize = 4;
 
-/// Weight rows per pass: one (four rows at a time made Q5_0 [4864, 896] and a Q8_0 head of
-/// [151936, 896] slower when streamed from memory, `benches/decode_formats.rs`).
-const R: usize = 1;
+/// Weight rows per tile at most: two on the AVX-512 VNNI tier's many-row loop, where each
+/// activation load then serves both; one elsewhere (four rows at a time made Q5_0 [4864, 896]
+/// and a Q8_0 head of [151936, 896] slower when streamed from memory,
+/// `benches/decode_formats.rs`; the AVX2 tile has no registers for two).
+const R: usize = 2;
 
-/// [`rows`] for one kind: one weight row at a time, meeting the activation rows up to [`A`]
-/// at a time. Per (weight row,
-/// activation row): per unit one `maddubs`, one `madd`, the product of the two scales and one
-/// multiply-add; then the offset term, a vector product over the row's scales.
+/// Bytes of a block of extracted quants ([`expand`]), which a core's second-level cache
+/// holds while the activation rows pass.
+const EXPANDED_BYTES: usize = 256 * 1024;
+
+/// [`rows`] for one kind. A few activation rows (decode, `!EXP`) meet one weight row at a
+/// time as it streams from memory, its quants extracted in registers. More rows (prefill,
+/// `EXP`) take blocks of weight rows whose quants are extracted once ([`expand`]) into a
+/// buffer that stays in cache while every group of [`A`] activation rows meets the block;
+/// the integers a tile reads are the same either way. Per (weight row, activation row):
+/// per unit one `maddubs`, one `madd`, the product of the two scales and one multiply-add;
+/// then the offset term, a vector product over the row's scales.
 ///
 /// # Safety
 /// As [`rows`], whose asserts hold.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_of<const K: u8>(
+unsafe fn rows_of<const K: u8, const EXP: bool>(
     kind: GgmlKind,
     g: RowGeom,
     rows: &[u8],
@@ -177,51 +195,115 @@ unsafe fn rows_of<const K: u8>(
     let ns = g.nb;
     let m = acts.len();
     let n = out.len() / m;
-    let (mut d, mut mn) = (vec![0f32; R * g.sb], vec![0f32; R * g.sb]);
-    let mut r = 0;
-    while r < n {
-        let rt = R;
-        for j in 0..rt {
-            let row = &rows[(r + j) * g.stride..];
-            // SAFETY: `row` starts row r + j < n and runs to the slack (asserted by `rows`), as
-            // the conversion reads; d and mn hold R * sb floats.
+    // Extracted quant bytes per row: whole pairs of units.
+    let ex_row = g.nb.div_ceil(2) * 2 * BLOCK;
+    let block = if EXP {
+        (EXPANDED_BYTES / ex_row).clamp(2, n.max(2)) & !1
+    } else {
+        1
+    };
+    let (mut d, mut mn) = (vec![0f32; block * g.sb], vec![0f32; block * g.sb]);
+    // Kept per thread between calls: fresh pages cost more than the products of a block.
+    let mut ex = EXPANDED.with_borrow_mut(std::mem::take);
+    let mut b0 = 0;
+    while b0 < n {
+        let b1 = (b0 + block).min(n);
+        for j in 0..b1 - b0 {
+            let row = &rows[(b0 + j) * g.stride..];
+            // SAFETY: `row` starts row b0 + j < n and runs to the slack (asserted by `rows`),
+            // as the conversion reads; d and mn hold block * sb floats.
             unsafe { super::avx2::scales(kind, g, row, j, &mut d, &mut mn) };
         }
-        super::tile::prefetch_past_tile(rows, g.stride, r, rt);
-        let base = rows[r * g.stride..].as_ptr();
+        if EXP {
+            // SAFETY: rows b0 .. b1 < n lie in `rows` (asserted by `rows`).
+            unsafe { expand::<K>(rows[b0 * g.stride..].as_ptr(), g, b1 - b0, &mut ex) };
+        } else {
+            super::tile::prefetch_past_tile(rows, g.stride, b0, 1);
+        }
         let mut i0 = 0;
         while i0 < m {
             let ga = A.min(m - i0);
             let xs = &acts[i0..i0 + ga];
-            // SAFETY: rows r .. r + rt lie in `rows` (asserted by `rows`); their scales are in
-            // d; every activation row has nb units; `vnni` only where the caller checked the
-            // CPU has it.
-            let sums: [[f32; A]; R] = unsafe {
-                macro_rules! run {
-                    ($rt:literal, $ga:literal) => {
-                        if vnni {
-                            widen(tile_vnni::<K, $rt, $ga>(base, g, xs, &d))
+            let mut r = b0;
+            while r < b1 {
+                let rt = if vnni && r + R <= b1 { R } else { 1 };
+                let base = if EXP {
+                    ex[(r - b0) * ex_row..].as_ptr()
+                } else {
+                    rows[r * g.stride..].as_ptr()
+                };
+                let dr = &d[(r - b0) * g.sb..];
+                // SAFETY: rows r .. r + rt < n lie in `rows` (asserted by `rows`) or, with
+                // `EXP`, in `ex` from its row r - b0; their scales are in `dr`; every
+                // activation row has nb units; `vnni` only where the caller checked the CPU
+                // has it.
+                let sums: [[f32; A]; R] = unsafe {
+                    macro_rules! run {
+                        ($rt:literal, $ga:literal) => {
+                            if vnni {
+                                widen(tile_vnni::<K, $rt, $ga, EXP>(base, g, xs, dr))
+                            } else {
+                                widen(tile::<K, $rt, $ga, EXP>(base, g, xs, dr))
+                            }
+                        };
+                    }
+                    match (rt, ga) {
+                        (1, 1) => run!(1, 1),
+                        (1, 2) => run!(1, 2),
+                        (1, 3) => run!(1, 3),
+                        (1, _) => run!(1, 4),
+                        (_, 1) => run!(2, 1),
+                        (_, 2) => run!(2, 2),
+                        (_, 3) => run!(2, 3),
+                        (_, _) => run!(2, 4),
+                    }
+                };
+                for (j, s) in sums[..rt].iter().enumerate() {
+                    let k = r - b0 + j;
+                    let mj = &mn[k * g.sb..k * g.sb + ns];
+                    for (i, act) in xs.iter().enumerate() {
+                        // Q8_0 has no offset (its minimums are 0).
+                        out[(r + j) * m + i0 + i] = if K == Q8_0 {
+                            s[i]
                         } else {
-                            widen(tile::<K, $rt, $ga>(base, g, xs, &d))
-                        }
-                    };
+                            s[i] + offset(mj, &act.s32)
+                        };
+                    }
                 }
-                match ga {
-                    1 => run!(1, 1),
-                    2 => run!(1, 2),
-                    3 => run!(1, 3),
-                    _ => run!(1, 4),
-                }
-            };
-            for j in 0..rt {
-                let mj = &mn[j * g.sb..j * g.sb + ns];
-                for (i, act) in xs.iter().enumerate() {
-                    out[(r + j) * m + i0 + i] = sums[j][i] + offset(mj, &act.s32);
-                }
+                r += rt;
             }
             i0 += ga;
         }
-        r += rt;
+        b0 = b1;
+    }
+    EXPANDED.with_borrow_mut(|e| *e = ex);
+}
+
+thread_local! {
+    /// The calling thread's block of extracted quants ([`expand`]).
+    static EXPANDED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Extracts the quants of the `n` rows of geometry `g` from `base` into `ex`: per row, each
+/// unit's 32 bytes ([`quants`]) in unit order, then zeros to a whole pair of units.
+///
+/// # Safety
+/// AVX2; `n` whole rows of kind `K` from `base`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn expand<const K: u8>(base: *const u8, g: RowGeom, n: usize, ex: &mut Vec<u8>) {
+    let per_row = g.nb.div_ceil(2) * 2 * BLOCK;
+    ex.clear();
+    ex.resize(n * per_row, 0);
+    for j in 0..n {
+        for u in 0..g.nb {
+            // SAFETY: unit u of row j < n lies in the caller's rows; the store is inside
+            // `ex` (resized above).
+            unsafe {
+                let q = quants::<K>(base.wrapping_add(j * g.stride), g, u);
+                let dst = ex.as_mut_ptr().add(j * per_row + BLOCK * u);
+                _mm256_storeu_si256(dst as *mut __m256i, q);
+            }
+        }
     }
 }
 
@@ -245,7 +327,7 @@ fn widen<const RT: usize, const GA: usize>(s: [[f32; GA]; RT]) -> [[f32; A]; R] 
 /// scales as [`rows_of`] leaves them; `xs` holds `GA` rows of `nb` units.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const K: u8, const RT: usize, const GA: usize>(
+unsafe fn tile<const K: u8, const RT: usize, const GA: usize, const EXP: bool>(
     base: *const u8,
     g: RowGeom,
     xs: &[Q8Row],
@@ -265,7 +347,12 @@ unsafe fn tile<const K: u8, const RT: usize, const GA: usize>(
                 dx[i] = _mm256_broadcast_ss(&*x.d.as_ptr().add(u));
             }
             for (j, accj) in acc.iter_mut().enumerate() {
-                let q = quants::<K>(base.add(j * g.stride), g, u);
+                let q = if EXP {
+                    let per_row = g.nb.div_ceil(2) * 2 * BLOCK;
+                    _mm256_loadu_si256(base.add(j * per_row + BLOCK * u) as *const __m256i)
+                } else {
+                    quants::<K>(base.add(j * g.stride), g, u)
+                };
                 let ds = d.as_ptr().add(j * g.sb);
                 let dw = _mm256_broadcast_ss(&*ds.add(u));
                 let qa = if K == Q8_0 { _mm256_abs_epi8(q) } else { q };
@@ -281,7 +368,34 @@ unsafe fn tile<const K: u8, const RT: usize, const GA: usize>(
             }
         }
     }
-    acc.map(|a| a.map(|v| super::avx2::hsum(v)))
+    // Loops, not closures: a closure takes no target features, and was not inlined.
+    let mut out = [[0f32; GA]; RT];
+    for (o, a) in out.iter_mut().zip(&acc) {
+        for (o, &v) in o.iter_mut().zip(a) {
+            *o = super::avx2::hsum(v);
+        }
+    }
+    out
+}
+
+/// Scales `p[0]` (and `p[1]` when `two_units`) spread to the 512-bit lanes of two units:
+/// lanes 0..8 the first, 8..16 the second (zero without it).
+///
+/// # Safety
+/// AVX-512F; `p[0]` (and `p[1]` when `two_units`) readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn spread(p: *const f32, two_units: bool) -> __m512 {
+    let pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    // SAFETY: the caller's contract.
+    unsafe {
+        let v = if two_units {
+            _mm_castpd_ps(_mm_load_sd(p as *const f64))
+        } else {
+            _mm_load_ss(p)
+        };
+        _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(v))
+    }
 }
 
 /// `sum_k mn[k] * sx[k]`: eight lanes of multiply-adds, then their sum, then the tail.
@@ -320,27 +434,14 @@ fn offset(mn: &[f32], sx: &[f32]) -> f32 {
 /// AVX-512 F/BW/VL/VNNI and AVX2, FMA, F16C; otherwise as [`tile`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize>(
+unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize, const EXP: bool>(
     base: *const u8,
     g: RowGeom,
     xs: &[Q8Row],
     d: &[f32],
 ) -> [[f32; GA]; RT] {
     let mut acc = [[_mm512_setzero_ps(); GA]; RT];
-    // Two units per register: lanes 0..8 unit u, 8..16 unit u + 1.
-    let pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let spread = |p: *const f32, two_units: bool| {
-        // SAFETY (of the closure's loads): the callers pass scale arrays with entries u,
-        // u + 1 when `two_units`, else u only.
-        unsafe {
-            let v = if two_units {
-                _mm_castpd_ps(_mm_load_sd(p as *const f64))
-            } else {
-                _mm_load_ss(p)
-            };
-            _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(v))
-        }
-    };
+    let per_row = g.nb.div_ceil(2) * 2 * BLOCK;
     let mut u = 0;
     while u < g.nb {
         let two = u + 1 < g.nb;
@@ -358,14 +459,19 @@ unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize>(
                 dx[i] = spread(x.d.as_ptr().add(u), two);
             }
             for (j, accj) in acc.iter_mut().enumerate() {
-                let row = base.add(j * g.stride);
-                let lo = quants::<K>(row, g, u);
-                let hi = if two {
-                    quants::<K>(row, g, u + 1)
+                let q = if EXP {
+                    // The pair's bytes, zeros past a lone last unit.
+                    _mm512_loadu_si512(base.add(j * per_row + BLOCK * u) as *const _)
                 } else {
-                    _mm256_setzero_si256()
+                    let row = base.add(j * g.stride);
+                    let lo = quants::<K>(row, g, u);
+                    let hi = if two {
+                        quants::<K>(row, g, u + 1)
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
                 };
-                let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
                 let dw = spread(d.as_ptr().add(j * g.sb + u), two);
                 let (qa, neg) = if K == Q8_0 {
                     (_mm512_abs_epi8(q), _mm512_movepi8_mask(q))
@@ -386,5 +492,12 @@ unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize>(
         }
         u += 2;
     }
-    acc.map(|a| a.map(|v| _mm512_reduce_add_ps(v)))
+    // Loops, not closures: a closure takes no target features, and was not inlined.
+    let mut out = [[0f32; GA]; RT];
+    for (o, a) in out.iter_mut().zip(&acc) {
+        for (o, &v) in o.iter_mut().zip(a) {
+            *o = _mm512_reduce_add_ps(v);
+        }
+    }
+    out
 }

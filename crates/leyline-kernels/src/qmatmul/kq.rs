@@ -54,25 +54,37 @@ pub(super) unsafe fn rows(
     }
     // SAFETY: the features are the caller's contract; lengths were asserted.
     unsafe {
-        match (kind, vnni) {
-            (GgmlKind::Q4K, false) => rows_of::<Q4_K, false>(g, rows, acts, out),
-            (GgmlKind::Q5K, false) => rows_of::<Q5_K, false>(g, rows, acts, out),
-            (GgmlKind::Q6K, false) => rows_of::<Q6_K, false>(g, rows, acts, out),
-            (GgmlKind::Q4K, true) => rows_of::<Q4_K, true>(g, rows, acts, out),
-            (GgmlKind::Q5K, true) => rows_of::<Q5_K, true>(g, rows, acts, out),
-            (GgmlKind::Q6K, true) => rows_of::<Q6_K, true>(g, rows, acts, out),
+        macro_rules! of {
+            ($k:expr) => {
+                match (vnni, m > A) {
+                    (false, false) => rows_of::<$k, false, false>(g, rows, acts, out),
+                    (false, true) => rows_of::<$k, false, true>(g, rows, acts, out),
+                    (true, false) => rows_of::<$k, true, false>(g, rows, acts, out),
+                    (true, true) => rows_of::<$k, true, true>(g, rows, acts, out),
+                }
+            };
+        }
+        match kind {
+            GgmlKind::Q4K => of!(Q4_K),
+            GgmlKind::Q5K => of!(Q5_K),
+            GgmlKind::Q6K => of!(Q6_K),
             _ => unreachable!("not a K-quant"),
         }
     }
 }
 
-/// [`rows`] for one kind and instruction choice: one weight row at a time, meeting the
-/// activation rows up to [`A`] at a time.
+/// [`rows`] for one kind and instruction choice. A few activation rows (decode, `!EXP`)
+/// meet one weight row at a time as it streams from memory, its quants and scales extracted
+/// in registers. More rows (prefill, `EXP`) take blocks of weight rows whose quants and
+/// scales are extracted once into [`Expanded`], which stays in cache while every group of
+/// [`A`] activation rows meets the block, two weight rows per tile on the AVX-512 VNNI tier
+/// so that each activation load serves both. The integers a tile reads are the same either
+/// way, and so is every (weight row, activation row) pair's arithmetic.
 ///
 /// # Safety
 /// As [`rows`], whose asserts hold; with `VNNI`, AVX-512 F/BW/VL/VNNI.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_of<const K: u8, const VNNI: bool>(
+unsafe fn rows_of<const K: u8, const VNNI: bool, const EXP: bool>(
     g: RowGeom,
     rows: &[u8],
     acts: &[Q8KRow],
@@ -80,103 +92,238 @@ unsafe fn rows_of<const K: u8, const VNNI: bool>(
 ) {
     let m = acts.len();
     let n = out.len() / m;
-    for r in 0..n {
-        super::tile::prefetch_past_tile(rows, g.stride, r, 1);
-        let base = rows[r * g.stride..].as_ptr();
+    let ns = g.nb / 8;
+    // Weight rows per block: the whole block is read again for each group of activation rows.
+    let block = if EXP {
+        (EXPANDED_BYTES / (ns * EXP_SB)).clamp(2, n.max(2)) & !1
+    } else {
+        1
+    };
+    // Kept per thread between calls: fresh pages cost more than the products of a block.
+    let mut ex = EXPANDED.with_borrow_mut(std::mem::take);
+    let mut b0 = 0;
+    while b0 < n {
+        let b1 = (b0 + block).min(n);
+        if EXP {
+            // SAFETY: rows b0 .. b1 < n lie in `rows` (asserted by `rows`).
+            unsafe { ex.fill::<K>(rows[b0 * g.stride..].as_ptr(), g, b1 - b0) };
+        } else {
+            super::tile::prefetch_past_tile(rows, g.stride, b0, 1);
+        }
         let mut i0 = 0;
         while i0 < m {
             let ga = A.min(m - i0);
             let xs = &acts[i0..i0 + ga];
-            // SAFETY: row r lies in `rows` (asserted by `rows`); every activation row has the
-            // row's units and super-blocks; `VNNI` only where the caller checked the CPU.
-            let sums: [f32; A] = unsafe {
-                match (ga, VNNI) {
-                    (1, false) => widen(tile::<K, 1>(base, g, xs)),
-                    (2, false) => widen(tile::<K, 2>(base, g, xs)),
-                    (3, false) => widen(tile::<K, 3>(base, g, xs)),
-                    (_, false) => widen(tile::<K, 4>(base, g, xs)),
-                    (1, true) => widen(tile_vnni::<K, 1>(base, g, xs)),
-                    (2, true) => widen(tile_vnni::<K, 2>(base, g, xs)),
-                    (3, true) => widen(tile_vnni::<K, 3>(base, g, xs)),
-                    (_, true) => widen(tile_vnni::<K, 4>(base, g, xs)),
+            let mut r = b0;
+            while r < b1 {
+                let rt = if VNNI && r + 2 <= b1 { 2 } else { 1 };
+                let src = Src {
+                    base: rows[r * g.stride..].as_ptr(),
+                    ex: ex.bytes[((r - b0) * ns * EXP_QS).min(ex.bytes.len())..].as_ptr(),
+                    exs: ex.scales[((r - b0) * ns).min(ex.scales.len())..].as_ptr(),
+                };
+                // SAFETY: rows r .. r + rt < n lie in `rows` (asserted by `rows`) and, with
+                // `EXP`, in the expanded block from its row r - b0; every activation row has
+                // the rows' units and super-blocks; `VNNI` only where the caller checked the
+                // CPU.
+                let sums: [[f32; A]; 2] = unsafe {
+                    macro_rules! run {
+                        ($rt:literal, $ga:literal) => {
+                            if VNNI {
+                                widen(tile_vnni::<K, $rt, $ga, EXP>(src, g, xs))
+                            } else {
+                                widen(tile::<K, $rt, $ga, EXP>(src, g, xs))
+                            }
+                        };
+                    }
+                    match (rt, ga) {
+                        (1, 1) => run!(1, 1),
+                        (1, 2) => run!(1, 2),
+                        (1, 3) => run!(1, 3),
+                        (1, _) => run!(1, 4),
+                        (_, 1) => run!(2, 1),
+                        (_, 2) => run!(2, 2),
+                        (_, 3) => run!(2, 3),
+                        (_, _) => run!(2, 4),
+                    }
+                };
+                for (j, s) in sums[..rt].iter().enumerate() {
+                    for (i, &v) in s[..ga].iter().enumerate() {
+                        out[(r + j) * m + i0 + i] = v;
+                    }
                 }
-            };
-            for (i, &v) in sums[..ga].iter().enumerate() {
-                out[r * m + i0 + i] = v;
+                r += rt;
             }
             i0 += ga;
         }
+        b0 = b1;
     }
+    EXPANDED.with_borrow_mut(|e| *e = ex);
+}
+
+thread_local! {
+    /// The calling thread's [`Expanded`] block.
+    static EXPANDED: std::cell::RefCell<Expanded> = std::cell::RefCell::default();
+}
+
+/// Bytes of an [`Expanded`] block, which a core's second-level cache holds while the
+/// activation rows pass.
+const EXPANDED_BYTES: usize = 256 * 1024;
+/// Quant and scale bytes per super-block in [`Expanded::bytes`].
+const EXP_QS: usize = 512;
+/// [`Expanded`] bytes per super-block, its [`Scales`] included.
+const EXP_SB: usize = EXP_QS + std::mem::size_of::<Scales>();
+
+/// A block of weight rows as the tiles read them, extracted once for many activation rows:
+/// per row and super-block, the 256 quants in unit order ([`quants`]), then the eight units'
+/// 16-bit scale lanes ([`unit_scales`]), 32 bytes each, in `bytes`; the super-blocks'
+/// [`Scales`] in `scales`. Units `2t, 2t + 1`'s quants and scales, side by side, are what
+/// [`tile_vnni`] puts in one 512-bit register.
+#[derive(Default)]
+struct Expanded {
+    bytes: Vec<u8>,
+    scales: Vec<Scales>,
+}
+
+impl Expanded {
+    /// Extracts `n` rows of geometry `g` from `base`.
+    ///
+    /// # Safety
+    /// AVX2, F16C; `n` whole rows of kind `K` from `base`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fill<const K: u8>(&mut self, base: *const u8, g: RowGeom, n: usize) {
+        let ns = g.nb / 8;
+        let bytes = g.stride / ns;
+        self.bytes.resize(n * ns * EXP_QS, 0);
+        self.scales.clear();
+        for j in 0..n {
+            let row = base.wrapping_add(j * g.stride);
+            for s in 0..ns {
+                // SAFETY: super-block s of row j < n lies in the caller's rows; the stores
+                // are the 512 bytes of (j, s), inside `bytes` (resized above).
+                unsafe {
+                    let sc = block_scales::<K>(row.add(s * bytes));
+                    let dst = self.bytes.as_mut_ptr().add((j * ns + s) * EXP_QS);
+                    for k in 0..8 {
+                        let q = quants::<K>(row, g, 8 * s + k);
+                        _mm256_storeu_si256(dst.add(32 * k) as *mut __m256i, q);
+                        let su = unit_scales::<K>(sc.sc, k);
+                        _mm256_storeu_si256(dst.add(256 + 32 * k) as *mut __m256i, su);
+                    }
+                    self.scales.push(sc);
+                }
+            }
+        }
+    }
+}
+
+/// Where a tile's weight rows are read: row `j` at `base + j * stride` as stored, or (for
+/// the tiles' `EXP`) at `ex + j * (super-blocks) * EXP_QS` and `exs + j * (super-blocks)`
+/// in an [`Expanded`] block.
+#[derive(Clone, Copy)]
+struct Src {
+    base: *const u8,
+    ex: *const u8,
+    exs: *const Scales,
 }
 
 /// A tile's sums in the largest tile's shape.
 #[inline(always)]
-fn widen<const GA: usize>(s: [f32; GA]) -> [f32; A] {
-    let mut all = [0f32; A];
-    all[..GA].copy_from_slice(&s);
+fn widen<const RT: usize, const GA: usize>(s: [[f32; GA]; RT]) -> [[f32; A]; 2] {
+    let mut all = [[0f32; A]; 2];
+    for (a, s) in all.iter_mut().zip(s) {
+        a[..GA].copy_from_slice(&s);
+    }
     all
 }
 
-/// The scaled dot products of the weight row at `base` with `GA` activation rows, on AVX2.
+/// The scaled dot products of the `RT` weight rows from `base` with `GA` activation rows,
+/// on AVX2. Each (weight row, activation row) pair takes the same instructions in the same
+/// order whatever `RT` and `GA` are.
 ///
 /// # Safety
-/// AVX2, FMA, F16C; a whole row of geometry `g` and kind `K` at `base`; `xs` holds `GA` rows
-/// of `g.nb` units.
+/// AVX2, FMA, F16C; `RT` whole rows of geometry `g` and kind `K` from `base`; `xs` holds
+/// `GA` rows of `g.nb` units.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const K: u8, const GA: usize>(
-    base: *const u8,
+unsafe fn tile<const K: u8, const RT: usize, const GA: usize, const EXP: bool>(
+    src: Src,
     g: RowGeom,
     xs: &[Q8KRow],
-) -> [f32; GA] {
+) -> [[f32; GA]; RT] {
+    let ns = g.nb / 8;
     // Bytes per super-block, from the row's geometry.
-    let bytes = g.stride / (g.nb / 8);
-    let mut accf = [_mm256_setzero_ps(); GA];
-    let mut accm = [_mm_setzero_ps(); GA];
-    for s in 0..g.nb / 8 {
-        // SAFETY: super-block s lies in the row; the activation loads are units 8s .. 8s + 8
-        // and sums of super-block s, inside each activation row (asserted by `rows`).
+    let bytes = g.stride / ns;
+    let mut accf = [[_mm256_setzero_ps(); GA]; RT];
+    let mut accm = [[_mm_setzero_ps(); GA]; RT];
+    for s in 0..ns {
+        // SAFETY: super-block s lies in each row (stored or expanded); the activation loads
+        // are units 8s .. 8s + 8 and sums of super-block s, inside each activation row
+        // (asserted by `rows`). All-zero bits are valid `Scales`.
         unsafe {
-            let blk = base.add(s * bytes);
-            // The unit scales as 16-bit integers, and d / dmin.
-            let Scales {
-                d,
-                dmin,
-                sc: scv,
-                mins,
-            } = block_scales::<K>(blk);
-            let mut acc = [_mm256_setzero_si256(); GA];
+            // Per row: the unit scales as 16-bit integers, and d / dmin.
+            let mut sc: [Scales; RT] = std::mem::zeroed();
+            for (j, scj) in sc.iter_mut().enumerate() {
+                *scj = if EXP {
+                    *src.exs.add(j * ns + s)
+                } else {
+                    block_scales::<K>(src.base.add(j * g.stride + s * bytes))
+                };
+            }
+            let mut acc = [[_mm256_setzero_si256(); GA]; RT];
             for k in 0..8 {
                 let u = 8 * s + k;
-                let w = quants::<K>(base, g, u);
-                let su = unit_scales::<K>(scv, k);
-                for i in 0..GA {
-                    let x = _mm256_loadu_si256(xs[i].q.as_ptr().add(32 * u) as *const __m256i);
-                    let p = _mm256_maddubs_epi16(w, x);
-                    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, su));
+                for j in 0..RT {
+                    let (w, su) = if EXP {
+                        let p = src.ex.add((j * ns + s) * EXP_QS + 32 * k);
+                        (
+                            _mm256_loadu_si256(p as *const __m256i),
+                            _mm256_loadu_si256(p.add(256) as *const __m256i),
+                        )
+                    } else {
+                        let w = quants::<K>(src.base.add(j * g.stride), g, u);
+                        (w, unit_scales::<K>(sc[j].sc, k))
+                    };
+                    for i in 0..GA {
+                        let x = _mm256_loadu_si256(xs[i].q.as_ptr().add(32 * u) as *const __m256i);
+                        let p = _mm256_maddubs_epi16(w, x);
+                        acc[j][i] = _mm256_add_epi32(acc[j][i], _mm256_madd_epi16(p, su));
+                    }
                 }
             }
-            for i in 0..GA {
-                let dx = xs[i].d[s];
-                let dd = _mm256_set1_ps(d * dx);
-                accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), dd, accf[i]);
-                if K == Q6_K {
-                    // sum_j sc_j * (sum of q over the 16 values j): the offset of 32.
-                    let bs = _mm256_loadu_si256(xs[i].bs16.as_ptr().add(16 * s) as *const __m256i);
-                    let off = _mm256_cvtepi32_ps(_mm256_madd_epi16(scv, bs));
-                    accf[i] = _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0 * (d * dx)), accf[i]);
-                } else {
-                    // sum_k mn_k * (sum of q over unit k): the minimums.
-                    let bs = _mm_loadu_si128(xs[i].bs32.as_ptr().add(8 * s) as *const __m128i);
-                    let mm = _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs));
-                    accm[i] = _mm_fmadd_ps(mm, _mm_set1_ps(-(dmin * dx)), accm[i]);
+            for j in 0..RT {
+                let Scales {
+                    d,
+                    dmin,
+                    sc: scv,
+                    mins,
+                } = sc[j];
+                for i in 0..GA {
+                    let dx = xs[i].d[s];
+                    let dd = _mm256_set1_ps(d * dx);
+                    accf[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][i]), dd, accf[j][i]);
+                    if K == Q6_K {
+                        // sum_j sc_j * (sum of q over the 16 values j): the offset of 32.
+                        let bs =
+                            _mm256_loadu_si256(xs[i].bs16.as_ptr().add(16 * s) as *const __m256i);
+                        let off = _mm256_cvtepi32_ps(_mm256_madd_epi16(scv, bs));
+                        let c = _mm256_set1_ps(-32.0 * (d * dx));
+                        accf[j][i] = _mm256_fmadd_ps(off, c, accf[j][i]);
+                    } else {
+                        // sum_k mn_k * (sum of q over unit k): the minimums.
+                        let bs = _mm_loadu_si128(xs[i].bs32.as_ptr().add(8 * s) as *const __m128i);
+                        let mm = _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs));
+                        accm[j][i] = _mm_fmadd_ps(mm, _mm_set1_ps(-(dmin * dx)), accm[j][i]);
+                    }
                 }
             }
         }
     }
-    let mut out = [0f32; GA];
-    for i in 0..GA {
-        out[i] = super::avx2::hsum(accf[i]) + hsum128(accm[i]);
+    let mut out = [[0f32; GA]; RT];
+    for j in 0..RT {
+        for i in 0..GA {
+            out[j][i] = super::avx2::hsum(accf[j][i]) + hsum128(accm[j][i]);
+        }
     }
     out
 }
@@ -191,60 +338,92 @@ unsafe fn tile<const K: u8, const GA: usize>(
 /// AVX-512 F/BW/VL/VNNI, AVX2, FMA, F16C; otherwise as [`tile`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_vnni<const K: u8, const GA: usize>(
-    base: *const u8,
+unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize, const EXP: bool>(
+    src: Src,
     g: RowGeom,
     xs: &[Q8KRow],
-) -> [f32; GA] {
+) -> [[f32; GA]; RT] {
+    let ns = g.nb / 8;
     // Bytes per super-block, from the row's geometry.
-    let bytes = g.stride / (g.nb / 8);
-    let mut accf = [_mm512_setzero_ps(); GA];
-    let mut accm = [_mm_setzero_ps(); GA];
-    for s in 0..g.nb / 8 {
-        // SAFETY: as in `tile`: super-block s lies in the row, units 8s .. 8s + 8 and the sums
-        // of super-block s in each activation row.
+    let bytes = g.stride / ns;
+    let mut accf = [[_mm512_setzero_ps(); GA]; RT];
+    let mut accm = [[_mm_setzero_ps(); GA]; RT];
+    for s in 0..ns {
+        // SAFETY: as in `tile`: super-block s lies in each row (stored or expanded), units
+        // 8s .. 8s + 8 and the sums of super-block s in each activation row.
         unsafe {
-            let blk = base.add(s * bytes);
-            let Scales { d, dmin, sc, mins } = block_scales::<K>(blk);
-            let sc = _mm512_castsi256_si512(sc);
-            let mut acc = [_mm512_setzero_si512(); GA];
+            let mut sc: [Scales; RT] = std::mem::zeroed();
+            for (j, scj) in sc.iter_mut().enumerate() {
+                *scj = if EXP {
+                    *src.exs.add(j * ns + s)
+                } else {
+                    block_scales::<K>(src.base.add(j * g.stride + s * bytes))
+                };
+            }
+            let mut acc = [[_mm512_setzero_si512(); GA]; RT];
             for t in 0..4 {
                 let u = 8 * s + 2 * t;
-                let w = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(quants::<K>(base, g, u)),
-                    quants::<K>(base, g, u + 1),
-                );
-                // Each 16-bit lane's scale: unit u's in lanes 0..16, u + 1's in 16..32
-                // (Q6_K: four scales of 16 values, eight lanes each).
-                let su = _mm512_permutexvar_epi16(scale_index::<K>(t), sc);
-                for i in 0..GA {
-                    let x = _mm512_loadu_si512(xs[i].q.as_ptr().add(32 * u) as *const _);
-                    let p = _mm512_maddubs_epi16(w, x);
-                    acc[i] = _mm512_dpwssd_epi32(acc[i], p, su);
+                let mut x = [_mm512_setzero_si512(); GA];
+                for (i, xi) in x.iter_mut().enumerate() {
+                    *xi = _mm512_loadu_si512(xs[i].q.as_ptr().add(32 * u) as *const _);
+                }
+                for j in 0..RT {
+                    // Units u and u + 1 side by side; each 16-bit lane's scale: unit u's in
+                    // lanes 0..16, u + 1's in 16..32 (Q6_K: four scales of 16 values, eight
+                    // lanes each).
+                    let (w, su) = if EXP {
+                        let p = src.ex.add((j * ns + s) * EXP_QS + 64 * t);
+                        (
+                            _mm512_loadu_si512(p as *const _),
+                            _mm512_loadu_si512(p.add(256) as *const _),
+                        )
+                    } else {
+                        let row = src.base.add(j * g.stride);
+                        let w = _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(quants::<K>(row, g, u)),
+                            quants::<K>(row, g, u + 1),
+                        );
+                        let sc512 = _mm512_castsi256_si512(sc[j].sc);
+                        (w, _mm512_permutexvar_epi16(scale_index::<K>(t), sc512))
+                    };
+                    for i in 0..GA {
+                        let p = _mm512_maddubs_epi16(w, x[i]);
+                        acc[j][i] = _mm512_dpwssd_epi32(acc[j][i], p, su);
+                    }
                 }
             }
-            for i in 0..GA {
-                let dx = xs[i].d[s];
-                let dd = _mm512_set1_ps(d * dx);
-                accf[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), dd, accf[i]);
-                if K == Q6_K {
-                    let bs = _mm256_loadu_si256(xs[i].bs16.as_ptr().add(16 * s) as *const __m256i);
-                    let sc16 = _mm512_castsi512_si256(sc);
-                    let off = _mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bs));
-                    let off = _mm512_castps256_ps512(off);
-                    let c = _mm512_set1_ps(-32.0 * (d * dx));
-                    accf[i] = _mm512_mask3_fmadd_ps(off, c, accf[i], 0x00ff);
-                } else {
-                    let bs = _mm_loadu_si128(xs[i].bs32.as_ptr().add(8 * s) as *const __m128i);
-                    let mm = _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs));
-                    accm[i] = _mm_fmadd_ps(mm, _mm_set1_ps(-(dmin * dx)), accm[i]);
+            for j in 0..RT {
+                let Scales {
+                    d,
+                    dmin,
+                    sc: sc16,
+                    mins,
+                } = sc[j];
+                for i in 0..GA {
+                    let dx = xs[i].d[s];
+                    let dd = _mm512_set1_ps(d * dx);
+                    accf[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j][i]), dd, accf[j][i]);
+                    if K == Q6_K {
+                        let bs =
+                            _mm256_loadu_si256(xs[i].bs16.as_ptr().add(16 * s) as *const __m256i);
+                        let off = _mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bs));
+                        let off = _mm512_castps256_ps512(off);
+                        let c = _mm512_set1_ps(-32.0 * (d * dx));
+                        accf[j][i] = _mm512_mask3_fmadd_ps(off, c, accf[j][i], 0x00ff);
+                    } else {
+                        let bs = _mm_loadu_si128(xs[i].bs32.as_ptr().add(8 * s) as *const __m128i);
+                        let mm = _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs));
+                        accm[j][i] = _mm_fmadd_ps(mm, _mm_set1_ps(-(dmin * dx)), accm[j][i]);
+                    }
                 }
             }
         }
     }
-    let mut out = [0f32; GA];
-    for i in 0..GA {
-        out[i] = _mm512_reduce_add_ps(accf[i]) + hsum128(accm[i]);
+    let mut out = [[0f32; GA]; RT];
+    for j in 0..RT {
+        for i in 0..GA {
+            out[j][i] = _mm512_reduce_add_ps(accf[j][i]) + hsum128(accm[j][i]);
+        }
     }
     out
 }
@@ -268,6 +447,7 @@ fn scale_index<const K: u8>(t: usize) -> __m512i {
 }
 
 /// A K-quant super-block's scales, as both tiles read them.
+#[derive(Clone, Copy)]
 struct Scales {
     /// The super-block's scale.
     d: f32,

@@ -627,33 +627,36 @@ fn rejects_bad_shapes() {
 
 #[test]
 fn integer_products_of_a_batch_equal_each_row_alone_bit_for_bit() {
-    // Batch sizes 1-16 within each integer tier, every kind: row i of a batch's product is
-    // the product of row i alone, to the bit (the batch-invariance the engine's greedy
-    // decoding relies on).
+    // Batch sizes 1-16, 33 and 70 within each integer tier, every kind: row i of a batch's
+    // product is the product of row i alone, to the bit (the batch-invariance the engine's
+    // greedy decoding relies on). The second shape's rows are wide enough that the many-row
+    // loop cuts them into several cached blocks, with an odd row left over.
     let mut rng = Rng(77);
+    const M: usize = 70;
     for tier in int8_tiers() {
         for kind in GgmlKind::ALL {
-            let (rows, cols) = (9, 512);
-            let raw = random_ggml(kind, rows, cols, &mut rng);
-            let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
-            let x: Vec<f32> = (0..16 * cols).map(|_| rng.unit()).collect();
-            let mut alone = vec![0f32; 16 * rows];
-            for i in 0..16 {
-                let out = &mut alone[i * rows..(i + 1) * rows];
-                qm.matmul_int8(tier, &x[i * cols..(i + 1) * cols], 1, out)
-                    .unwrap();
-            }
-            for m in 1..=16 {
-                let mut y = vec![0f32; m * rows];
-                qm.matmul_int8(tier, &x[..m * cols], m, &mut y).unwrap();
-                for (k, (a, b)) in y.iter().zip(&alone).enumerate() {
-                    assert_eq!(
-                        a.to_bits(),
-                        b.to_bits(),
-                        "{tier} {kind:?} batch {m}: row {} output {}",
-                        k / rows,
-                        k % rows
-                    );
+            for (rows, cols) in [(9, 512), (75, 4864)] {
+                let raw = random_ggml(kind, rows, cols, &mut rng);
+                let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
+                let x: Vec<f32> = (0..M * cols).map(|_| rng.unit()).collect();
+                let mut alone = vec![0f32; M * rows];
+                for i in 0..M {
+                    let out = &mut alone[i * rows..(i + 1) * rows];
+                    qm.matmul_int8(tier, &x[i * cols..(i + 1) * cols], 1, out)
+                        .unwrap();
+                }
+                for m in (1..=16).chain([33, M]) {
+                    let mut y = vec![0f32; m * rows];
+                    qm.matmul_int8(tier, &x[..m * cols], m, &mut y).unwrap();
+                    for (k, (a, b)) in y.iter().zip(&alone).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{tier} {kind:?} [{rows}, {cols}] batch {m}: row {} output {}",
+                            k / rows,
+                            k % rows
+                        );
+                    }
                 }
             }
         }
