@@ -4,7 +4,7 @@
 # pp512 and tg128, PAIRS alternated pairs, median ratio Leyline / llama.cpp.
 #
 #   scripts/bench_moe.sh [PAIRS] [THREADS] [WORKDIR]
-#   LEYLINE_FLAGS=--int8-decode scripts/bench_moe.sh    # extra flags for leyline bench engine
+#   LEYLINE_FLAGS=--f32-activations scripts/bench_moe.sh    # extra flags for leyline bench engine
 #
 # The file (about 2.8 GB; its F16 source, about 9.7 GB, is deleted after quantizing) is made
 # once under WORKDIR (default /tmp/leyline-moe-bench) by scripts/make_moe_bench_gguf.py,

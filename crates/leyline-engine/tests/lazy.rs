@@ -4,13 +4,13 @@
 //! nothing, and KV shared with the prefix tree stays the tree's, byte for byte.
 //!
 //! Every test here runs on f32 activations ([`f32_activations`]): the claims are about the
-//! rotation's arithmetic, and 8-bit activations (`--int8-decode`) turn the float noise between
+//! rotation's arithmetic, and 8-bit activations (the default) turn the float noise between
 //! two orders of summation into a whole rounding step wherever a value sits near a step's
 //! edge, so lazy and eager would differ by that step, not by anything the rotation did.
 
 mod common;
 
-use common::{encode, lm, request, session_with};
+use common::{encode, f32_activations, lm, request, session_with};
 use leyline_core::{Directive, Mode};
 use leyline_engine::{Engine, EngineConfig, SessionEdits, SessionRequest};
 use leyline_kv::shift::RotationMode;
@@ -18,12 +18,6 @@ use leyline_kv::KvDtype;
 use leyline_model::CausalLm;
 use std::path::PathBuf;
 use std::sync::Arc;
-
-/// Sets f32 activations for every product in this process (each test does, first: the
-/// switch is process-wide and the tests run on threads of one process).
-fn f32_activations() {
-    leyline_kernels::qmatmul::set_activations(leyline_kernels::qmatmul::Activations::F32);
-}
 
 fn engine(rotation: RotationMode) -> Engine {
     engine_with(&lm().model, rotation, EngineConfig::new(8192).max_segments)

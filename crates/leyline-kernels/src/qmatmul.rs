@@ -1,18 +1,18 @@
 //! CPU matrix products with GGML-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
 //! Q6_K): few-row products (decode steps, short prompts) and many-row ones (prefill).
 //!
-//! Design decision: under [`Activations::Int8`] (`--int8-decode`; not yet the default, see
-//! there) every product reads its activations rounded to 8 bits (`q8.rs`), as llama.cpp's
-//! do, whatever the row count and the tier. From the AVX2 tier up
-//! the few-row products meet the weights' quants in integer dot products (`int8.rs`: AVX2
-//! `maddubs`, or `vpdpbusd` on the AVX-512 VNNI tier), every kind reduced to `w = d * q + m`
-//! (`format::row_scales`); the many-row products (`wide.rs`) and the portable tier multiply
-//! the same rounded values in f32. So a prompt computed whole and the same prompt computed as
-//! a cached head plus a few new rows differ only by the order of f32 additions, not by a
-//! rounding, and a row's rounding is its own: every (weight row, activation row) pair takes
-//! the same instructions whatever the batch, so a row computes the same bits alone or
-//! batched. Under [`Activations::F32`] the f32 kernels run (weights dequantized in
-//! registers against f32 activations; AVX-512 broadcast tiles for Q4_1 and Q8_0).
+//! Design decision: by default ([`Activations::Int8`]) every product reads its activations
+//! rounded to 8 bits (`q8.rs`), as llama.cpp's do, and from the AVX2 tier up meets the
+//! weights' quants in integer dot products (`int8.rs` for the kinds in blocks of 32, `kq.rs`
+//! for the K-quants: AVX2 `maddubs`, or VNNI on the AVX-512 VNNI tier), for any number of
+//! rows: one row (decode) streams the weights, many rows (prefill) take cached blocks of
+//! weights extracted once. Every (weight row, activation row) pair takes the same
+//! instructions in the same order whatever the batch, and each row is rounded alone, so a
+//! row computes the same bits alone, batched, or as the tail of a prompt whose head is
+//! cached. The portable tier multiplies the same rounded values in f32, per pair the same
+//! way for any row count. [`Activations::F32`] is the reference path: f32 kernels (weights
+//! dequantized in registers) for few rows, dequantized chunks through gemm (`wide.rs`) for
+//! many; its rows are not batch-invariant.
 //!
 //! Files: `format.rs` holds the block formats and the repacked [`QMatrix`]; this file the
 //! few-row products, their threading and the kernel dispatch; `q8.rs` the activations'
@@ -152,7 +152,7 @@ impl QMatrix {
         let cols = mats.first().map_or(0, |w| w.cols);
         let rounded = activations() == Activations::Int8;
         let int8 = if rounded {
-            Int8::on(tier, x, m, cols, mats.iter().map(|w| w.kind))
+            Int8::on_pool(Some(pool), tier, x, m, cols, mats.iter().map(|w| w.kind))
         } else {
             None
         };
@@ -200,12 +200,31 @@ impl QMatrix {
                 (None, None) => Act::F32 { x, xt },
             };
             Self::feature_major_many(pool, tier, act, m, targets.into_iter());
-            let (mut col, mut at) = (0, 0);
-            for w in mats {
-                feature_major_to_rows(&yt[at..at + w.rows * m], m, y, width, col);
-                col += w.rows;
-                at += w.rows * m;
+            // The transposition, split over the threads by rows of y.
+            let yt = &yt[..m * width];
+            let parts = pool.threads();
+            let mut pieces = Vec::with_capacity(parts);
+            let mut rest = &mut *y;
+            for p in 0..parts {
+                let rows = split(m, p, parts, 1);
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(rows.len() * width);
+                pieces.push((rows, Mutex::new(head)));
+                rest = tail;
             }
+            pool.run(&|tid, _| {
+                let (rows, piece) = &pieces[tid];
+                let mut out = piece.lock().unwrap_or_else(|e| e.into_inner());
+                let (mut col, mut at) = (0, 0);
+                for w in mats {
+                    for (r, ys) in yt[at..at + w.rows * m].chunks_exact(m).enumerate() {
+                        for (k, &v) in ys[rows.clone()].iter().enumerate() {
+                            out[k * width + col + r] = v;
+                        }
+                    }
+                    col += w.rows;
+                    at += w.rows * m;
+                }
+            });
         });
     }
 
@@ -353,6 +372,18 @@ impl Int8 {
         cols: usize,
         kinds: impl IntoIterator<Item = GgmlKind>,
     ) -> Option<Self> {
+        Self::on_pool(None, tier, x, m, cols, kinds)
+    }
+
+    /// [`Self::on`] with the rows quantized on `pool`'s threads (serially without one).
+    fn on_pool(
+        pool: Option<&SpinPool>,
+        tier: Tier,
+        x: &[f32],
+        m: usize,
+        cols: usize,
+        kinds: impl IntoIterator<Item = GgmlKind>,
+    ) -> Option<Self> {
         assert!(
             tier.available(),
             "kernel tier {tier} is not available on this CPU"
@@ -368,15 +399,46 @@ impl Int8 {
                     legacy = true;
                 }
             }
-            let rows_of = |on: bool| x.chunks_exact(cols.max(1)).filter(move |_| on);
             return Some(Self {
-                rows: rows_of(legacy).map(q8::Q8Row::quantize).collect(),
-                krows: rows_of(k).map(q8::Q8KRow::quantize).collect(),
+                rows: quantize_rows(pool, legacy, x, m, cols, q8::Q8Row::quantize),
+                krows: quantize_rows(pool, k, x, m, cols, q8::Q8KRow::quantize),
                 vnni: tier >= Tier::Avx512Vnni,
             });
         }
-        let _ = (tier, x, m, cols, kinds.into_iter().count());
+        let _ = (pool, tier, x, m, cols, kinds.into_iter().count());
         None
+    }
+}
+
+/// The `m` rows of `x: [m, cols]` quantized by `f` (none unless `on`), split over `pool`'s
+/// threads where there are enough rows to pay for a dispatch.
+#[cfg(target_arch = "x86_64")]
+fn quantize_rows<T: Send>(
+    pool: Option<&SpinPool>,
+    on: bool,
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    f: fn(&[f32]) -> T,
+) -> Vec<T> {
+    if !on || m == 0 {
+        return Vec::new();
+    }
+    let rows = || x.chunks_exact(cols.max(1));
+    match pool {
+        Some(pool) if m > 4 * pool.threads() => {
+            let parts = pool.threads();
+            let done: Vec<Mutex<Vec<T>>> = (0..parts).map(|_| Mutex::new(Vec::new())).collect();
+            pool.run(&|tid, _| {
+                let r = split(m, tid, parts, 1);
+                let q: Vec<T> = rows().skip(r.start).take(r.len()).map(f).collect();
+                *done[tid].lock().unwrap_or_else(|e| e.into_inner()) = q;
+            });
+            done.into_iter()
+                .flat_map(|d| d.into_inner().unwrap_or_else(|e| e.into_inner()))
+                .collect()
+        }
+        _ => rows().map(f).collect(),
     }
 }
 
@@ -384,21 +446,19 @@ impl Int8 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activations {
     /// Rounded to 8 bits (per block of 32 values, per super-block of 256 for the K-quants),
-    /// for every row count and tier: the integer kernels from the AVX2 tier up on few rows,
-    /// the same rounded values in f32 elsewhere (`--int8-decode`).
+    /// for every row count and tier: the integer kernels from the AVX2 tier up, the same
+    /// rounded values in f32 on the portable tier. The default.
     Int8,
-    /// As they are, in f32. The default until the many-row products run the integer kernels
-    /// too: a row's rounding turns the float noise between the few-row and the many-row
-    /// products (another order of sums) into whole steps, so a prompt whose head is cached
-    /// could answer otherwise than the same prompt computed whole.
+    /// As they are, in f32 (`--f32-activations`): the reference path. A row's bits depend on
+    /// the rows it is batched with (few-row kernels or gemm), by float noise.
     F32,
 }
 
 /// Set by [`set_activations`]: whether products read 8-bit activations.
-static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
+static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(true);
 
 /// Chooses, process-wide, how the quantized products read their activations (the default is
-/// [`Activations::F32`]).
+/// [`Activations::Int8`]).
 pub fn set_activations(a: Activations) {
     INT8_ACTIVATIONS.store(a == Activations::Int8, Ordering::Relaxed);
 }

@@ -12,7 +12,7 @@ use leyline_kernels::gemm::gemm_into;
 use leyline_kernels::mem::HugeBuf;
 use leyline_kernels::panel::Panels;
 use leyline_kernels::pool::SpinPool;
-use leyline_kernels::qmatmul::QMatrix;
+use leyline_kernels::qmatmul::{activations, Activations, QMatrix};
 
 /// A linear layer `y = x W^T + b`.
 pub struct Linear {
@@ -67,34 +67,23 @@ impl F32Weight {
     }
 }
 
-/// A sequence that brings at most this many rows to a batch runs them through the quantized
-/// few-row kernels ([`QMatrix::matmul_concat`]: from the AVX2 tier up the integer kernels on
-/// 8-bit activations, below it the portable f32 ones); more rows take the
-/// dequantize-then-gemm product ([`QMatrix::matmul_wide`]). 32: where the f32 dot-product
-/// tiles crossed over with gemm (their AVX-512 broadcast tiles, no longer used, reached 96
-/// rows on SmolLM2-135M).
+/// On f32 activations (the reference path), a sequence that brings at most this many rows to
+/// a batch runs them through the few-row f32 kernels ([`QMatrix::matmul_concat`]); more rows
+/// take the dequantize-then-gemm product ([`QMatrix::matmul_wide`]). 32: where the f32
+/// dot-product tiles crossed over with gemm. On 8-bit activations (the default) every row
+/// takes [`QMatrix::matmul_concat`], whose integer kernels serve any row count.
 pub const FEW_ROWS: usize = 32;
 
-/// Which rows of a batch's products take the few-row kernels and which the wide product.
-///
-/// Design decision: the choice is made per sequence, by the rows it brings, not by the
-/// batch's total: a sequence's rows then take the same kernels alone and batched with
-/// others, and the few-row kernels compute each row on its own (each activation row
-/// quantized alone, the same instructions per row whatever the batch), so a sequence decoded
-/// in a batch computes the bits it computes alone.
+/// Which product a batch's rows take on f32 activations (the reference path): the few-row
+/// kernels or the wide one, by the batch's row count. On 8-bit activations (the default)
+/// every row takes the integer kernels, each row's bits its own whatever the batch, and the
+/// split is not read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RowSplit {
     /// All `m` rows through the few-row kernels.
     Few(usize),
     /// All `m` rows through the wide product.
     Wide(usize),
-    /// Some of each: the row indices of each side.
-    Mixed {
-        /// Rows through the few-row kernels.
-        few: Vec<usize>,
-        /// Rows through the wide product.
-        wide: Vec<usize>,
-    },
 }
 
 impl RowSplit {
@@ -107,54 +96,16 @@ impl RowSplit {
         }
     }
 
-    /// Consecutive groups of rows, one per sequence: `(rows in the product, rows the
-    /// sequence brings to the batch)`; a group goes by the second.
-    pub fn by_sequence(groups: impl IntoIterator<Item = (usize, usize)>) -> Self {
-        let (mut few, mut wide) = (Vec::new(), Vec::new());
-        let mut at = 0;
-        for (rows, brings) in groups {
-            let side = if brings <= FEW_ROWS {
-                &mut few
-            } else {
-                &mut wide
-            };
-            side.extend(at..at + rows);
-            at += rows;
-        }
-        match (few.is_empty(), wide.is_empty()) {
-            (_, true) => Self::Few(few.len()),
-            (true, false) => Self::Wide(wide.len()),
-            (false, false) => Self::Mixed { few, wide },
-        }
-    }
-
     /// Rows in all.
     pub fn len(&self) -> usize {
         match self {
             Self::Few(m) | Self::Wide(m) => *m,
-            Self::Mixed { few, wide } => few.len() + wide.len(),
         }
     }
 
     /// Whether there are no rows.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-}
-
-/// Rows `idx` of `x: [.., width]`, in that order.
-fn gather(x: &[f32], width: usize, idx: &[usize]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(idx.len() * width);
-    for &i in idx {
-        out.extend_from_slice(&x[i * width..(i + 1) * width]);
-    }
-    out
-}
-
-/// Puts row `k` of `src: [idx.len(), width]` at row `idx[k]` of `y`.
-fn scatter(src: &[f32], width: usize, idx: &[usize], y: &mut [f32]) {
-    for (k, &i) in idx.iter().enumerate() {
-        y[i * width..(i + 1) * width].copy_from_slice(&src[k * width..(k + 1) * width]);
     }
 }
 
@@ -306,8 +257,9 @@ impl Linear {
         Ok(Tensor::from_vec(y, (rows, self.out), &Device::Cpu)?)
     }
 
-    /// `y: [m, out] = x: [m, in] W^T + b`: quantized weights through the few-row kernels up
-    /// to [`FEW_ROWS`] rows, the wide product above; f32 weights through gemm.
+    /// `y: [m, out] = x: [m, in] W^T + b`: quantized weights through the integer kernels (on
+    /// f32 activations: the few-row kernels up to [`FEW_ROWS`] rows, the wide product above);
+    /// f32 weights through gemm.
     /// Products run on the global [`SpinPool`] (gemm: rayon's pool).
     ///
     /// # Errors
@@ -316,7 +268,7 @@ impl Linear {
         self.forward_split(x, &RowSplit::uniform(m), y)
     }
 
-    /// [`Self::forward_rows`] with the rows' kernels chosen by `split` (per sequence).
+    /// [`Self::forward_rows`] with the rows' kernels on f32 activations chosen by `split`.
     ///
     /// # Errors
     /// Wrong lengths of `x` or `y`.
@@ -328,19 +280,12 @@ impl Linear {
                 let mats: Vec<&QMatrix> = q.iter().collect();
                 let pool = SpinPool::global();
                 match split {
+                    // On 8-bit activations the integer kernels serve any row count.
+                    _ if activations() == Activations::Int8 => {
+                        QMatrix::matmul_concat(pool, x, m, &mats, y)
+                    }
                     RowSplit::Few(_) => QMatrix::matmul_concat(pool, x, m, &mats, y),
                     RowSplit::Wide(_) => QMatrix::matmul_wide(pool, x, m, &mats, y),
-                    RowSplit::Mixed { few, wide } => {
-                        let (nf, nw) = (few.len(), wide.len());
-                        let mut yf = vec![0f32; nf * self.out];
-                        let xf = gather(x, self.inp, few);
-                        QMatrix::matmul_concat(pool, &xf, nf, &mats, &mut yf);
-                        scatter(&yf, self.out, few, y);
-                        let mut yw = vec![0f32; nw * self.out];
-                        let xw = gather(x, self.inp, wide);
-                        QMatrix::matmul_wide(pool, &xw, nw, &mats, &mut yw);
-                        scatter(&yw, self.out, wide, y);
-                    }
                 }
             }
             Weight::F32(w) => w.matmul(self.out, self.inp, x, m, y)?,
@@ -456,7 +401,7 @@ impl FusedLinear {
         self.0.forward_rows(x, m, y)
     }
 
-    /// [`Self::forward`] with the rows' kernels chosen by `split` (per sequence).
+    /// [`Self::forward`] with the rows' kernels on f32 activations chosen by `split`.
     ///
     /// # Errors
     /// Wrong lengths of `x` or `y`.
@@ -553,6 +498,7 @@ pub(crate) fn with_f32_rows<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Resul
 mod tests {
     use super::*;
     use candle_core::quantized::GgmlDType;
+    use leyline_kernels::qmatmul::GgmlKind;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
@@ -619,28 +565,9 @@ mod tests {
         assert!(owned.forward_rows(&values(inp, 9), 2, &mut y).is_err());
     }
 
-    #[test]
-    fn rows_go_by_their_sequence_not_the_batch() {
-        assert_eq!(RowSplit::uniform(FEW_ROWS), RowSplit::Few(FEW_ROWS));
-        assert_eq!(
-            RowSplit::uniform(FEW_ROWS + 1),
-            RowSplit::Wide(FEW_ROWS + 1)
-        );
-        // Thirty sequences of two rows: 60 rows, all few-row ones.
-        assert_eq!(RowSplit::by_sequence(vec![(2, 2); 30]), RowSplit::Few(60));
-        // A 40-row prefill between two decode rows; its head rows (1 of 40) go wide too.
-        let s = RowSplit::by_sequence([(1, 1), (40, 40), (1, 1)]);
-        let few = vec![0, 41];
-        let wide: Vec<usize> = (1..41).collect();
-        assert_eq!(s, RowSplit::Mixed { few, wide });
-        assert_eq!(RowSplit::by_sequence([(1, 40)]), RowSplit::Wide(1));
-        assert_eq!(s.len(), 42);
-    }
-
-    /// `x: [.., inp]` as a product with Q8_0 weights (the kind of these tests) reads it.
-    fn reads(x: &[f32], inp: usize) -> Vec<f32> {
-        use leyline_kernels::qmatmul::{activations_as_read, GgmlKind};
-        activations_as_read(GgmlKind::Q8_0, x, inp)
+    /// `x: [.., inp]` as a product with `kind` weights reads it.
+    fn reads(kind: leyline_kernels::qmatmul::GgmlKind, x: &[f32], inp: usize) -> Vec<f32> {
+        leyline_kernels::qmatmul::activations_as_read(kind, x, inp)
     }
 
     #[test]
@@ -673,7 +600,7 @@ mod tests {
             let x = values(m * inp, 30 + m as u64);
             let mut y = vec![f32::NAN; m * width];
             fused.forward(&x, m, &mut y).unwrap();
-            let x = reads(&x, inp);
+            let x = reads(GgmlKind::Q8_0, &x, inp);
             let mut col = 0;
             for ((w, b), &out) in refs.iter().zip(&outs) {
                 let want = reference(w, b, &x, m, out, inp);
@@ -732,7 +659,8 @@ mod tests {
                 let x = values(m * inp, 50 + m as u64);
                 let mut y = vec![f32::NAN; m * out];
                 layer.forward_rows(&x, m, &mut y).unwrap();
-                let want = reference(&wv, &vec![0.0; out], &reads(&x, inp), m, out, inp);
+                let xr = reads(qm.kind(), &x, inp);
+                let want = reference(&wv, &vec![0.0; out], &xr, m, out, inp);
                 for (j, (&got, &exp)) in y.iter().zip(&want).enumerate() {
                     assert!(
                         (f64::from(got) - exp).abs() <= 1e-5 * (1.0 + exp.abs()),
@@ -749,9 +677,9 @@ mod tests {
         let x = values(inp, 60);
         let mut y = vec![f32::NAN; width];
         fused.forward(&x, 1, &mut y).unwrap();
-        let x = reads(&x, inp);
         for (p, w) in refs.iter().enumerate() {
-            let want = reference(w, &vec![0.0; out], &x, 1, out, inp);
+            let kind = ggml_kind(kinds[p]).expect("a kernel kind");
+            let want = reference(w, &vec![0.0; out], &reads(kind, &x, inp), 1, out, inp);
             for (j, &exp) in want.iter().enumerate() {
                 let got = y[p * out + j];
                 assert!(

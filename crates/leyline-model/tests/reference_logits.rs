@@ -307,7 +307,7 @@ fn decode_path_matches_transformers_in_small_interleaved_batches() {
 
 /// The same on the default 8-bit activations, within 1.5x llama.cpp's distance.
 #[test]
-fn int8_decode_path_is_within_llamacpps_distance() {
+fn int8_path_is_within_llamacpps_distance() {
     let _mode = activations(Activations::Int8);
     small_interleaved_batches(&[(KvDtype::F32, INT8_TOL), (KvDtype::F16, INT8_TOL)]);
 }

@@ -80,16 +80,12 @@ pub struct ModelArgs {
     /// times that, room for several sessions).
     #[arg(long)]
     pub kv_slots: Option<usize>,
-    /// Every quantized product reads its activations rounded to 8 bits (per block of 32, per
-    /// super-block of 256 for K-quants, as llama.cpp does), and products of a sequence's few
-    /// rows (decode steps, prompts up to 32 tokens) multiply in integer dot products (AVX2,
-    /// AVX-512 VNNI where the CPU has it): faster decode, logits within 1.5x llama.cpp's own
-    /// distance from transformers. Each sequence computes the same bits alone or batched;
-    /// a prompt whose head is cached may still answer otherwise than the whole prompt
-    /// computed afresh (the prefill multiplies in another order), which is why it is not
-    /// the default yet
+    /// Quantized products read their activations in f32 (weights dequantized in registers,
+    /// prompts through an f32 gemm) instead of rounded to 8 bits per block (the default, as
+    /// llama.cpp does, multiplied in integer dot products). A reference path for comparisons:
+    /// slower decode, and a sequence may compute other bits batched than alone
     #[arg(long)]
-    pub int8_decode: bool,
+    pub f32_activations: bool,
 }
 
 /// How AMORTIZE splices move the keys after an edit (`serve`, `verify`, `bench
@@ -310,13 +306,13 @@ pub fn load_any_model(args: &ModelArgs) -> Result<AnyModel> {
     Ok(leyline_model::load_model_path(&model_path(args)?)?)
 }
 
-/// The activations every quantized product reads, from `--int8-decode`.
+/// The activations every quantized product reads, from `--f32-activations`.
 fn set_activations(args: &ModelArgs) {
     use leyline_kernels::qmatmul::{set_activations, Activations};
-    set_activations(if args.int8_decode {
-        Activations::Int8
-    } else {
+    set_activations(if args.f32_activations {
         Activations::F32
+    } else {
+        Activations::Int8
     });
 }
 

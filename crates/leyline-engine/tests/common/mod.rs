@@ -11,6 +11,17 @@ use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The default model, fetched on first use.
+/// Sets f32 activations for every quantized product in this process (the reference path),
+/// for tests whose claims are about a splice's arithmetic against an f64-built reference:
+/// 8-bit activations turn float noise between two computations of the same values into a
+/// whole rounding step wherever a value sits at a step's edge. The switch is process-wide
+/// and a binary's tests run on threads of one process, so each test of such a binary calls
+/// this first.
+#[allow(dead_code)]
+pub fn f32_activations() {
+    leyline_kernels::qmatmul::set_activations(leyline_kernels::qmatmul::Activations::F32);
+}
+
 pub fn lm() -> &'static LoadedModel {
     static M: OnceLock<LoadedModel> = OnceLock::new();
     M.get_or_init(|| {

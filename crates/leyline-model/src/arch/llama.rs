@@ -156,8 +156,8 @@ impl Network for Llama {
         &self.info
     }
 
-    /// Design decision: activations live in `Vec<f32>` buffers; each sequence's rows take
-    /// the kernels its own size picks ([`crate::blocks::row_split`]), so that a sequence
+    /// Design decision: activations live in `Vec<f32>` buffers; on 8-bit activations (the
+    /// default) every product computes each row's bits whatever the batch, so a sequence
     /// computes the same bits alone and batched; attention reads the pool's rows in place.
     fn run(
         &self,

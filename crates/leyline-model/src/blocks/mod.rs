@@ -78,19 +78,9 @@ impl<'a> Pass<'a> {
     }
 }
 
-/// Whether the quantized products read 8-bit activations (`--int8-decode`).
-pub(crate) fn int8_activations() -> bool {
-    use leyline_kernels::qmatmul::{activations, Activations};
-    activations() == Activations::Int8
-}
-
-/// How the rows of a batch are cut for the linear layers: on 8-bit activations each
-/// sequence's rows take the kernels its own size picks (batch invariance); on f32 ones the
-/// batch's size picks, as the paths differ by float noise only.
+/// How the rows of a batch are cut for the linear layers on f32 activations: by the batch's
+/// size, as the paths differ by float noise only (8-bit activations take the integer
+/// kernels for any rows).
 pub(crate) fn row_split(seqs: &[ForwardSeq<'_>]) -> RowSplit {
-    if int8_activations() {
-        RowSplit::by_sequence(seqs.iter().map(|s| (s.tokens.len(), s.tokens.len())))
-    } else {
-        RowSplit::uniform(seqs.iter().map(|s| s.tokens.len()).sum())
-    }
+    RowSplit::uniform(seqs.iter().map(|s| s.tokens.len()).sum())
 }

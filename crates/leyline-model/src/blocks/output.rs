@@ -94,12 +94,8 @@ impl Ends {
             rms_norm(&x[r * hid..(r + 1) * hid], &self.norm, eps, dst);
         }
         let mut logits = vec![0f32; m * vocab];
-        let split = if super::int8_activations() {
-            RowSplit::by_sequence(counts.iter().zip(seqs).map(|(&c, s)| (c, s.tokens.len())))
-        } else {
-            RowSplit::uniform(m)
-        };
-        self.head.forward_split(&xs, &split, &mut logits)?;
+        self.head
+            .forward_split(&xs, &RowSplit::uniform(m), &mut logits)?;
         Ok(Ran::Logits(crate::model::split_logits(
             &logits, &counts, vocab,
         )))
