@@ -78,3 +78,77 @@ unsafe fn group_avx512<const N: usize>(
         }
     }
 }
+
+/// [`super::kernel::transpose_block`] with AVX-512F: 16 keys x 16 head dims at a time,
+/// transposed in registers (the compiler's strided stores cost a store per value); head
+/// dims past the last whole 16 one by one.
+///
+/// # Safety
+/// The CPU has AVX-512F; every key row holds `hd` values and `kt.len() >= hd * KB`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn transpose_avx512(krows: &[&[f32]; KB], kt: &mut [f32], hd: usize) {
+    let full = hd / 16 * 16;
+    for (g, kg) in krows.chunks_exact(16).enumerate() {
+        for d0 in (0..full).step_by(16) {
+            // SAFETY: `d0 + 16 <= hd`, inside every key row.
+            let r: [__m512; 16] =
+                std::array::from_fn(|i| unsafe { _mm512_loadu_ps(kg[i].as_ptr().add(d0)) });
+            let t = transpose16(r);
+            for (i, x) in t.iter().enumerate() {
+                // SAFETY: `(d0 + i) * KB + 16 g + 16 <= hd * KB <= kt.len()`.
+                unsafe { _mm512_storeu_ps(kt.as_mut_ptr().add((d0 + i) * KB + 16 * g), *x) };
+            }
+        }
+        for d in full..hd {
+            for (i, kr) in kg.iter().enumerate() {
+                kt[d * KB + 16 * g + i] = kr[d];
+            }
+        }
+    }
+}
+
+/// Row i of the result holds lane i of each of `r`'s 16 vectors.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+    // 32-bit interleaves of row pairs, then 64-bit ones of those: each 128-bit block then
+    // holds a 4 x 4 tile; two 128-bit shuffles put the tiles in place.
+    let t: [__m512; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[2 * (i / 2)], r[2 * (i / 2) + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    // u[4q + e]: from t[4q + (e / 2)] and t[4q + 2 + (e / 2)], low (e even) or high pairs.
+    let u: [__m512; 16] = std::array::from_fn(|i| {
+        let (q, e) = (i / 4, i % 4);
+        let a = _mm512_castps_pd(t[4 * q + e / 2]);
+        let b = _mm512_castps_pd(t[4 * q + 2 + e / 2]);
+        _mm512_castpd_ps(if e % 2 == 0 {
+            _mm512_unpacklo_pd(a, b)
+        } else {
+            _mm512_unpackhi_pd(a, b)
+        })
+    });
+    // v[8h + 4s + e]: blocks 0 and 2 (s = 0) or 1 and 3 (s = 1) of u[8h + e], u[8h + 4 + e].
+    let v: [__m512; 16] = std::array::from_fn(|i| {
+        let (h, s, e) = (i / 8, (i / 4) % 2, i % 4);
+        let (a, b) = (u[8 * h + e], u[8 * h + 4 + e]);
+        if s == 0 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xdd>(a, b)
+        }
+    });
+    // Result i: blocks of v[i % 8] and v[8 + i % 8], even (i < 8) or odd ones.
+    std::array::from_fn(|i| {
+        let (a, b) = (v[i % 8], v[8 + i % 8]);
+        if i < 8 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xdd>(a, b)
+        }
+    })
+}

@@ -165,9 +165,31 @@ pub(super) fn run<T: Copy>(
     }
 }
 
-/// `kt[d][jj] = krows[jj][d]` for the block's first `nb` keys (the rest is not read).
+/// `kt[d][jj] = krows[jj][d]`: the block's keys transposed (keys past its own may be too).
+pub(super) fn transpose_block(
+    tier: Tier,
+    krows: &[&[f32]; KB],
+    nb: usize,
+    kt: &mut [f32],
+    hd: usize,
+) {
+    assert!(kt.len() >= hd * KB && krows.iter().all(|r| r.len() >= hd));
+    match tier {
+        // SAFETY: the CPU has AVX-512F (see [`run`]), and the assert above holds the bounds
+        // `transpose_avx512` relies on.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 | Tier::Avx512Vnni => unsafe { avx512::transpose_avx512(krows, kt, hd) },
+        // SAFETY: the CPU has AVX2 (see [`run`]), and the assert above holds the bounds
+        // `transpose_avx2` relies on.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => unsafe { avx2::transpose_avx2(krows, kt, hd) },
+        _ => transpose_portable(krows, nb, kt, hd),
+    }
+}
+
+/// [`transpose_block`] in plain loops, for the block's first `nb` keys.
 #[inline(always)]
-fn transpose_block(krows: &[&[f32]; KB], nb: usize, kt: &mut [f32], hd: usize) {
+fn transpose_portable(krows: &[&[f32]; KB], nb: usize, kt: &mut [f32], hd: usize) {
     for (jj, kr) in krows.iter().enumerate().take(nb) {
         for (d, &x) in kr[..hd].iter().enumerate() {
             kt[d * KB + jj] = x;
@@ -451,7 +473,7 @@ fn task<T: Copy, const W: usize>(
         let krows = block_rows(kf, turned, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
         let vrows = block_rows(vf, 0, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
         if direct {
-            transpose_block(&krows, nb, kt, hd);
+            transpose_block(tier, &krows, nb, kt, hd);
             scores_keys::<W>(qb, rows, lanes, kt, st, hd);
         } else {
             scores(tier, qt, lanes, &krows, st, hd);

@@ -1,6 +1,32 @@
 use super::*;
 use std::num::NonZeroUsize;
 
+/// A key block transposed on every tier: each value lands at `[d][key]`, for head dims
+/// with and without a tail past whole vectors.
+#[test]
+fn key_blocks_transpose_on_every_tier() {
+    for hd in [16, 40, 64, 7] {
+        let rows: Vec<Vec<f32>> = (0..KB)
+            .map(|j| (0..hd).map(|d| (j * 1000 + d) as f32).collect())
+            .collect();
+        let krows: [&[f32]; KB] = std::array::from_fn(|j| rows[j].as_slice());
+        Tier::note_lacking();
+        for tier in Tier::all_available() {
+            let mut kt = vec![f32::NAN; hd * KB];
+            kernel::transpose_block(tier, &krows, KB, &mut kt, hd);
+            for d in 0..hd {
+                for j in 0..KB {
+                    assert_eq!(
+                        kt[d * KB + j],
+                        rows[j][d],
+                        "{tier} hd {hd}: dim {d} key {j}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// A seeded xorshift stream of values in `[-1, 1)`.
 struct Rng(u64);
 
