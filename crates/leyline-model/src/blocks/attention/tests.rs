@@ -1,7 +1,7 @@
 use super::plan::{common_prefix, shared_prefixes, QB};
 use super::*;
 use crate::model::{ForwardSeq, LogitsFor};
-use leyline_kernels::attend::{Heads, KB};
+use leyline_kernels::attend::{Heads, KB, SPAN};
 use leyline_kernels::rope::{LayerRopes, RopeSpec, RotaryLayout};
 use leyline_kv::shift::KeyShift;
 use leyline_kv::storage::{KvDtype, KvGeometry};
@@ -774,6 +774,17 @@ fn batch_bits(
         .enumerate()
         .flat_map(|(i, &(_, c0, c1))| std::iter::repeat_n(i, c1 - c0))
         .collect();
+    // The kernel's contract (checked there in debug builds only): tasks start at key-block
+    // edges, and a merged part lies in one span.
+    for t in plan.cuts.iter().flat_map(|c| &c.work.tasks) {
+        assert!(t.k0 % KB == 0, "task from key {}", t.k0);
+        assert!(
+            !t.merged || t.k0 / SPAN == (t.k1 - 1) / SPAN,
+            "part {}..{}",
+            t.k0,
+            t.k1
+        );
+    }
     let grouped = plan.cuts.iter().flat_map(|c| &c.work.tasks).any(|t| {
         t.toks
             .iter()
