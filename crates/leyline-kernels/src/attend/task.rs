@@ -10,7 +10,7 @@ pub const KB: usize = 64;
 /// Query rows per register block.
 pub const RB: usize = 4;
 /// Keys per span: a row's keys are cut at multiples of `SPAN` from key 0, each span gets its
-/// own online softmax, and the spans are folded in key order ([`fold`]), whether one task
+/// own online softmax, and the spans are folded in key order (`fold`), whether one task
 /// runs them all or a planner hands them to several (a split). So a row's bits depend only on
 /// its keys, not on how a batch is cut. 512: a 16K-key decode still splits into 32 parts
 /// (enough for any thread count), and a fold per 512 keys costs under 1% of their work.
