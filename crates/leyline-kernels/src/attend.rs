@@ -13,9 +13,13 @@
 //! Scores are kept in log2 units (the query is pre-scaled by `log2(e)`), so the softmax needs
 //! only `exp2`, computed by a polynomial the compiler vectorizes.
 //!
-//! A task with few query rows (a decode step's) takes dot products of its rows with the key
-//! rows instead ([`direct`]), which wastes no vector lanes on absent rows; a task may cover
-//! part of a context only, its running max and sum merged with the other parts' afterwards
+//! A task with few query rows (a decode step's) takes its scores with the block's keys across
+//! lanes instead ([`direct`]: the block transposed), which wastes no lanes on absent rows.
+//!
+//! A row's output bits do not depend on the batch: both products sum a score in one order
+//! (an FMA per head dim, in order); key blocks fall at multiples of [`KB`] from key 0; each
+//! [`SPAN`] of keys gets its own online softmax and the spans are folded in key order, by
+//! the task when it covers several, or after the tasks when a planner split a row's keys
 //! ([`Task::merged`]). Keys stored at positions other than their own (lazy splices) are read
 //! with the queries turned back by the run's offset ([`Task::pieces`], [`Task::loads`]).
 //!
@@ -34,7 +38,7 @@ use std::sync::Mutex;
 use task::write_out;
 
 pub use kernel::Queries;
-pub use task::{direct, last_piece, offset_of, Heads, Task, KB, RB};
+pub use task::{direct, last_piece, offset_of, Heads, Task, KB, RB, SPAN};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

@@ -1,69 +1,7 @@
-//! The score products with AVX2 and FMA intrinsics, as `avx512.rs` has them for 16 lanes.
+//! The transposed score product with AVX2 and FMA intrinsics, as `avx512.rs` has it for 16 lanes.
 
 use super::task::KB;
 use std::arch::x86_64::*;
-
-/// [`super::avx512::scores_few_avx512`] with AVX2 and FMA: 8 keys at a time, summed by
-/// [`sum8`] and written lane by lane (AVX2 has no scatter).
-///
-/// # Safety
-/// The CPU has AVX2 and FMA; `hd % 8 == 0`, and the bounds of
-/// [`super::avx512::scores_few_avx512`].
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn scores_few_avx2(
-    qb: &[f32],
-    rows: usize,
-    lanes: usize,
-    krows: &[&[f32]; KB],
-    nb: usize,
-    st: &mut [f32],
-    hd: usize,
-) {
-    st[..KB * lanes].fill(0.0);
-    let mut sums = [0f32; 8];
-    for r in 0..rows {
-        let q = &qb[r * hd..(r + 1) * hd];
-        for (g, kg) in krows.chunks_exact(8).take(nb.div_ceil(8)).enumerate() {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for c in (0..hd).step_by(8) {
-                // SAFETY: c + 8 <= hd, inside the query row and every key row.
-                let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(c)) };
-                for (a, kr) in acc.iter_mut().zip(kg) {
-                    // SAFETY: as above.
-                    *a = _mm256_fmadd_ps(qv, unsafe { _mm256_loadu_ps(kr.as_ptr().add(c)) }, *a);
-                }
-            }
-            // SAFETY: the store writes the 8 floats of `sums`.
-            unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), sum8(&acc)) };
-            for (j, &x) in sums.iter().enumerate() {
-                st[(8 * g + j) * lanes + r] = x;
-            }
-        }
-    }
-}
-
-/// Lane j of the result is the sum of the 8 lanes of `a[j]`, as [`super::avx512::sum16`] does
-/// for 16 (7 merges: 32-bit and 64-bit interleaves, then one fold of the 128-bit halves).
-#[target_feature(enable = "avx2")]
-#[inline]
-pub(super) fn sum8(a: &[__m256; 8]) -> __m256 {
-    let s1: [__m256; 4] = std::array::from_fn(|p| {
-        let (x, y) = (a[2 * p], a[2 * p + 1]);
-        _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y))
-    });
-    let s2: [__m256; 2] = std::array::from_fn(|q| {
-        let (x, y) = (_mm256_castps_pd(s1[2 * q]), _mm256_castps_pd(s1[2 * q + 1]));
-        _mm256_add_ps(
-            _mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
-            _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)),
-        )
-    });
-    // 0x20 takes the low halves of both, 0x31 the high halves.
-    _mm256_add_ps(
-        _mm256_permute2f128_ps::<0x20>(s2[0], s2[1]),
-        _mm256_permute2f128_ps::<0x31>(s2[0], s2[1]),
-    )
-}
 
 /// [`super::kernel::scores`] with AVX2 and FMA: 4 keys x 16 query lanes (8 registers).
 ///
@@ -104,4 +42,63 @@ pub(super) unsafe fn scores_avx2(
             }
         }
     }
+}
+
+/// [`super::kernel::transpose_block`] with AVX2: 8 keys x 8 head dims at a time, transposed
+/// in registers; head dims past the last whole 8 one by one.
+///
+/// # Safety
+/// The CPU has AVX2; every key row holds `hd` values and `kt.len() >= hd * KB`.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn transpose_avx2(krows: &[&[f32]; KB], kt: &mut [f32], hd: usize) {
+    let full = hd / 8 * 8;
+    for (g, kg) in krows.chunks_exact(8).enumerate() {
+        for d0 in (0..full).step_by(8) {
+            // SAFETY: `d0 + 8 <= hd`, inside every key row.
+            let r: [__m256; 8] =
+                std::array::from_fn(|i| unsafe { _mm256_loadu_ps(kg[i].as_ptr().add(d0)) });
+            let t = transpose8(r);
+            for (i, x) in t.iter().enumerate() {
+                // SAFETY: `(d0 + i) * KB + 8 g + 8 <= hd * KB <= kt.len()`.
+                unsafe { _mm256_storeu_ps(kt.as_mut_ptr().add((d0 + i) * KB + 8 * g), *x) };
+            }
+        }
+        for d in full..hd {
+            for (i, kr) in kg.iter().enumerate() {
+                kt[d * KB + 8 * g + i] = kr[d];
+            }
+        }
+    }
+}
+
+/// Row i of the result holds lane i of each of `r`'s 8 vectors.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t: [__m256; 8] = std::array::from_fn(|i| {
+        let (a, b) = (r[2 * (i / 2)], r[2 * (i / 2) + 1]);
+        if i % 2 == 0 {
+            _mm256_unpacklo_ps(a, b)
+        } else {
+            _mm256_unpackhi_ps(a, b)
+        }
+    });
+    // u[4q + e]: 0x44 takes the low pairs of t[4q + e / 2] and t[4q + 2 + e / 2], 0xee the high.
+    let u: [__m256; 8] = std::array::from_fn(|i| {
+        let (q, e) = (i / 4, i % 4);
+        let (a, b) = (t[4 * q + e / 2], t[4 * q + 2 + e / 2]);
+        if e % 2 == 0 {
+            _mm256_shuffle_ps::<0x44>(a, b)
+        } else {
+            _mm256_shuffle_ps::<0xee>(a, b)
+        }
+    });
+    // 0x20 takes the low 128-bit halves of both, 0x31 the high ones.
+    std::array::from_fn(|i| {
+        if i < 4 {
+            _mm256_permute2f128_ps::<0x20>(u[i], u[4 + i])
+        } else {
+            _mm256_permute2f128_ps::<0x31>(u[i - 4], u[i])
+        }
+    })
 }

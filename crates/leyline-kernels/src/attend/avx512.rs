@@ -79,78 +79,76 @@ unsafe fn group_avx512<const N: usize>(
     }
 }
 
-/// [`super::kernel::scores_direct`] with AVX-512F: per query row, 16 keys' dot products
-/// in 16 accumulators, summed across lanes together by [`sum16`] and scattered into the
-/// block's score rows: no per-score chain of horizontal adds. Groups of 16 keys that
-/// start at or past `nb` are left at zero.
+/// [`super::kernel::transpose_block`] with AVX-512F: 16 keys x 16 head dims at a time,
+/// transposed in registers (the compiler's strided stores cost a store per value); head
+/// dims past the last whole 16 one by one.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `hd % 16 == 0`, `rows <= lanes`, `qb.len() >= rows * hd`,
-/// `st.len() >= KB * lanes` and every key row holds `hd` values.
+/// The CPU has AVX-512F; every key row holds `hd` values and `kt.len() >= hd * KB`.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn scores_few_avx512(
-    qb: &[f32],
-    rows: usize,
-    lanes: usize,
-    krows: &[&[f32]; KB],
-    nb: usize,
-    st: &mut [f32],
-    hd: usize,
-) {
-    st[..KB * lanes].fill(0.0);
-    let step = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(lanes as i32),
-    );
-    for r in 0..rows {
-        let q = &qb[r * hd..(r + 1) * hd];
-        for (g, kg) in krows.chunks_exact(16).take(nb.div_ceil(16)).enumerate() {
-            let mut acc = [_mm512_setzero_ps(); 16];
-            for c in (0..hd).step_by(16) {
-                // SAFETY: c + 16 <= hd, inside the query row and every key row.
-                let qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(c)) };
-                for (a, kr) in acc.iter_mut().zip(kg) {
-                    // SAFETY: as above.
-                    *a = _mm512_fmadd_ps(qv, unsafe { _mm512_loadu_ps(kr.as_ptr().add(c)) }, *a);
-                }
+pub(super) unsafe fn transpose_avx512(krows: &[&[f32]; KB], kt: &mut [f32], hd: usize) {
+    let full = hd / 16 * 16;
+    for (g, kg) in krows.chunks_exact(16).enumerate() {
+        for d0 in (0..full).step_by(16) {
+            // SAFETY: `d0 + 16 <= hd`, inside every key row.
+            let r: [__m512; 16] =
+                std::array::from_fn(|i| unsafe { _mm512_loadu_ps(kg[i].as_ptr().add(d0)) });
+            let t = transpose16(r);
+            for (i, x) in t.iter().enumerate() {
+                // SAFETY: `(d0 + i) * KB + 16 g + 16 <= hd * KB <= kt.len()`.
+                unsafe { _mm512_storeu_ps(kt.as_mut_ptr().add((d0 + i) * KB + 16 * g), *x) };
             }
-            // SAFETY: lane j goes to st[(16 g + j) * lanes + r], inside the block's
-            // KB * lanes scores since 16 g + j < KB and r < lanes.
-            unsafe {
-                _mm512_i32scatter_ps::<4>(
-                    st.as_mut_ptr().add(16 * g * lanes + r),
-                    step,
-                    sum16(&acc),
-                )
-            };
+        }
+        for d in full..hd {
+            for (i, kr) in kg.iter().enumerate() {
+                kt[d * KB + 16 * g + i] = kr[d];
+            }
         }
     }
 }
 
-/// Lane j of the result is the sum of the 16 lanes of `a[j]`: pairs are merged by
-/// interleaving and adding, 15 merges in all.
+/// Row i of the result holds lane i of each of `r`'s 16 vectors.
 #[target_feature(enable = "avx512f")]
 #[inline]
-pub(super) fn sum16(a: &[__m512; 16]) -> __m512 {
-    // After the 32-bit then 64-bit interleaves, lane e of 128-bit block b of `s2[q]` holds
-    // block b's sum of `a[4 q + e]`.
-    let s1: [__m512; 8] = std::array::from_fn(|p| {
-        let (x, y) = (a[2 * p], a[2 * p + 1]);
-        _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y))
+fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+    // 32-bit interleaves of row pairs, then 64-bit ones of those: each 128-bit block then
+    // holds a 4 x 4 tile; two 128-bit shuffles put the tiles in place.
+    let t: [__m512; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[2 * (i / 2)], r[2 * (i / 2) + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
     });
-    let s2: [__m512; 4] = std::array::from_fn(|q| {
-        let (x, y) = (_mm512_castps_pd(s1[2 * q]), _mm512_castps_pd(s1[2 * q + 1]));
-        _mm512_add_ps(
-            _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-            _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
-        )
+    // u[4q + e]: from t[4q + (e / 2)] and t[4q + 2 + (e / 2)], low (e even) or high pairs.
+    let u: [__m512; 16] = std::array::from_fn(|i| {
+        let (q, e) = (i / 4, i % 4);
+        let a = _mm512_castps_pd(t[4 * q + e / 2]);
+        let b = _mm512_castps_pd(t[4 * q + 2 + e / 2]);
+        _mm512_castpd_ps(if e % 2 == 0 {
+            _mm512_unpacklo_pd(a, b)
+        } else {
+            _mm512_unpackhi_pd(a, b)
+        })
     });
-    // Then blocks are summed pairwise: 0x88 takes blocks 0 and 2 of each, 0xdd 1 and 3.
-    let fold = |x: __m512, y: __m512| {
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x88>(x, y),
-            _mm512_shuffle_f32x4::<0xdd>(x, y),
-        )
-    };
-    fold(fold(s2[0], s2[1]), fold(s2[2], s2[3]))
+    // v[8h + 4s + e]: blocks 0 and 2 (s = 0) or 1 and 3 (s = 1) of u[8h + e], u[8h + 4 + e].
+    let v: [__m512; 16] = std::array::from_fn(|i| {
+        let (h, s, e) = (i / 8, (i / 4) % 2, i % 4);
+        let (a, b) = (u[8 * h + e], u[8 * h + 4 + e]);
+        if s == 0 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xdd>(a, b)
+        }
+    });
+    // Result i: blocks of v[i % 8] and v[8 + i % 8], even (i < 8) or odd ones.
+    std::array::from_fn(|i| {
+        let (a, b) = (v[i % 8], v[8 + i % 8]);
+        if i < 8 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xdd>(a, b)
+        }
+    })
 }

@@ -2,8 +2,8 @@
 //! per-thread buffers, the online softmax over key blocks, the value sums, and the choice of
 //! the score products of `portable.rs`, `avx2.rs` or `avx512.rs`.
 
-use super::portable::{dot, scores_portable};
-use super::task::{direct, last_piece, offset_of, Heads, Task, KB, RB};
+use super::portable::scores_portable;
+use super::task::{direct, finish, fold, last_piece, offset_of, Heads, Task, KB, RB, SPAN};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
 use crate::fastmath::exp2;
@@ -32,6 +32,8 @@ pub(super) struct Scratch {
     q: Vec<f32>,
     /// The same rows transposed, `[head_dim][lanes]`.
     qt: Vec<f32>,
+    /// A key block transposed, `[head_dim][KB]` (the direct product reads it).
+    kt: Vec<f32>,
     /// A key block's K and V rows converted to f32 when the storage is not f32.
     kb: Vec<f32>,
     vb: Vec<f32>,
@@ -44,6 +46,10 @@ pub(super) struct Scratch {
     m: Vec<f32>,
     l: Vec<f32>,
     corr: Vec<f32>,
+    /// Per query row, the earlier spans folded ([`fold`]): max, sum, value sums.
+    fm: Vec<f32>,
+    fl: Vec<f32>,
+    fo: Vec<f32>,
 }
 
 /// Query rows padded to whole 16-lane vectors.
@@ -57,6 +63,7 @@ impl Scratch {
         Self {
             q: vec![0.0; lanes * hd],
             qt: vec![0.0; hd * lanes],
+            kt: vec![0.0; hd * KB],
             kb: vec![0.0; KB * hd],
             vb: vec![0.0; KB * hd],
             zero: vec![0.0; hd],
@@ -65,6 +72,9 @@ impl Scratch {
             m: vec![0.0; lanes],
             l: vec![0.0; lanes],
             corr: vec![0.0; lanes],
+            fm: vec![0.0; lanes],
+            fl: vec![0.0; lanes],
+            fo: vec![0.0; lanes * hd],
         }
     }
 }
@@ -155,44 +165,88 @@ pub(super) fn run<T: Copy>(
     }
 }
 
-/// `st[j][r] = q[r] . k[j]` for one key block and the first `rows` query rows of `qb:
-/// [lanes][hd]` (scaled, untransposed); lanes from `rows` on are zero, and so may be the
-/// scores of keys from `nb` on (the caller masks them).
-#[allow(clippy::too_many_arguments)]
-fn scores_direct(
+/// `kt[d][jj] = krows[jj][d]`: the block's keys transposed (keys past its own may be too).
+pub(super) fn transpose_block(
     tier: Tier,
+    krows: &[&[f32]; KB],
+    nb: usize,
+    kt: &mut [f32],
+    hd: usize,
+) {
+    assert!(kt.len() >= hd * KB && krows.iter().all(|r| r.len() >= hd));
+    match tier {
+        // SAFETY: the CPU has AVX-512F (see [`run`]), and the assert above holds the bounds
+        // `transpose_avx512` relies on.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 | Tier::Avx512Vnni => unsafe { avx512::transpose_avx512(krows, kt, hd) },
+        // SAFETY: the CPU has AVX2 (see [`run`]), and the assert above holds the bounds
+        // `transpose_avx2` relies on.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => unsafe { avx2::transpose_avx2(krows, kt, hd) },
+        _ => transpose_portable(krows, nb, kt, hd),
+    }
+}
+
+/// [`transpose_block`] in plain loops, for the block's first `nb` keys.
+#[inline(always)]
+fn transpose_portable(krows: &[&[f32]; KB], nb: usize, kt: &mut [f32], hd: usize) {
+    for (jj, kr) in krows.iter().enumerate().take(nb) {
+        for (d, &x) in kr[..hd].iter().enumerate() {
+            kt[d * KB + jj] = x;
+        }
+    }
+}
+
+/// `st[j][r] = q[r] . k[j]` for one key block and the first `rows` (at most [`RB`]) query
+/// rows of `qb: [lanes][hd]` (scaled, untransposed), with keys across lanes: `kt` holds the
+/// block transposed ([`transpose_block`]). Each score is one FMA per head dim in order, as
+/// [`scores`] sums it, so both give the same bits. Lanes from `rows` on are zeroed.
+#[inline(always)]
+fn scores_keys<const W: usize>(
     qb: &[f32],
     rows: usize,
     lanes: usize,
-    krows: &[&[f32]; KB],
-    nb: usize,
+    kt: &[f32],
     st: &mut [f32],
     hd: usize,
 ) {
-    assert!(rows <= lanes && qb.len() >= rows * hd && st.len() >= KB * lanes);
-    assert!(krows.iter().all(|r| r.len() >= hd));
-    match tier {
-        // SAFETY: the CPU has AVX-512F (see [`run`]), `hd` is a multiple of 16, and the
-        // asserts above are the bounds `scores_few_avx512` relies on.
-        #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 | Tier::Avx512Vnni if hd.is_multiple_of(16) => unsafe {
-            avx512::scores_few_avx512(qb, rows, lanes, krows, nb, st, hd)
-        },
-        // SAFETY: the CPU has AVX2 and FMA (see [`run`]), `hd` is a multiple of 8, and the
-        // asserts above are the bounds `scores_few_avx2` relies on.
-        #[cfg(target_arch = "x86_64")]
-        Tier::Avx2 if hd.is_multiple_of(8) => unsafe {
-            avx2::scores_few_avx2(qb, rows, lanes, krows, nb, st, hd)
-        },
-        _ => {
-            for (srow, kr) in st.chunks_exact_mut(lanes).zip(krows) {
-                for (r, x) in srow.iter_mut().enumerate() {
-                    *x = if r < rows {
-                        dot(&qb[r * hd..(r + 1) * hd], kr)
-                    } else {
-                        0.0
-                    };
+    match rows {
+        1 => keys_rows::<1, W>(qb, lanes, kt, st, hd),
+        2 => keys_rows::<2, W>(qb, lanes, kt, st, hd),
+        3 => keys_rows::<3, W>(qb, lanes, kt, st, hd),
+        _ => keys_rows::<RB, W>(qb, lanes, kt, st, hd),
+    }
+    for srow in st.chunks_exact_mut(lanes).take(KB) {
+        srow[rows..].fill(0.0);
+    }
+}
+
+/// [`scores_keys`] for `R` rows, `W` keys at a time (`R` times `W` lanes of accumulators fit
+/// the registers, as in [`values`]).
+#[inline(always)]
+fn keys_rows<const R: usize, const W: usize>(
+    qb: &[f32],
+    lanes: usize,
+    kt: &[f32],
+    st: &mut [f32],
+    hd: usize,
+) {
+    let w = W.min(KB);
+    debug_assert!(KB.is_multiple_of(w));
+    for c0 in (0..KB).step_by(w) {
+        let mut acc = [[0f32; W]; R];
+        for d in 0..hd {
+            let col = &kt[d * KB + c0..d * KB + c0 + w];
+            for (r, a) in acc.iter_mut().enumerate() {
+                let qd = qb[r * hd + d];
+                for (x, &k) in a.iter_mut().zip(col) {
+                    *x = k.mul_add(qd, *x);
                 }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (jj, &x) in a[..w].iter().enumerate() {
+                st[(c0 + jj) * lanes + r] = x;
             }
         }
     }
@@ -276,6 +330,7 @@ fn task<T: Copy, const W: usize>(
     let Scratch {
         q: qb,
         qt,
+        kt,
         kb,
         vb,
         zero,
@@ -284,6 +339,9 @@ fn task<T: Copy, const W: usize>(
         m,
         l,
         corr,
+        fm,
+        fl,
+        fo,
     } = buf;
     let direct = direct(rows);
     // The queries, scaled, turned back by a shifted run's offset, and transposed for the
@@ -312,9 +370,13 @@ fn task<T: Copy, const W: usize>(
             }
         }
     };
+    debug_assert!(task.k0.is_multiple_of(KB), "key blocks fall at fixed keys");
+    debug_assert!(!task.merged || task.k0 / SPAN == (task.k1 - 1) / SPAN);
     m[..lanes].fill(f32::NEG_INFINITY);
     l[..lanes].fill(0.0);
     o[..padded * hd].fill(0.0);
+    fm[..rows].fill(f32::NEG_INFINITY);
+    fl[..rows].fill(0.0);
     let ctx = task.context.len();
     // Key and value rows both hold the kv heads side by side.
     let off = task.kv_head * hd;
@@ -334,6 +396,23 @@ fn task<T: Copy, const W: usize>(
     let mut rot = None;
     let mut j0 = task.k0;
     while j0 < task.k1 {
+        // Each span starts its own softmax; the spans before are folded, in key order.
+        if j0 > task.k0 && j0.is_multiple_of(SPAN) {
+            for r in 0..rows {
+                let span = &o[r * hd..(r + 1) * hd];
+                fold(
+                    &mut fm[r],
+                    &mut fl[r],
+                    &mut fo[r * hd..(r + 1) * hd],
+                    m[r],
+                    l[r],
+                    span,
+                );
+            }
+            m[..lanes].fill(f32::NEG_INFINITY);
+            l[..lanes].fill(0.0);
+            o[..padded * hd].fill(0.0);
+        }
         if let Some(&(_, r)) = loads.next_if(|l| l.0 == j0) {
             load(r, qb, qt);
             rot = r;
@@ -394,7 +473,8 @@ fn task<T: Copy, const W: usize>(
         let krows = block_rows(kf, turned, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
         let vrows = block_rows(vf, 0, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
         if direct {
-            scores_direct(tier, qb, rows, lanes, &krows, nb, st, hd);
+            transpose_block(tier, &krows, nb, kt, hd);
+            scores_keys::<W>(qb, rows, lanes, kt, st, hd);
         } else {
             scores(tier, qt, lanes, &krows, st, hd);
         }
@@ -416,7 +496,7 @@ fn task<T: Copy, const W: usize>(
                 }
             }
         }
-        softmax_block(st, lanes, nb, m, l, corr, window.is_some());
+        softmax_block(st, lanes, nb, m, l, corr);
         for (r, &cr) in corr[..padded].iter().enumerate() {
             if cr != 1.0 {
                 for x in &mut o[r * hd..(r + 1) * hd] {
@@ -427,18 +507,22 @@ fn task<T: Copy, const W: usize>(
         values::<W>(st, lanes, &vrows, o, padded, hd, nb);
         j0 += nb;
     }
-    for r in 0..rows {
-        // A row that saw no key (a windowed part below its window) writes zeros, not NaN.
-        let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
-        for (d, &x) in out[r * hd..(r + 1) * hd]
-            .iter_mut()
-            .zip(&o[r * hd..(r + 1) * hd])
-        {
-            *d = x * inv;
-        }
+    if task.merged {
+        // One span: its state as it is, for the merge to fold.
+        out[..rows * hd].copy_from_slice(&o[..rows * hd]);
+        out[rows * hd..rows * (hd + 1)].copy_from_slice(&m[..rows]);
+        out[rows * (hd + 1)..rows * (hd + 2)].copy_from_slice(&l[..rows]);
+        return;
     }
-    out[rows * hd..rows * (hd + 1)].copy_from_slice(&m[..rows]);
-    out[rows * (hd + 1)..rows * (hd + 2)].copy_from_slice(&l[..rows]);
+    for r in 0..rows {
+        let span = &o[r * hd..(r + 1) * hd];
+        let fr = &mut fo[r * hd..(r + 1) * hd];
+        fold(&mut fm[r], &mut fl[r], fr, m[r], l[r], span);
+        // A row that saw no key (a windowed part below its window) writes zeros, not NaN.
+        finish(fl[r], fr, &mut out[r * hd..(r + 1) * hd]);
+    }
+    out[rows * hd..rows * (hd + 1)].copy_from_slice(&fm[..rows]);
+    out[rows * (hd + 1)..rows * (hd + 2)].copy_from_slice(&fl[..rows]);
 }
 
 /// A key block's rows for one kv head: in place in `rows` (at `at(jj)`) when the storage is
@@ -465,10 +549,10 @@ fn block_rows<'a>(
 /// each row's running max `m` and sum `l`, turns the scores `st` into `2^(s - m)`, and
 /// leaves in `corr` the factor by which the row's earlier value sums must be scaled.
 ///
-/// With `empty` (a windowed task), a row may have seen no key yet (max `-inf`): it then
-/// subtracts 0 instead, so its probabilities and correction are 0, not `2^(-inf - -inf)` =
-/// NaN, and its max stays `-inf` and its sum 0. Without, the rows' maxima are finite after a
-/// task's first block (every row sees its first key) and nothing is tested.
+/// A row may have seen no key yet (max `-inf`: below its window, or past its diagonal in a
+/// span): it then subtracts 0 instead, so its probabilities and correction are 0, not
+/// `2^(-inf - -inf)` = NaN, and its max stays `-inf` and its sum 0. A block in which a row
+/// sees no key thus leaves its state as it was, bit for bit.
 #[inline(always)]
 fn softmax_block(
     st: &mut [f32],
@@ -477,7 +561,6 @@ fn softmax_block(
     m: &mut [f32],
     l: &mut [f32],
     corr: &mut [f32],
-    empty: bool,
 ) {
     for c0 in (0..lanes).step_by(16) {
         let at = |jj: usize| jj * lanes + c0;
@@ -488,11 +571,7 @@ fn softmax_block(
                 *a = a.max(x);
             }
         }
-        let base = if empty {
-            mx.map(|x| if x == f32::NEG_INFINITY { 0.0 } else { x })
-        } else {
-            mx
-        };
+        let base = mx.map(|x| if x == f32::NEG_INFINITY { 0.0 } else { x });
         let mut sum = [0f32; 16];
         for jj in 0..nb {
             let s: &mut [f32; 16] = (&mut st[at(jj)..at(jj) + 16]).try_into().expect("16 lanes");

@@ -2,23 +2,6 @@
 
 use super::task::KB;
 
-/// `q . k`, in 16 independent accumulators so the loop vectorizes.
-#[inline(always)]
-pub(super) fn dot(q: &[f32], k: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let full = q.len() / 16 * 16;
-    for (qc, kc) in q[..full].chunks_exact(16).zip(k[..full].chunks_exact(16)) {
-        for ((a, &x), &y) in acc.iter_mut().zip(qc).zip(kc) {
-            *a = x.mul_add(y, *a);
-        }
-    }
-    let mut sum: f32 = acc.iter().sum();
-    for (&x, &y) in q[full..].iter().zip(&k[full..q.len()]) {
-        sum = x.mul_add(y, sum);
-    }
-    sum
-}
-
 /// [`super::kernel::scores`] without SIMD intrinsics: four keys against 16 query lanes
 /// at a time.
 pub(super) fn scores_portable(

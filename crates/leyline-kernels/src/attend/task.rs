@@ -9,10 +9,19 @@ use std::num::NonZeroUsize;
 pub const KB: usize = 64;
 /// Query rows per register block.
 pub const RB: usize = 4;
+/// Keys per span: a row's keys are cut at multiples of `SPAN` from key 0, each span gets its
+/// own online softmax, and the spans are folded in key order (`fold`), whether one task
+/// runs them all or a planner hands them to several (a split). So a row's bits depend only on
+/// its keys, not on how a batch is cut. 512: a 16K-key decode still splits into 32 parts
+/// (enough for any thread count), and a fold per 512 keys costs under 1% of their work.
+pub const SPAN: usize = 512;
 
-/// Whether a task of `rows` query rows takes dot products straight from the key rows: with
-/// one register block of rows or fewer, the transposed product's lanes would be mostly
-/// padding. The direct product costs what a block's keys cost, so its blocks may end short.
+const _: () = assert!(SPAN.is_multiple_of(KB));
+
+/// Whether a task of `rows` query rows takes its scores with keys across vector lanes (a key
+/// block transposed) instead of query rows: with one register block of rows or fewer, the
+/// rows' lanes would be mostly padding. Both sum each score in the same order (one FMA per
+/// head dim, in order), so a row's bits do not depend on the choice.
 pub fn direct(rows: usize) -> bool {
     rows <= RB
 }
@@ -50,21 +59,22 @@ pub struct Task<'a> {
     /// its running max `-inf` and its sum 0, and the merge gives it weight 0. `None`: all
     /// keys up to the diagonal.
     pub window: Option<NonZeroUsize>,
-    /// Keys `k0..k1` of the context followed by the new tokens.
+    /// Keys `k0..k1` of the context followed by the new tokens; `k0` is a multiple of [`KB`]
+    /// (key blocks fall at fixed keys).
     pub k0: usize,
     /// End of the task's keys.
     pub k1: usize,
-    /// Whether other tasks cover other keys of the same query rows (partial sums merged).
+    /// Whether other tasks cover other keys of the same query rows (partial sums merged in
+    /// key order): then the task's keys lie in one [`SPAN`].
     pub merged: bool,
-    /// Whether this is the task with the first keys of its rows (it finishes the merge).
-    pub first: bool,
     /// The task's keys as consecutive pieces of one offset each: a piece ends at `.0`, and
     /// `.1` names the [`super::Work::rotations`] entry that turns the queries back by its
     /// run's offset (`None`: keys at their own positions).
     pub pieces: Vec<(usize, Option<usize>)>,
-    /// Where the queries are turned (again): from key `.0` on they are turned back by the
-    /// offset of rotation `.1`, and a key block's keys of other offsets are turned to it by
-    /// the difference. A key block ends at the next entry.
+    /// Where the queries are turned (again): from key `.0` (a key block's start) on they are
+    /// turned back by the offset of rotation `.1`, and a key block's keys of other offsets are
+    /// turned to it by the difference. For the same bits in every cut, a block's offset is
+    /// that of the piece holding its first key.
     pub loads: Vec<(usize, Option<usize>)>,
 }
 
@@ -85,10 +95,58 @@ pub fn last_piece(pieces: &[(usize, Option<usize>)], j1: usize) -> usize {
     pieces.partition_point(|p| p.0 < j1).min(pieces.len() - 1)
 }
 
+/// Folds a span's (or a split task's) partial state `(mb, lb, ob)` (running max, sum and
+/// unnormalized value sums of one row) into the running `(ma, la, oa)`. A state with sum 0
+/// saw no key: folding it changes nothing, and folding into it copies (so a row with one
+/// part gets that part's bits). The kernel and [`write_out`] share this, so a row gets the
+/// same bits whether one task folds its spans or the merge does.
+#[inline]
+pub(super) fn fold(ma: &mut f32, la: &mut f32, oa: &mut [f32], mb: f32, lb: f32, ob: &[f32]) {
+    if lb == 0.0 {
+        return;
+    }
+    if *la == 0.0 {
+        (*ma, *la) = (mb, lb);
+        oa.copy_from_slice(ob);
+        return;
+    }
+    let m = ma.max(mb);
+    let (ca, cb) = ((*ma - m).exp2(), (mb - m).exp2());
+    *la = *la * ca + lb * cb;
+    for (x, &y) in oa.iter_mut().zip(ob) {
+        *x = *x * ca + y * cb;
+    }
+    *ma = m;
+}
+
+/// Writes `o / l` into `out` (zeros for a row that saw no key).
+#[inline]
+pub(super) fn finish(l: f32, o: &[f32], out: &mut [f32]) {
+    if l > 0.0 {
+        let inv = 1.0 / l;
+        for (d, &x) in out.iter_mut().zip(o) {
+            *d = x * inv;
+        }
+    } else {
+        out.fill(0.0);
+    }
+}
+
+/// [`finish`] with `o` in `out`'s place (the same arithmetic).
+fn finish_in_place(l: f32, o: &mut [f32]) {
+    if l > 0.0 {
+        let inv = 1.0 / l;
+        for x in o {
+            *x *= inv;
+        }
+    } else {
+        o.fill(0.0);
+    }
+}
+
 /// Copies each task's rows from the task-major `scratch` to their places in `out`, merging
-/// the parts of split tasks: `out = sum_p w_p o_p / sum_p w_p` with
-/// `w_p = l_p 2^(m_p - max_p m_p)`, where each part's `o_p` is already divided by its sum `l_p`
-/// (a part in which the row sees no key, `l_p = 0`, weighs 0).
+/// the parts of split tasks: [`fold`] over the parts in key order, then [`finish`]. A
+/// merged task's part holds its rows' unnormalized value sums, max and sum.
 pub(super) fn write_out(
     tasks: &[Task<'_>],
     scratch: &[f32],
@@ -99,56 +157,52 @@ pub(super) fn write_out(
     let (h, hd) = (shape.heads, shape.head_dim);
     let g = h / shape.kv_heads;
     let mut max = vec![f32::NEG_INFINITY; merge_rows];
-    let mut den = vec![0f32; merge_rows];
+    let mut sum = vec![0f32; merge_rows];
     // Where row `r` of task `t` goes in `out`, and its merge index.
     let place = |t: &Task<'_>, r: usize| {
         let head = t.kv_head * g + r % g;
         t.toks[r / g].0 * h * hd + head * hd
     };
     let merge_at = |t: &Task<'_>, r: usize| t.toks[r / g].1 + r % g;
-    let mut off = 0;
-    for t in tasks {
+    let offs: Vec<usize> = tasks
+        .iter()
+        .scan(0, |off, t| {
+            let at = *off;
+            *off += t.rows(g) * (hd + 2);
+            Some(at)
+        })
+        .collect();
+    let mut merged = Vec::new();
+    for (i, t) in tasks.iter().enumerate() {
         let rows = t.rows(g);
+        let (o, _) = scratch[offs[i]..offs[i] + rows * (hd + 2)].split_at(rows * hd);
         if t.merged {
-            let m = &scratch[off + rows * hd..off + rows * (hd + 1)];
-            for (r, &mr) in m.iter().enumerate() {
-                let a = &mut max[merge_at(t, r)];
-                *a = a.max(mr);
-                out[place(t, r)..][..hd].fill(0.0);
-            }
+            merged.push(i);
+            continue;
         }
-        off += rows * (hd + 2);
-    }
-    let mut off = 0;
-    for t in tasks {
-        let rows = t.rows(g);
-        let (o, ml) = scratch[off..off + rows * (hd + 2)].split_at(rows * hd);
         for (r, src) in o.chunks_exact(hd).enumerate() {
-            let dst = &mut out[place(t, r)..][..hd];
-            if !t.merged {
-                dst.copy_from_slice(src);
-                continue;
-            }
-            let mr = merge_at(t, r);
-            let l = ml[rows + r];
-            // Tested first: `2^(-inf - -inf)` would be NaN where every part is empty so far.
-            let w = if l > 0.0 {
-                l * (ml[r] - max[mr]).exp2()
-            } else {
-                0.0
-            };
-            den[mr] += w;
-            for (d, &x) in dst.iter_mut().zip(src) {
-                *d += w * x;
-            }
+            out[place(t, r)..][..hd].copy_from_slice(src);
         }
-        off += rows * (hd + 2);
     }
-    for t in tasks.iter().filter(|t| t.merged && t.first) {
+    // Parts in key order: the fold is not associative in floats.
+    merged.sort_by_key(|&i| tasks[i].k0);
+    for &i in &merged {
+        let t = &tasks[i];
+        let rows = t.rows(g);
+        let (o, ml) = scratch[offs[i]..offs[i] + rows * (hd + 2)].split_at(rows * hd);
+        for (r, src) in o.chunks_exact(hd).enumerate() {
+            let mr = merge_at(t, r);
+            let dst = &mut out[place(t, r)..][..hd];
+            fold(&mut max[mr], &mut sum[mr], dst, ml[r], ml[rows + r], src);
+        }
+    }
+    let mut done = vec![false; merge_rows];
+    for &i in &merged {
+        let t = &tasks[i];
         for r in 0..t.rows(g) {
-            let inv = 1.0 / den[merge_at(t, r)];
-            for d in &mut out[place(t, r)..][..hd] {
-                *d *= inv;
+            let mr = merge_at(t, r);
+            if !std::mem::replace(&mut done[mr], true) {
+                finish_in_place(sum[mr], &mut out[place(t, r)..][..hd]);
             }
         }
     }

@@ -1,45 +1,28 @@
 use super::*;
 use std::num::NonZeroUsize;
 
-/// The lane-sum trees alone ([`avx512::sum16`], [`avx2::sum8`]). Lane i of vector j holds
-/// `1024 j + 2^i`, so every sum is exact in f32 and a lane taken from another vector,
-/// dropped or counted twice changes it.
-#[cfg(target_arch = "x86_64")]
+/// A key block transposed on every tier: each value lands at `[d][key]`, for head dims
+/// with and without a tail past whole vectors.
 #[test]
-fn lane_sum_trees_put_each_vectors_sum_in_its_lane() {
-    use std::arch::x86_64::*;
-    fn check<const N: usize>(sum: impl Fn(&[[f32; N]; N]) -> [f32; N]) {
-        let rows: [[f32; N]; N] = std::array::from_fn(|j| {
-            std::array::from_fn(|i| j as f32 * 1024.0 + (1u32 << i) as f32)
-        });
-        let want: [f32; N] = std::array::from_fn(|j| rows[j].iter().sum());
-        assert_eq!(sum(&rows), want, "{N}-way lane sums");
-    }
-    Tier::note_lacking();
-    for tier in Tier::all_available() {
-        match tier {
-            Tier::Portable => {}
-            Tier::Avx512 | Tier::Avx512Vnni => check::<16>(|rows| {
-                let mut out = [0f32; 16];
-                // SAFETY: the CPU runs the AVX-512 tier (it has AVX-512F); each load reads one
-                // 16-float row and the store writes the 16 floats of `out`.
-                unsafe {
-                    let a: [__m512; 16] =
-                        std::array::from_fn(|j| _mm512_loadu_ps(rows[j].as_ptr()));
-                    _mm512_storeu_ps(out.as_mut_ptr(), avx512::sum16(&a));
+fn key_blocks_transpose_on_every_tier() {
+    for hd in [16, 40, 64, 7] {
+        let rows: Vec<Vec<f32>> = (0..KB)
+            .map(|j| (0..hd).map(|d| (j * 1000 + d) as f32).collect())
+            .collect();
+        let krows: [&[f32]; KB] = std::array::from_fn(|j| rows[j].as_slice());
+        Tier::note_lacking();
+        for tier in Tier::all_available() {
+            let mut kt = vec![f32::NAN; hd * KB];
+            kernel::transpose_block(tier, &krows, KB, &mut kt, hd);
+            for d in 0..hd {
+                for j in 0..KB {
+                    assert_eq!(
+                        kt[d * KB + j],
+                        rows[j][d],
+                        "{tier} hd {hd}: dim {d} key {j}"
+                    );
                 }
-                out
-            }),
-            Tier::Avx2 => check::<8>(|rows| {
-                let mut out = [0f32; 8];
-                // SAFETY: the CPU runs the AVX2 tier (it has AVX2); each load reads one 8-float
-                // row and the store writes the 8 floats of `out`.
-                unsafe {
-                    let a: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(rows[j].as_ptr()));
-                    _mm256_storeu_ps(out.as_mut_ptr(), avx2::sum8(&a));
-                }
-                out
-            }),
+            }
         }
     }
 }
@@ -65,8 +48,8 @@ struct Cutting {
     new: usize,
     /// Query tokens per task.
     per_task: usize,
-    /// Parts the context keys each task reads are split into (merged afterwards).
-    parts: usize,
+    /// Whether a task's keys are split into one task per [`SPAN`] (merged afterwards).
+    split: bool,
     /// Whether tasks read from key 0 (parts below the window then hold nothing a row sees)
     /// or from the lowest key their first row's window reaches.
     from_zero: bool,
@@ -140,30 +123,31 @@ fn cut_tasks<'a>(
         ctx,
         new: t,
         per_task,
-        parts,
+        split,
         from_zero,
     } = cut;
     let mut tasks = Vec::new();
     for t0 in (0..t).step_by(per_task) {
         let t1 = (t0 + per_task).min(t);
+        // From the key block of the lowest key the first row's window reaches.
         let lo = match window {
-            Some(w) if !from_zero => (ctx + t0 + 1).saturating_sub(w),
+            Some(w) if !from_zero => (ctx + t0 + 1).saturating_sub(w) / KB * KB,
             _ => 0,
         };
-        // Context keys split at uneven places (not key-block edges); the last part also
-        // holds the new tokens' keys.
-        let mut cuts: Vec<usize> = (0..parts)
-            .map(|p| lo + p * ctx.saturating_sub(lo) / parts + p % 3)
-            .filter(|&c| c < ctx.max(lo + 1))
-            .collect();
-        cuts.sort_unstable();
-        cuts.dedup();
+        let mut cuts = vec![lo];
+        if split {
+            cuts.extend(
+                (lo / SPAN + 1..)
+                    .map(|s| s * SPAN)
+                    .take_while(|&c| c < ctx + t1),
+            );
+        }
         cuts.push(ctx + t1);
         let merged = cuts.len() > 2;
         for kv_head in 0..kvh {
             let toks: Vec<(usize, usize)> =
                 (t0..t1).map(|i| (i, (i * kvh + kv_head) * g)).collect();
-            for (p, keys) in cuts.windows(2).enumerate() {
+            for keys in cuts.windows(2) {
                 tasks.push(Task {
                     context,
                     new_rows: new,
@@ -174,7 +158,6 @@ fn cut_tasks<'a>(
                     k0: keys[0],
                     k1: keys[1],
                     merged,
-                    first: p == 0,
                     pieces: vec![(keys[1], None)],
                     loads: vec![(keys[0], None)],
                 });
@@ -325,9 +308,10 @@ fn check_parts(work: &Work<'_>, window: Option<usize>, what: &str) {
 }
 
 /// Windows below, at and across a key block's [`KB`] keys, of one key, and wider than the
-/// context; decode rows whose context is split into parts some of which lie wholly below
+/// context; decode rows whose keys are split into spans some of which lie wholly below
 /// the window (their weight in the merge must be 0, not NaN); blocks of query tokens (the
-/// transposed product) and a few (the direct one); GQA groups of 1, 3 and 8.
+/// transposed product) and a few (the direct one), within one span and across spans;
+/// GQA groups of 1, 3 and 8.
 #[test]
 fn sliding_windows_match_a_scalar_f64_reference() {
     let shapes = [(6, 2, 64), (4, 4, 64), (8, 1, 64), (6, 2, 40)].map(|(h, kvh, hd)| Heads {
@@ -336,33 +320,34 @@ fn sliding_windows_match_a_scalar_f64_reference() {
         head_dim: hd,
     });
     let windows = [1, 2, 17, KB - 1, KB, KB + 1, 100, 2 * KB + 3, 5000];
-    let decode = |parts, from_zero| Cutting {
-        ctx: 700,
+    let decode = |split, from_zero| Cutting {
+        ctx: SPAN + 190,
         new: 1,
         per_task: 1,
-        parts,
+        split,
         from_zero,
     };
-    let prefill = |ctx, new, per_task, parts, from_zero| Cutting {
+    let prefill = |ctx, new, per_task, split, from_zero| Cutting {
         ctx,
         new,
         per_task,
-        parts,
+        split,
         from_zero,
     };
     let cuts = [
-        decode(1, false),
-        decode(1, true),
-        decode(5, true),
-        decode(3, false),
-        // A prompt from nothing; blocks of 64 tokens after a context, the context split.
-        prefill(0, 70, 64, 1, false),
-        prefill(150, 140, 64, 1, false),
-        prefill(150, 140, 64, 3, true),
-        prefill(300, 90, 32, 2, false),
+        decode(false, false),
+        decode(false, true),
+        decode(true, true),
+        decode(true, false),
+        // A prompt from nothing; blocks of 64 tokens after a context, split or not.
+        prefill(0, 70, 64, false, false),
+        prefill(150, 140, 64, false, false),
+        prefill(SPAN - 60, 140, 64, true, true),
+        prefill(SPAN - 60, 140, 64, false, true),
+        prefill(300, 90, 32, true, false),
         // A few tokens per task: the direct product over several tokens' rows.
-        prefill(200, 7, 2, 1, false),
-        prefill(200, 7, 1, 4, true),
+        prefill(200, 7, 2, false, false),
+        prefill(2 * SPAN - 3, 7, 1, true, true),
     ];
     for shape in shapes {
         for cut in cuts {
@@ -372,9 +357,226 @@ fn sliding_windows_match_a_scalar_f64_reference() {
             check_window(shape, cut, None, Store::F32);
         }
     }
-    for cut in [decode(5, true), prefill(150, 140, 64, 3, true)] {
+    for cut in [decode(true, true), prefill(SPAN - 60, 140, 64, true, true)] {
         for w in [1, KB, 100] {
             check_window(shapes[0], cut, Some(w), Store::F16);
+        }
+    }
+}
+
+/// One sequence's keys, values and queries, stored at scattered slots, as f32 and as f16.
+struct Prompt {
+    slots: Vec<u32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    k16: Vec<u16>,
+    v16: Vec<u16>,
+    q: Vec<f32>,
+}
+
+impl Prompt {
+    fn new(shape: Heads, keys: usize, seed: u64) -> Self {
+        let w = shape.kv_heads * shape.head_dim;
+        let mut rng = Rng(seed);
+        let cap = keys + 5;
+        let mut slots: Vec<u32> = (0..cap as u32).collect();
+        for i in (1..slots.len()).rev() {
+            let j = ((rng.next() + 1.0) * 0.5 * i as f32) as usize % (i + 1);
+            slots.swap(i, j);
+        }
+        // Values that f16 holds exactly, so both stores hold the same keys.
+        let round = |x: f32| crate::convert::f16_to_f32(crate::convert::f32_to_f16(x));
+        let mut k = vec![0f32; cap * w];
+        let mut v = vec![0f32; cap * w];
+        for &s in &slots[..keys] {
+            for x in &mut k[s as usize * w..][..w] {
+                *x = round(rng.next() * 3.0);
+            }
+            for x in &mut v[s as usize * w..][..w] {
+                *x = round(rng.next());
+            }
+        }
+        let to16 = |b: &[f32]| b.iter().map(|&x| crate::convert::f32_to_f16(x)).collect();
+        let q = (0..keys * shape.heads * shape.head_dim)
+            .map(|_| rng.next() * 2.0)
+            .collect();
+        Self {
+            slots,
+            k16: to16(&k),
+            v16: to16(&v),
+            k,
+            v,
+            q,
+        }
+    }
+
+    fn rows(&self, store: Store, w: usize) -> KvRows<'_> {
+        let (k, v) = match store {
+            Store::F32 => (RowsRef::F32(&self.k), RowsRef::F32(&self.v)),
+            Store::F16 => (RowsRef::F16(&self.k16), RowsRef::F16(&self.v16)),
+        };
+        KvRows {
+            k,
+            v,
+            k_width: w,
+            v_width: w,
+        }
+    }
+}
+
+/// How one run cuts a prompt: into forward passes (chunks ending at `bounds`), each into
+/// tasks of `per_task` tokens, split into spans or not, on `threads` threads.
+#[derive(Debug, Clone)]
+struct Run {
+    bounds: Vec<usize>,
+    per_task: usize,
+    split: bool,
+    threads: usize,
+}
+
+/// Every token's attention output for `run` of `prompt`.
+fn run_prompt(
+    tier: Tier,
+    prompt: &Prompt,
+    shape: Heads,
+    run: &Run,
+    window: Option<usize>,
+    store: Store,
+) -> Vec<f32> {
+    let row = shape.heads * shape.head_dim;
+    let keys = *run.bounds.last().expect("a chunk");
+    let mut out = vec![f32::NAN; keys * row];
+    let pool = SpinPool::new(run.threads);
+    let rows = prompt.rows(store, shape.kv_heads * shape.head_dim);
+    let mut c0 = 0;
+    for &c1 in &run.bounds {
+        let cut = Cutting {
+            ctx: c0,
+            new: c1 - c0,
+            per_task: run.per_task,
+            split: run.split,
+            from_zero: false,
+        };
+        let (context, new) = prompt.slots[..c1].split_at(c0);
+        let mut work = cut_tasks(cut, shape, window, context, new);
+        let q = Queries {
+            rows: &prompt.q[c0 * row..c1 * row],
+            stride: row,
+        };
+        attend(
+            tier,
+            &pool,
+            rows,
+            q,
+            &mut work,
+            &mut out[c0 * row..c1 * row],
+        );
+        c0 = c1;
+    }
+    out
+}
+
+/// A query row's output bits depend on its keys only: not on how many rows share its task
+/// (the direct product for a few rows, the transposed one for many), on how the prompt is
+/// chunked into forward passes (cuts inside key blocks and spans too), on whether its keys
+/// are split into spans merged afterwards, nor on the thread count; on every tier, with and
+/// without a window, with f32 and f16 storage.
+#[test]
+fn a_rows_bits_do_not_depend_on_how_the_batch_is_cut() {
+    let keys = 2 * SPAN + 77;
+    // GQA groups of 4 (a token alone takes the direct product), 1 and 8 (the transposed).
+    let shapes = [(4, 1, 32), (3, 3, 40), (8, 1, 16)].map(|(h, kvh, hd)| Heads {
+        heads: h,
+        kv_heads: kvh,
+        head_dim: hd,
+    });
+    let mut rng = Rng(0x5851_f42d_4c95_7f2d);
+    let mut runs = vec![
+        // Each token alone, split into spans or not.
+        Run {
+            bounds: vec![keys],
+            per_task: 1,
+            split: false,
+            threads: 2,
+        },
+        Run {
+            bounds: vec![keys],
+            per_task: 1,
+            split: true,
+            threads: 3,
+        },
+        Run {
+            bounds: vec![keys],
+            per_task: 64,
+            split: true,
+            threads: 2,
+        },
+    ];
+    // A cached head, then the tail in one pass.
+    for cut in [1, KB - 1, KB, 300, SPAN, SPAN + 1, keys - 1] {
+        runs.push(Run {
+            bounds: vec![cut, keys],
+            per_task: [3, 64, 2][cut % 3],
+            split: cut % 2 == 0,
+            threads: 1 + cut % 3,
+        });
+    }
+    // Several chunks at random places, random tokens per task.
+    for _ in 0..3 {
+        let mut bounds: Vec<usize> = (0..4)
+            .map(|_| ((rng.next() + 1.0) * 0.5 * keys as f32) as usize % keys + 1)
+            .chain([keys])
+            .collect();
+        bounds.sort_unstable();
+        bounds.dedup();
+        let pick = ((rng.next() + 1.0) * 4.0) as usize;
+        runs.push(Run {
+            bounds,
+            per_task: [1, 2, 5, 64, 100, 7, 3, 4][pick % 8],
+            split: pick % 2 == 1,
+            threads: 1 + pick % 3,
+        });
+    }
+    let whole = Run {
+        bounds: vec![keys],
+        per_task: keys,
+        split: false,
+        threads: 1,
+    };
+    Tier::note_lacking();
+    for (si, shape) in shapes.into_iter().enumerate() {
+        let prompt = Prompt::new(shape, keys, 0x1234_5678 ^ si as u64);
+        let row = shape.heads * shape.head_dim;
+        for (window, store) in [
+            (None, Store::F32),
+            (Some(100), Store::F32),
+            (Some(SPAN + 3), Store::F32),
+            (None, Store::F16),
+            (Some(KB), Store::F16),
+        ] {
+            for tier in Tier::all_available() {
+                // All rows in one task, from key 0.
+                // The portable tier's `mul_add` is a library call in baseline x86-64 code:
+                // a few of its cuts only.
+                let slow = tier == Tier::Portable && cfg!(target_arch = "x86_64");
+                if slow && (si > 0 || store == Store::F16) {
+                    continue;
+                }
+                let want = run_prompt(tier, &prompt, shape, &whole, window, store);
+                for run in runs.iter().step_by(if slow { 3 } else { 1 }) {
+                    let got = run_prompt(tier, &prompt, shape, run, window, store);
+                    for (i, (a, b)) in got
+                        .chunks_exact(row)
+                        .zip(want.chunks_exact(row))
+                        .enumerate()
+                    {
+                        assert!(
+                            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{tier} {shape:?} {window:?} {store:?} {run:?}: token {i} differs"
+                        );
+                    }
+                }
+            }
         }
     }
 }

@@ -4,32 +4,33 @@
 //!
 //! Layers with a sliding window read other keys than global ones, so a forward pass cuts
 //! the batch once per distinct window ([`Cut`]), not per layer: a windowed cut's tasks begin
-//! at the lowest key any of their rows sees.
+//! at the key block of the lowest key any of their rows sees.
+//!
+//! A row's output bits must not depend on the batch (rounded activations would turn float
+//! noise into whole steps): tasks begin at key-block edges, split only at multiples of
+//! [`SPAN`] (the kernel folds a row's spans the same way inside one task), and a block's
+//! rotation of the queries follows the key at its start, not the task's rows.
 
 use crate::model::ForwardSeq;
-use leyline_kernels::attend::{direct, last_piece, offset_of, Heads, Task, Work, KB, RB};
+use leyline_kernels::attend::{last_piece, offset_of, Heads, Task, Work, KB, RB, SPAN};
 use leyline_kernels::rope::{LayerRopes, Rotation};
 use leyline_kv::shift::KeyShift;
-use std::cmp::Reverse;
 use std::num::NonZeroUsize;
 
 /// Query tokens per task.
 pub(super) const QB: usize = 64;
 
-/// Fewest context keys a split task covers.
-const MIN_SPLIT: usize = 4 * KB;
-/// Tasks per thread below which the context is split.
+/// Tasks per thread below which the keys are split into spans.
 const TASKS_PER_THREAD: usize = 4;
+/// Most values a split may add to the merge buffers (each span's partial sums of its rows
+/// are kept apart): a long prompt's many rows are not split, whatever the thread count.
+const SPLIT_BUDGET: usize = 1 << 22;
 
-/// How a split task's partial sums are merged with the other parts of its rows.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Merge {
-    /// The task covers all keys of its rows.
-    Alone,
-    /// Parts are merged; part 0 finishes the merge.
-    Leads,
-    /// Parts are merged; another task finishes the merge.
-    Joins,
+/// `lo`, then the multiples of [`SPAN`] after it and before `hi`, then `hi`: where a split
+/// cuts keys `lo..hi`.
+fn span_cuts(lo: usize, hi: usize) -> Vec<usize> {
+    let inner = (lo / SPAN + 1..).map(|s| s * SPAN).take_while(|&c| c < hi);
+    std::iter::once(lo).chain(inner).chain([hi]).collect()
 }
 
 /// The tasks of one attention call for every layer of a forward pass: one [`Cut`] per
@@ -166,19 +167,20 @@ impl<'a> Cut<'a> {
             Some(_) => Vec::new(),
         };
         for (members, len) in groups {
+            // Whole spans only: a member's parts must be those it would have alone.
+            let len = len / SPAN * SPAN;
+            if len == 0 {
+                continue;
+            }
             for chunk in members.chunks(QB) {
                 for &i in chunk {
                     shared[i] = len;
                     base[i] = plan.work.merge_rows;
                     plan.work.merge_rows += kvh * g;
                 }
-                let parts = wanted
-                    .div_ceil(kvh * members.len().div_ceil(QB))
-                    .min(len / MIN_SPLIT)
-                    .max(1);
-                let cuts: Vec<usize> = (0..=parts).map(|p| p * len / parts / KB * KB).collect();
                 // Equal slots at equal indices: the members' shifts agree on the prefix.
-                plan.push(&seqs[chunk[0]], len, &cuts, Merge::Leads, None, |kv_head| {
+                let cuts = span_cuts(0, len);
+                plan.push(&seqs[chunk[0]], len, &cuts, true, None, |kv_head| {
                     chunk
                         .iter()
                         .map(|&i| (rows_at[i], base[i] + kv_head * g))
@@ -186,49 +188,56 @@ impl<'a> Cut<'a> {
                 });
             }
         }
+        // The keys of a block of new tokens: from the key block of the lowest key its first
+        // token sees (the window's) to its last token.
+        let keys_of = |s: &ForwardSeq<'_>, t0: usize, t1: usize| {
+            let ctx = s.context.len();
+            let lo = window.map_or(0, |w| (ctx + t0 + 1).saturating_sub(w.get()));
+            (lo / KB * KB, ctx + t1)
+        };
+        // Split into spans when there are too few tasks for the threads, and the merge
+        // buffers stay small. The bits are the same either way.
+        let split_size: usize = seqs
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| shared[i] == 0)
+            .flat_map(|(_, s)| {
+                (0..s.tokens.len()).step_by(QB).map(move |t0| {
+                    let t1 = (t0 + QB).min(s.tokens.len());
+                    let (lo, hi) = keys_of(s, t0, t1);
+                    (span_cuts(lo, hi).len() - 1) * (t1 - t0)
+                })
+            })
+            .sum::<usize>()
+            * h
+            * (shape.head_dim + 2);
+        let split = units < wanted && split_size <= SPLIT_BUDGET;
         for (i, s) in seqs.iter().enumerate() {
             let (t, ctx, row) = (s.tokens.len(), s.context.len(), rows_at[i]);
             if shared[i] > 0 {
                 // One new token; the keys from the end of the shared prefix on.
-                let skip = shared[i];
-                let parts = wanted.div_ceil(units).min((ctx - skip) / MIN_SPLIT).max(1);
-                let mut cuts: Vec<usize> = (0..parts)
-                    .map(|p| skip + p * (ctx - skip) / parts / KB * KB)
-                    .collect();
-                cuts.push(ctx + 1);
-                plan.push(s, ctx, &cuts, Merge::Joins, None, |kv_head| {
+                let cuts = span_cuts(shared[i], ctx + 1);
+                plan.push(s, ctx, &cuts, true, None, |kv_head| {
                     vec![(row, base[i] + kv_head * g)]
                 });
                 continue;
             }
             for t0 in (0..t).step_by(QB) {
                 let t1 = (t0 + QB).min(t);
-                // The block's first token sees the lowest keys: from `lo` on. Only context
-                // keys are split: without a window every row sees all of them, so no part is
-                // empty; with one, a row may see none of a part (it weighs 0 in the merge).
-                let lo = window.map_or(0, |w| (ctx + t0 + 1).saturating_sub(w.get()));
-                let reach = ctx.saturating_sub(lo);
-                let parts = if units >= wanted {
-                    1
-                } else {
-                    wanted.div_ceil(units).min(reach / MIN_SPLIT).max(1)
-                };
-                let merge = if parts > 1 {
-                    Merge::Leads
-                } else {
-                    Merge::Alone
-                };
-                let mut cuts: Vec<usize> = (0..parts)
-                    .map(|p| lo + p * reach / parts / KB * KB)
-                    .collect();
-                cuts.push(ctx + t1);
+                let (lo, hi) = keys_of(s, t0, t1);
+                let mut cuts = span_cuts(lo, hi);
+                // Without a split, one task folds the spans itself.
+                if !split {
+                    cuts = vec![lo, hi];
+                }
+                let merged = cuts.len() > 2;
                 let at = plan.work.merge_rows;
-                plan.push(s, ctx + t0, &cuts, merge, window, |kv_head| {
+                plan.push(s, ctx + t0, &cuts, merged, window, |kv_head| {
                     (t0..t1)
                         .map(|i| (row + i, at + (kv_head * (t1 - t0) + i - t0) * g))
                         .collect()
                 });
-                if merge != Merge::Alone {
+                if merged {
                     plan.work.merge_rows += kvh * (t1 - t0) * g;
                 }
             }
@@ -270,20 +279,20 @@ impl<'a> Cut<'a> {
     }
 
     /// Adds, for every kv head, the tasks of the query tokens `toks(kv_head)` over the keys
-    /// `cuts[p]..cuts[p + 1]` of `seq`, masked from `diag` on and below `window`.
+    /// `cuts[p]..cuts[p + 1]` of `seq`, masked from `diag` on and below `window`; `merged`:
+    /// other tasks hold other parts of the rows' keys.
     fn push(
         &mut self,
         seq: &'a ForwardSeq<'a>,
         diag: usize,
         cuts: &[usize],
-        merge: Merge,
+        merged: bool,
         window: Option<NonZeroUsize>,
         toks: impl Fn(usize) -> Vec<(usize, usize)>,
     ) {
-        let rows = toks(0).len() * (self.work.shape.heads / self.work.shape.kv_heads);
         let pieces: Vec<_> = cuts
             .windows(2)
-            .map(|keys| self.pieces(seq.shifts, keys[0], keys[1], rows))
+            .map(|keys| self.pieces(seq.shifts, keys[0], keys[1]))
             .collect();
         for kv_head in 0..self.work.shape.kv_heads {
             let toks = toks(kv_head);
@@ -297,8 +306,7 @@ impl<'a> Cut<'a> {
                     window,
                     k0: keys[0],
                     k1: keys[1],
-                    merged: merge != Merge::Alone,
-                    first: p == 0 && merge != Merge::Joins,
+                    merged,
                     pieces: pieces[p].0.clone(),
                     loads: pieces[p].1.clone(),
                 });
@@ -306,22 +314,19 @@ impl<'a> Cut<'a> {
         }
     }
 
-    /// Keys `k0..k1` as pieces of one offset each ([`Task::pieces`]), and where a task of
-    /// `rows` query rows turns its queries ([`Task::loads`]).
+    /// Keys `k0..k1` as pieces of one offset each ([`Task::pieces`]), and where a task
+    /// turns its queries ([`Task::loads`]).
     ///
-    /// With the direct product ([`direct`]) a short block costs only its keys: the queries
-    /// are turned at every piece, and blocks end there. The transposed product computes
-    /// whole blocks, so its blocks stay [`KB`] keys across pieces: turning the queries costs
-    /// about `rows` vector rotations and a transpose, turning a key one, so a block switches
-    /// the queries to the offset of its largest piece only when that piece holds at least
-    /// `rows` keys, and otherwise turns the other offsets' keys.
+    /// Each key block turns the queries to the offset of the piece that holds its first key
+    /// and the other offsets' keys to it: a rule of the keys alone, so a row gets the same
+    /// bits in every task (turning the queries costs about a vector rotation per row and
+    /// a transpose, turning a key one; runs are long, so few keys turn).
     #[allow(clippy::type_complexity)]
     fn pieces(
         &mut self,
         shifts: &[KeyShift],
         k0: usize,
         k1: usize,
-        rows: usize,
     ) -> (Vec<(usize, Option<usize>)>, Vec<(usize, Option<usize>)>) {
         let mut out = Vec::new();
         let mut at = k0;
@@ -337,11 +342,6 @@ impl<'a> Cut<'a> {
             out.push((end, rot));
             at = end;
         }
-        if direct(rows) {
-            let starts = std::iter::once(k0).chain(out.iter().map(|p| p.0));
-            let loads = starts.zip(out.iter().map(|p| p.1)).collect();
-            return (out, loads);
-        }
         let mut loads: Vec<(usize, Option<usize>)> = Vec::new();
         let mut first = 0;
         for j0 in (k0..k1).step_by(KB) {
@@ -350,22 +350,11 @@ impl<'a> Cut<'a> {
                 first += 1;
             }
             let last = last_piece(&out, j1);
-            let start = |p: usize| if p == 0 { k0 } else { out[p - 1].0 };
-            // The piece holding most of the block's keys, the earliest of equals.
-            let major = (first..=last)
-                .max_by_key(|&p| (out[p].0.min(j1) - start(p).max(j0), Reverse(p)))
-                .unwrap_or(first);
-            let want = out[major].1;
-            let switch = match loads.last() {
-                None => true,
-                Some(&(_, rot)) => {
-                    self.offset(rot) != self.offset(want) && out[major].0 - start(major) >= rows
-                }
-            };
-            if switch {
+            let want = out[first].1;
+            let target = self.offset(want);
+            if loads.last().is_none_or(|l| self.offset(l.1) != target) {
                 loads.push((j0, want));
             }
-            let target = self.offset(loads.last().map_or(want, |l| l.1));
             for &(_, rot) in &out[first..=last] {
                 let d = target - self.offset(rot);
                 if d != 0 {
