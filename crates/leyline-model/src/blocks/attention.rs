@@ -39,6 +39,8 @@ use std::num::NonZeroUsize;
 
 pub(crate) use plan::Plan;
 
+#[cfg(test)]
+mod bits_tests;
 mod plan;
 #[cfg(test)]
 mod tests;
