@@ -247,16 +247,7 @@ unsafe fn rows_of<const K: u8, const EXP: bool>(
                             }
                         };
                     }
-                    match (rt, ga) {
-                        (1, 1) => run!(1, 1),
-                        (1, 2) => run!(1, 2),
-                        (1, 3) => run!(1, 3),
-                        (1, _) => run!(1, 4),
-                        (_, 1) => run!(2, 1),
-                        (_, 2) => run!(2, 2),
-                        (_, 3) => run!(2, 3),
-                        (_, _) => run!(2, 4),
-                    }
+                    by_tile_shape!(rt, ga, run)
                 };
                 for (j, s) in sums[..rt].iter().enumerate() {
                     let k = r - b0 + j;
