@@ -216,11 +216,8 @@ impl QMatrix {
                 let mut out = piece.lock().unwrap_or_else(|e| e.into_inner());
                 let (mut col, mut at) = (0, 0);
                 for w in mats {
-                    for (r, ys) in yt[at..at + w.rows * m].chunks_exact(m).enumerate() {
-                        for (k, &v) in ys[rows.clone()].iter().enumerate() {
-                            out[k * width + col + r] = v;
-                        }
-                    }
+                    let part = &yt[at..at + w.rows * m];
+                    feature_major_rows_into(part, m, rows.clone(), &mut out, width, col);
                     col += w.rows;
                     at += w.rows * m;
                 }
@@ -592,9 +589,22 @@ fn prepare(
 /// Transposes the kernels' feature-major output `yt: [rows, m]` into columns `col ..` of
 /// `y: [m, stride]`.
 fn feature_major_to_rows(yt: &[f32], m: usize, y: &mut [f32], stride: usize, col: usize) {
+    feature_major_rows_into(yt, m, 0..m, y, stride, col);
+}
+
+/// [`feature_major_to_rows`] for rows `rows` of the product only, into `y` holding just
+/// those rows.
+fn feature_major_rows_into(
+    yt: &[f32],
+    m: usize,
+    rows: std::ops::Range<usize>,
+    y: &mut [f32],
+    stride: usize,
+    col: usize,
+) {
     for (r, ys) in yt.chunks_exact(m).enumerate() {
-        for (i, &v) in ys.iter().enumerate() {
-            y[i * stride + col + r] = v;
+        for (k, &v) in ys[rows.clone()].iter().enumerate() {
+            y[k * stride + col + r] = v;
         }
     }
 }

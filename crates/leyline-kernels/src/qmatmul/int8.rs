@@ -195,8 +195,7 @@ unsafe fn rows_of<const K: u8, const EXP: bool>(
     let ns = g.nb;
     let m = acts.len();
     let n = out.len() / m;
-    // Extracted quant bytes per row: whole pairs of units.
-    let ex_row = g.nb.div_ceil(2) * 2 * BLOCK;
+    let ex_row = expanded_row_bytes(g);
     let block = if EXP {
         (EXPANDED_BYTES / ex_row).clamp(2, n.max(2)) & !1
     } else {
@@ -275,6 +274,11 @@ thread_local! {
     static EXPANDED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// Bytes of one row's extracted quants ([`expand`]): whole pairs of units.
+fn expanded_row_bytes(g: RowGeom) -> usize {
+    g.nb.div_ceil(2) * 2 * BLOCK
+}
+
 /// Extracts the quants of the `n` rows of geometry `g` from `base` into `ex`: per row, each
 /// unit's 32 bytes ([`quants`]) in unit order, then zeros to a whole pair of units.
 ///
@@ -282,7 +286,7 @@ thread_local! {
 /// AVX2; `n` whole rows of kind `K` from `base`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn expand<const K: u8>(base: *const u8, g: RowGeom, n: usize, ex: &mut Vec<u8>) {
-    let per_row = g.nb.div_ceil(2) * 2 * BLOCK;
+    let per_row = expanded_row_bytes(g);
     ex.clear();
     ex.resize(n * per_row, 0);
     for j in 0..n {
@@ -339,7 +343,7 @@ unsafe fn tile<const K: u8, const RT: usize, const GA: usize, const EXP: bool>(
             }
             for (j, accj) in acc.iter_mut().enumerate() {
                 let q = if EXP {
-                    let per_row = g.nb.div_ceil(2) * 2 * BLOCK;
+                    let per_row = expanded_row_bytes(g);
                     _mm256_loadu_si256(base.add(j * per_row + BLOCK * u) as *const __m256i)
                 } else {
                     quants::<K>(base.add(j * g.stride), g, u)
@@ -432,7 +436,7 @@ unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize, const EXP: bo
     d: &[f32],
 ) -> [[f32; GA]; RT] {
     let mut acc = [[_mm512_setzero_ps(); GA]; RT];
-    let per_row = g.nb.div_ceil(2) * 2 * BLOCK;
+    let per_row = expanded_row_bytes(g);
     let mut u = 0;
     while u < g.nb {
         let two = u + 1 < g.nb;
