@@ -22,7 +22,6 @@
 
 use crate::pool::{split, SpinPool};
 use crate::Tier;
-use format::SLACK;
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -42,6 +41,8 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod int8;
+#[cfg(target_arch = "x86_64")]
+mod interleave;
 #[cfg(target_arch = "x86_64")]
 mod kq;
 #[cfg(test)]
@@ -239,7 +240,7 @@ impl QMatrix {
         for (w, mut out) in targets {
             let mut v = Vec::with_capacity(parts);
             for p in 0..parts {
-                let r = split(w.rows, p, parts, 4);
+                let r = split(w.rows, p, parts, w.row_align());
                 let (head, tail) = out.split_at_mut(r.len() * m);
                 v.push(Mutex::new(head));
                 out = tail;
@@ -249,7 +250,7 @@ impl QMatrix {
         }
         pool.run(&|tid, n| {
             for (w, piece) in mats.iter().zip(&pieces) {
-                let r = split(w.rows, tid, n, 4);
+                let r = split(w.rows, tid, n, w.row_align());
                 if r.is_empty() {
                     continue;
                 }
@@ -263,13 +264,23 @@ impl QMatrix {
         });
     }
 
+    /// The multiple of rows a thread's share of a product starts on: a group of an
+    /// interleaved matrix, else 4.
+    fn row_align(&self) -> usize {
+        if self.interleaved {
+            16
+        } else {
+            4
+        }
+    }
+
     /// Computes rows `r0 .. r0 + out.len() / m` into `out: [n, m]`.
     /// `xt` is `x` as [`prepare`] leaves it for `tier` at `m` rows.
     fn rows_into(&self, tier: Tier, r0: usize, x: &[f32], xt: &[f32], m: usize, out: &mut [f32]) {
         let n = out.len() / m;
         assert!(r0 + n <= self.rows && out.len() == n * m && x.len() == m * self.cols);
         let g = Self::geom_of(self.kind, self.cols);
-        let rows = &self.data[r0 * g.stride..(r0 + n) * g.stride + SLACK];
+        let rows = &*self.ggml_rows(r0, n);
         match self.kind.tier_on(tier) {
             Tier::Portable => scalar::rows(self.kind, g, rows, x, m, out),
             #[cfg(target_arch = "x86_64")]
@@ -492,8 +503,28 @@ impl QMatrix {
             let m = act.rows.len().max(act.krows.len());
             let n = out.len() / m;
             assert!(r0 + n <= self.rows);
+            if self.interleaved && act.vnni {
+                assert!(
+                    r0.is_multiple_of(interleave::GROUP),
+                    "a product starts on a group"
+                );
+                // SAFETY: `vnni` is set only on the AVX-512 VNNI tier, which the CPU runs
+                // (`Int8::on`); lengths are asserted by `rows`.
+                unsafe {
+                    let ns = self.cols / 256;
+                    interleave::rows(
+                        self.kind,
+                        &self.data,
+                        ns,
+                        r0 / interleave::GROUP,
+                        &act.krows,
+                        out,
+                    )
+                };
+                return;
+            }
             let g = Self::geom_of(self.kind, self.cols);
-            let rows = &self.data[r0 * g.stride..(r0 + n) * g.stride + SLACK];
+            let rows = &*self.ggml_rows(r0, n);
             // SAFETY: `Int8::on` made `act` only for a tier the CPU runs, from AVX2 (with
             // FMA and F16C) up, and set `vnni` only on the AVX-512 VNNI tier.
             unsafe {

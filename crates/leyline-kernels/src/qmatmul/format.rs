@@ -6,6 +6,7 @@
 use crate::error::{KernelError, Result};
 use crate::mem::HugeBuf;
 use half::f16;
+use std::borrow::Cow;
 use std::ops::Deref;
 use std::sync::Arc;
 
@@ -103,14 +104,17 @@ impl GgmlKind {
 /// One quantized weight matrix `[rows = out_features, cols = in_features]`, one stream of the
 /// same size per row. Q4_0, Q4_1, Q5_0 and Q8_0 rows are repacked: the `nb` f16 scales `d`,
 /// then (Q4_1) the `nb` f16 minimums `m` or (Q5_0) the `nb` 4-byte `qh`, then the blocks'
-/// quant bytes as GGML stores them. K-quant rows are GGML's super-blocks as they are.
+/// quant bytes as GGML stores them. K-quant rows are GGML's super-blocks as they are, or
+/// (`interleaved`) groups of 16 rows in the layout of `interleave.rs`.
 #[derive(Debug, Clone)]
 pub struct QMatrix {
     pub(super) kind: GgmlKind,
     pub(super) rows: usize,
     pub(super) cols: usize,
-    /// `rows * stride` bytes, then [`SLACK`] zero bytes.
+    /// `rows * stride` bytes (interleaved: whole groups), then [`SLACK`] zero bytes.
     pub(super) data: Bytes,
+    /// Whether `data` holds interleaved groups rather than rows.
+    pub(super) interleaved: bool,
 }
 
 /// A matrix's bytes: a mapping of its own once built, a range of a buffer that the model's
@@ -223,6 +227,23 @@ impl QMatrix {
     /// [`KernelError::Quantized`] when `cols` is not a positive multiple of the kind's block
     /// length (32, or 256 for the K-quants) or `raw` has the wrong length.
     pub fn from_ggml(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize) -> Result<Self> {
+        #[cfg(target_arch = "x86_64")]
+        let il =
+            super::interleave::interleaves(kind) && crate::Tier::best() >= crate::Tier::Avx512Vnni;
+        #[cfg(not(target_arch = "x86_64"))]
+        let il = false;
+        Self::from_ggml_as(kind, raw, rows, cols, il)
+    }
+
+    /// [`Self::from_ggml`], interleaved or not (`interleaved` only for the kinds
+    /// `interleave.rs` serves).
+    pub(super) fn from_ggml_as(
+        kind: GgmlKind,
+        raw: &[u8],
+        rows: usize,
+        cols: usize,
+        interleaved: bool,
+    ) -> Result<Self> {
         let len = kind.block_len();
         if cols == 0 || !cols.is_multiple_of(len) {
             return Err(KernelError::Quantized(format!(
@@ -240,6 +261,20 @@ impl QMatrix {
                 raw.len()
             )));
         }
+        #[cfg(target_arch = "x86_64")]
+        if interleaved {
+            let len = super::interleave::interleaved_len(kind, rows, cols);
+            let mut data = HugeBuf::<u8>::zeroed_small_pages(len + SLACK);
+            super::interleave::interleave(kind, raw, rows, cols, &mut data[..len]);
+            return Ok(Self {
+                kind,
+                rows,
+                cols,
+                data: Bytes::Own(data),
+                interleaved,
+            });
+        }
+        assert!(!interleaved, "no interleaved layout off x86-64");
         let mut data = HugeBuf::<u8>::zeroed_small_pages(want + SLACK);
         let g = Self::geom_of(kind, cols);
         if kind.is_k() {
@@ -272,7 +307,34 @@ impl QMatrix {
             rows,
             cols,
             data: Bytes::Own(data),
+            interleaved: false,
         })
+    }
+
+    /// Rows `r0 .. r0 + n` in GGML's layout (repacked for the kinds in blocks of 32), then
+    /// [`SLACK`] zero bytes: borrowed, or rebuilt from an interleaved matrix (for the kernels
+    /// that read rows).
+    pub(super) fn ggml_rows(&self, r0: usize, n: usize) -> Cow<'_, [u8]> {
+        let stride = Self::geom_of(self.kind, self.cols).stride;
+        assert!(
+            r0 + n <= self.rows,
+            "rows {r0}..{} of {}",
+            r0 + n,
+            self.rows
+        );
+        #[cfg(target_arch = "x86_64")]
+        if self.interleaved {
+            let mut out = vec![0u8; n * stride + SLACK];
+            super::interleave::deinterleave(
+                self.kind,
+                &self.data,
+                self.cols,
+                r0,
+                &mut out[..n * stride],
+            );
+            return Cow::Owned(out);
+        }
+        Cow::Borrowed(&self.data[r0 * stride..(r0 + n) * stride + SLACK])
     }
 
     /// Moves the bytes of `mats` into one buffer on transparent huge pages, in the order

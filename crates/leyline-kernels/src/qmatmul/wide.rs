@@ -38,8 +38,8 @@ impl QMatrix {
             w.len()
         );
         let g = Self::geom_of(self.kind, self.cols);
-        // From row r0 to the end of the data, slack included.
-        let rows = &self.data[r0 * g.stride..];
+        // The n rows, then the slack.
+        let rows = &*self.ggml_rows(r0, n);
         #[cfg(target_arch = "x86_64")]
         if Tier::best() >= Tier::Avx2 {
             // SAFETY: the CPU runs the AVX2 tier (`best` never exceeds what it runs, and a CPU
