@@ -511,15 +511,12 @@ impl QMatrix {
                 // SAFETY: `vnni` is set only on the AVX-512 VNNI tier, which the CPU runs
                 // (`Int8::on`); lengths are asserted by `rows`.
                 unsafe {
-                    let ns = self.cols / 256;
-                    interleave::rows(
-                        self.kind,
-                        &self.data,
-                        ns,
-                        r0 / interleave::GROUP,
-                        &act.krows,
-                        out,
-                    )
+                    let (nb, g0) = (self.cols / self.kind.block_len(), r0 / interleave::GROUP);
+                    if self.kind.is_k() {
+                        interleave::rows(self.kind, &self.data, nb, g0, &act.krows, out)
+                    } else {
+                        interleave::rows32(self.kind, &self.data, nb, g0, &act.rows, out)
+                    }
                 };
                 return;
             }

@@ -220,6 +220,37 @@ pub(super) fn row_scales(kind: GgmlKind, g: RowGeom, row: &[u8], d: &mut [f32], 
     }
 }
 
+/// GGML's rows `raw` of `kind` (`cols` values each) into `dst` in [`QMatrix`]'s row
+/// layout: the kinds in blocks of 32 repacked, the K-quants as they are.
+fn repack(kind: GgmlKind, cols: usize, raw: &[u8], dst: &mut [u8]) {
+    if kind.is_k() {
+        dst.copy_from_slice(raw);
+        return;
+    }
+    let g = QMatrix::geom_of(kind, cols);
+    let (nb, qb) = (g.nb, kind.qs_bytes());
+    for (src, dst) in raw
+        .chunks_exact(g.stride)
+        .zip(dst.chunks_exact_mut(g.stride))
+    {
+        for (b, blk) in src.chunks_exact(kind.block_bytes()).enumerate() {
+            dst[2 * b..2 * b + 2].copy_from_slice(&blk[0..2]);
+            let q = match kind {
+                GgmlKind::Q4_1 => {
+                    dst[2 * nb + 2 * b..2 * nb + 2 * b + 2].copy_from_slice(&blk[2..4]);
+                    &blk[4..20]
+                }
+                GgmlKind::Q5_0 => {
+                    dst[g.qh_off + 4 * b..g.qh_off + 4 * b + 4].copy_from_slice(&blk[2..6]);
+                    &blk[6..22]
+                }
+                _ => &blk[2..],
+            };
+            dst[g.qs_off + b * qb..g.qs_off + (b + 1) * qb].copy_from_slice(q);
+        }
+    }
+}
+
 impl QMatrix {
     /// Repacks raw GGML block bytes of a `[rows, cols]` matrix (row-major blocks).
     ///
@@ -250,7 +281,6 @@ impl QMatrix {
                 "quantized matrix {kind:?}: {cols} columns is not a positive multiple of {len}"
             )));
         }
-        let nb = cols / BLOCK;
         let want = rows
             .checked_mul(cols / len)
             .and_then(|b| b.checked_mul(kind.block_bytes()))
@@ -276,32 +306,7 @@ impl QMatrix {
         }
         assert!(!interleaved, "no interleaved layout off x86-64");
         let mut data = HugeBuf::<u8>::zeroed_small_pages(want + SLACK);
-        let g = Self::geom_of(kind, cols);
-        if kind.is_k() {
-            data[..want].copy_from_slice(raw);
-        } else {
-            let qb = kind.qs_bytes();
-            for (src, dst) in raw
-                .chunks_exact(g.stride)
-                .zip(data.chunks_exact_mut(g.stride))
-            {
-                for (b, blk) in src.chunks_exact(kind.block_bytes()).enumerate() {
-                    dst[2 * b..2 * b + 2].copy_from_slice(&blk[0..2]);
-                    let q = match kind {
-                        GgmlKind::Q4_1 => {
-                            dst[2 * nb + 2 * b..2 * nb + 2 * b + 2].copy_from_slice(&blk[2..4]);
-                            &blk[4..20]
-                        }
-                        GgmlKind::Q5_0 => {
-                            dst[g.qh_off + 4 * b..g.qh_off + 4 * b + 4].copy_from_slice(&blk[2..6]);
-                            &blk[6..22]
-                        }
-                        _ => &blk[2..],
-                    };
-                    dst[g.qs_off + b * qb..g.qs_off + (b + 1) * qb].copy_from_slice(q);
-                }
-            }
-        }
+        repack(kind, cols, raw, &mut data[..want]);
         Ok(Self {
             kind,
             rows,
@@ -324,14 +329,10 @@ impl QMatrix {
         );
         #[cfg(target_arch = "x86_64")]
         if self.interleaved {
+            let mut raw = vec![0u8; n * stride];
+            super::interleave::deinterleave(self.kind, &self.data, self.cols, r0, &mut raw);
             let mut out = vec![0u8; n * stride + SLACK];
-            super::interleave::deinterleave(
-                self.kind,
-                &self.data,
-                self.cols,
-                r0,
-                &mut out[..n * stride],
-            );
+            repack(self.kind, self.cols, &raw, &mut out[..n * stride]);
             return Cow::Owned(out);
         }
         Cow::Borrowed(&self.data[r0 * stride..(r0 + n) * stride + SLACK])

@@ -23,7 +23,8 @@
 //! for Q4_K, 3392 against 3360 for Q6_K), so decode, which streams them, reads no more.
 
 use super::format::GgmlKind;
-use super::q8::Q8KRow;
+use super::format::{Q4_0, Q4_1, Q5_0, Q8_0};
+use super::q8::{Q8KRow, Q8Row};
 use rayon::prelude::*;
 
 /// Rows per interleaved group: one output per 32-bit lane of a 512-bit vector.
@@ -44,15 +45,27 @@ const Q6K_HI: usize = 2368;
 
 /// Whether matrices of `kind` are interleaved on the AVX-512 VNNI tier.
 pub(super) fn interleaves(kind: GgmlKind) -> bool {
-    matches!(kind, GgmlKind::Q4K | GgmlKind::Q6K)
+    kind != GgmlKind::Q5K
 }
 
-/// Bytes per group and super-block of `kind` (an [`interleaves`] kind).
+/// Bytes per group and block (super-block for the K-quants) of `kind` (an [`interleaves`]
+/// kind): GGML's bytes for 16 rows, but for the K-quants' unpacked scales.
 pub(super) fn group_bytes(kind: GgmlKind) -> usize {
     match kind {
         GgmlKind::Q4K => Q4K_BYTES,
         GgmlKind::Q6K => Q6K_BYTES,
-        _ => unreachable!("{kind:?} is not interleaved"),
+        _ => GROUP * kind.block_bytes(),
+    }
+}
+
+// Offsets in a group's block of 32: `d` `[r]` at 0, then Q4_1's `m` `[r]`, Q5_0's top bits
+// `[r][4]` (bit `q` of byte `k` for value `4q + k`), then the nibbles `[j][r][4]` (low:
+// value `4j + k`, high: `16 + 4j + k`) or Q8_0's bytes `[q][r][4]`, offset by 128.
+const fn legacy_quants(kind: GgmlKind) -> usize {
+    match kind {
+        GgmlKind::Q4_1 => 64,
+        GgmlKind::Q5_0 => 96,
+        _ => 32,
     }
 }
 
@@ -84,6 +97,27 @@ impl Super {
     fn read_ggml(&mut self, kind: GgmlKind, b: &[u8]) {
         let half = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
         match kind {
+            GgmlKind::Q4_0 | GgmlKind::Q4_1 | GgmlKind::Q5_0 => {
+                self.d = half(0);
+                let (qh, qs) = match kind {
+                    GgmlKind::Q4_1 => {
+                        self.dmin = half(2);
+                        (0, &b[4..20])
+                    }
+                    GgmlKind::Q5_0 => (u32::from_le_bytes([b[2], b[3], b[4], b[5]]), &b[6..22]),
+                    _ => (0, &b[2..18]),
+                };
+                for (i, &v) in qs.iter().enumerate() {
+                    self.q[i] = (v & 15) | (((qh >> i) & 1) << 4) as u8;
+                    self.q[16 + i] = (v >> 4) | (((qh >> (16 + i)) & 1) << 4) as u8;
+                }
+            }
+            GgmlKind::Q8_0 => {
+                self.d = half(0);
+                for i in 0..32 {
+                    self.q[i] = b[2 + i] ^ 0x80;
+                }
+            }
             GgmlKind::Q4K => {
                 self.d = half(0);
                 self.dmin = half(2);
@@ -125,7 +159,31 @@ impl Super {
 
     /// Into GGML's block bytes `b` (the inverse of [`Self::read_ggml`]).
     fn write_ggml(&self, kind: GgmlKind, b: &mut [u8]) {
+        b[0..2].copy_from_slice(&self.d.to_le_bytes());
+        let q = &self.q;
         match kind {
+            GgmlKind::Q4_0 | GgmlKind::Q4_1 | GgmlKind::Q5_0 => {
+                let at = match kind {
+                    GgmlKind::Q4_1 => {
+                        b[2..4].copy_from_slice(&self.dmin.to_le_bytes());
+                        4
+                    }
+                    GgmlKind::Q5_0 => {
+                        let qh = (0..32).fold(0u32, |h, i| h | (u32::from(q[i] >> 4) << i));
+                        b[2..6].copy_from_slice(&qh.to_le_bytes());
+                        6
+                    }
+                    _ => 2,
+                };
+                for i in 0..16 {
+                    b[at + i] = (q[i] & 15) | ((q[16 + i] & 15) << 4);
+                }
+            }
+            GgmlKind::Q8_0 => {
+                for i in 0..32 {
+                    b[2 + i] = q[i] ^ 0x80;
+                }
+            }
             GgmlKind::Q4K => {
                 b[0..2].copy_from_slice(&self.d.to_le_bytes());
                 b[2..4].copy_from_slice(&self.dmin.to_le_bytes());
@@ -162,11 +220,34 @@ impl Super {
         }
     }
 
-    /// As row `r` of the group's super-block `g`.
+    /// As row `r` of the group's super-block (block of 32) `g`.
     fn write_group(&self, kind: GgmlKind, g: &mut [u8], r: usize) {
         g[2 * r..2 * r + 2].copy_from_slice(&self.d.to_le_bytes());
         let q = &self.q;
+        let at = legacy_quants(kind);
         match kind {
+            GgmlKind::Q4_0 | GgmlKind::Q4_1 | GgmlKind::Q5_0 => {
+                if kind == GgmlKind::Q4_1 {
+                    g[32 + 2 * r..34 + 2 * r].copy_from_slice(&self.dmin.to_le_bytes());
+                }
+                for k in 0..4 {
+                    if kind == GgmlKind::Q5_0 {
+                        g[32 + 4 * r + k] = (0..8).fold(0, |h, j| h | ((q[4 * j + k] >> 4) << j));
+                    }
+                    for j in 0..4 {
+                        let (lo, hi) = (q[4 * j + k] & 15, q[16 + 4 * j + k] & 15);
+                        g[at + 64 * j + 4 * r + k] = lo | (hi << 4);
+                    }
+                }
+                return;
+            }
+            GgmlKind::Q8_0 => {
+                for j in 0..8 {
+                    g[at + 64 * j + 4 * r..at + 64 * j + 4 * r + 4]
+                        .copy_from_slice(&q[4 * j..4 * j + 4]);
+                }
+                return;
+            }
             GgmlKind::Q4K => {
                 g[32 + 2 * r..34 + 2 * r].copy_from_slice(&self.dmin.to_le_bytes());
                 for u in 0..8 {
@@ -203,9 +284,39 @@ impl Super {
         }
     }
 
-    /// From row `r` of the group's super-block `g` (the inverse of [`Self::write_group`]).
+    /// From row `r` of the group's super-block (block of 32) `g` (the inverse of
+    /// [`Self::write_group`]).
     fn read_group(&mut self, kind: GgmlKind, g: &[u8], r: usize) {
         self.d = u16::from_le_bytes([g[2 * r], g[2 * r + 1]]);
+        let at = legacy_quants(kind);
+        match kind {
+            GgmlKind::Q4_0 | GgmlKind::Q4_1 | GgmlKind::Q5_0 => {
+                if kind == GgmlKind::Q4_1 {
+                    self.dmin = u16::from_le_bytes([g[32 + 2 * r], g[33 + 2 * r]]);
+                }
+                for k in 0..4 {
+                    let h = if kind == GgmlKind::Q5_0 {
+                        g[32 + 4 * r + k]
+                    } else {
+                        0
+                    };
+                    for j in 0..4 {
+                        let v = g[at + 64 * j + 4 * r + k];
+                        self.q[4 * j + k] = (v & 15) | (((h >> j) & 1) << 4);
+                        self.q[16 + 4 * j + k] = (v >> 4) | (((h >> (4 + j)) & 1) << 4);
+                    }
+                }
+                return;
+            }
+            GgmlKind::Q8_0 => {
+                for j in 0..8 {
+                    let src = &g[at + 64 * j + 4 * r..at + 64 * j + 4 * r + 4];
+                    self.q[4 * j..4 * j + 4].copy_from_slice(src);
+                }
+                return;
+            }
+            _ => {}
+        }
         for t in 0..4 {
             for qd in 0..8 {
                 for k in 0..4 {
@@ -252,13 +363,13 @@ impl Super {
 /// Bytes of a `[rows, cols]` matrix of `kind` interleaved: whole groups (the last one
 /// padded with zero rows).
 pub(super) fn interleaved_len(kind: GgmlKind, rows: usize, cols: usize) -> usize {
-    rows.div_ceil(GROUP) * (cols / 256) * group_bytes(kind)
+    rows.div_ceil(GROUP) * (cols / kind.block_len()) * group_bytes(kind)
 }
 
 /// GGML's row-major blocks `raw` of a `[rows, cols]` matrix into `dst`
 /// ([`interleaved_len`] bytes, zeroed), groups in parallel.
 pub(super) fn interleave(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize, dst: &mut [u8]) {
-    let ns = cols / 256;
+    let ns = cols / kind.block_len();
     let (gb, bb) = (group_bytes(kind), kind.block_bytes());
     dst.par_chunks_mut(ns * gb)
         .enumerate()
@@ -274,10 +385,10 @@ pub(super) fn interleave(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize, d
         });
 }
 
-/// Rows `r0 .. r0 + n` of an interleaved matrix `data` as GGML's blocks, into `dst` (`n`
-/// rows of `cols / 256` blocks).
+/// Rows `r0 .. r0 + n` of an interleaved matrix `data` as GGML's blocks (not repacked),
+/// into `dst` (`n` rows of GGML blocks).
 pub(super) fn deinterleave(kind: GgmlKind, data: &[u8], cols: usize, r0: usize, dst: &mut [u8]) {
-    let ns = cols / 256;
+    let ns = cols / kind.block_len();
     let (gb, bb) = (group_bytes(kind), kind.block_bytes());
     let mut sb = Super::new();
     for (j, row) in dst.chunks_exact_mut(ns * bb).enumerate() {
@@ -292,7 +403,7 @@ pub(super) fn deinterleave(kind: GgmlKind, data: &[u8], cols: usize, r0: usize, 
 }
 
 /// `out[j * m + i] = row (16 g0 + j) . acts[i]` for `j < n` (`out: [n, m]`) from the
-/// interleaved matrix `data` of `kind` with `ns` super-blocks per row.
+/// interleaved K-quant matrix `data` of `kind` with `ns` super-blocks per row.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C. Lengths are asserted.
@@ -305,15 +416,123 @@ pub(super) unsafe fn rows(
     acts: &[Q8KRow],
     out: &mut [f32],
 ) {
-    let m = acts.len();
-    assert!(m > 0 && out.len().is_multiple_of(m));
-    let n = out.len() / m;
-    let gb = group_bytes(kind) * ns;
-    assert!(data.len() >= (g0 + n.div_ceil(GROUP)) * gb);
     for act in acts {
         assert!(act.q.len() == 256 * ns && act.d.len() == ns);
         assert!(act.bs16.len() == 16 * ns && act.bs32.len() == 8 * ns);
     }
+    drive(
+        kind,
+        data,
+        ns,
+        g0,
+        acts,
+        out,
+        |base, xs, ga, stream, sums| {
+            macro_rules! run {
+                ($ga:literal) => {{
+                    // SAFETY: `drive` passes a whole group of `ns` super-blocks and activation
+                    // rows of as many (asserted above); the features are the caller's contract.
+                    let s: [[f32; GROUP]; $ga] = unsafe {
+                        match (kind, stream) {
+                            (GgmlKind::Q4K, false) => group_q4k::<$ga, false>(base, ns, xs),
+                            (GgmlKind::Q4K, true) => group_q4k::<$ga, true>(base, ns, xs),
+                            (GgmlKind::Q6K, false) => group_q6k::<$ga, false>(base, ns, xs),
+                            (GgmlKind::Q6K, true) => group_q6k::<$ga, true>(base, ns, xs),
+                            _ => unreachable!("{kind:?} is not an interleaved K-quant"),
+                        }
+                    };
+                    sums[..$ga].copy_from_slice(&s);
+                }};
+            }
+            by_ga!(ga, run)
+        },
+    );
+}
+
+/// [`rows`] for the kinds in blocks of 32, `nb` blocks per row.
+///
+/// # Safety
+/// As [`rows`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn rows32(
+    kind: GgmlKind,
+    data: &[u8],
+    nb: usize,
+    g0: usize,
+    acts: &[Q8Row],
+    out: &mut [f32],
+) {
+    for act in acts {
+        assert!(act.q.len() == 32 * nb && act.d.len() == nb);
+        assert!(act.bs.len() == nb && act.s32.len() == nb);
+    }
+    drive(
+        kind,
+        data,
+        nb,
+        g0,
+        acts,
+        out,
+        |base, xs, ga, stream, sums| {
+            macro_rules! run {
+                ($ga:literal) => {{
+                    macro_rules! of {
+                        ($k:expr) => {
+                            if stream {
+                                group32::<$k, $ga, true>(base, nb, xs)
+                            } else {
+                                group32::<$k, $ga, false>(base, nb, xs)
+                            }
+                        };
+                    }
+                    // SAFETY: as in `rows`.
+                    let s: [[f32; GROUP]; $ga] = unsafe {
+                        match kind {
+                            GgmlKind::Q4_0 => of!(Q4_0),
+                            GgmlKind::Q4_1 => of!(Q4_1),
+                            GgmlKind::Q5_0 => of!(Q5_0),
+                            GgmlKind::Q8_0 => of!(Q8_0),
+                            _ => unreachable!("{kind:?} is not in blocks of 32"),
+                        }
+                    };
+                    sums[..$ga].copy_from_slice(&s);
+                }};
+            }
+            by_ga!(ga, run)
+        },
+    );
+}
+
+/// Runs `$run!(GA)` for the activation-row count `$ga` (1 to [`GA`]).
+macro_rules! by_ga {
+    ($ga:expr, $run:ident) => {
+        match $ga {
+            1 => $run!(1),
+            2 => $run!(2),
+            3 => $run!(3),
+            _ => $run!(4),
+        }
+    };
+}
+use by_ga;
+
+/// The loop both [`rows`] share: for each group of `n = out.len() / m` rows from group `g0`
+/// of `data` (`nb` blocks per row), each pass of up to [`GA`] activation rows;
+/// `group(base, xs, ga, stream, sums)` leaves the group's outputs for `xs` in `sums`.
+fn drive<T>(
+    kind: GgmlKind,
+    data: &[u8],
+    nb: usize,
+    g0: usize,
+    acts: &[T],
+    out: &mut [f32],
+    group: impl Fn(*const u8, &[T], usize, bool, &mut [[f32; GROUP]; GA]),
+) {
+    let m = acts.len();
+    assert!(m > 0 && out.len().is_multiple_of(m));
+    let n = out.len() / m;
+    let gb = group_bytes(kind) * nb;
+    assert!(data.len() >= (g0 + n.div_ceil(GROUP)) * gb);
     // One pass over the weights (few activation rows) streams them from memory: ask for
     // them ahead. More passes read each group from cache.
     let stream = m <= GA;
@@ -323,31 +542,8 @@ pub(super) unsafe fn rows(
         let mut i0 = 0;
         while i0 < m {
             let ga = GA.min(m - i0);
-            let xs = &acts[i0..i0 + ga];
             let mut sums = [[0f32; GROUP]; GA];
-            macro_rules! run {
-                ($ga:literal) => {{
-                    // SAFETY: the group's `ns` super-blocks lie in `data` (asserted above);
-                    // every activation row holds `ns` super-blocks and their sums; the
-                    // features are the caller's contract.
-                    let s: [[f32; GROUP]; $ga] = unsafe {
-                        match (kind, stream) {
-                            (GgmlKind::Q4K, false) => group_q4k::<$ga, false>(base, ns, xs),
-                            (GgmlKind::Q4K, true) => group_q4k::<$ga, true>(base, ns, xs),
-                            (GgmlKind::Q6K, false) => group_q6k::<$ga, false>(base, ns, xs),
-                            (GgmlKind::Q6K, true) => group_q6k::<$ga, true>(base, ns, xs),
-                            _ => unreachable!("{kind:?} is not interleaved"),
-                        }
-                    };
-                    sums[..$ga].copy_from_slice(&s);
-                }};
-            }
-            match ga {
-                1 => run!(1),
-                2 => run!(2),
-                3 => run!(3),
-                _ => run!(4),
-            }
+            group(base, &acts[i0..i0 + ga], ga, stream, &mut sums);
             for r in 0..live {
                 for (i, s) in sums[..ga].iter().enumerate() {
                     out[(gi * GROUP + r) * m + i0 + i] = s[r];
@@ -575,6 +771,101 @@ fn join<const GA: usize>(acc: [[__m512i; GA]; 2]) -> [__m512i; GA] {
     std::array::from_fn(|i| unsafe { _mm512_add_epi32(acc[0][i], acc[1][i]) })
 }
 
+/// The 16 outputs of one group of a kind in blocks of 32 (`K`, from `base`, `nb` blocks)
+/// for `GA` activation rows. Per block and lane: the integer dot product of the unsigned
+/// quants with the activations, less the kind's offset (8, 16, or Q8_0's 128) times the
+/// activations' integer sum, times `d * dx` added to the total; Q4_1 adds `m` times the
+/// activations' `dx * sum` instead of an offset.
+///
+/// # Safety
+/// As [`group_q4k`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn group32<const K: u8, const GA: usize, const STREAM: bool>(
+    base: *const u8,
+    nb: usize,
+    xs: &[Q8Row],
+) -> [[f32; GROUP]; GA] {
+    let nib = _mm512_set1_epi8(15);
+    let fifth = _mm512_set1_epi8(16);
+    let kind = match K {
+        Q4_0 => GgmlKind::Q4_0,
+        Q4_1 => GgmlKind::Q4_1,
+        Q5_0 => GgmlKind::Q5_0,
+        _ => GgmlKind::Q8_0,
+    };
+    let (bytes, at) = (group_bytes(kind), legacy_quants(kind));
+    let offset: i32 = match K {
+        Q4_0 => 8,
+        Q5_0 => 16,
+        Q8_0 => 128,
+        _ => 0,
+    };
+    let mut tot = [_mm512_setzero_ps(); GA];
+    for b in 0..nb {
+        // SAFETY: the offsets lie in block b of the group and of each activation row.
+        unsafe {
+            let g = base.add(b * bytes);
+            if STREAM {
+                prefetch_ahead(g, bytes);
+            }
+            let d = halves(g);
+            let mut w = [_mm512_setzero_si512(); 8];
+            if K == Q8_0 {
+                for (j, wj) in w.iter_mut().enumerate() {
+                    *wj = _mm512_loadu_si512(g.add(at + 64 * j) as *const _);
+                }
+            } else {
+                for j in 0..4 {
+                    let l = _mm512_loadu_si512(g.add(at + 64 * j) as *const _);
+                    w[j] = _mm512_and_si512(l, nib);
+                    w[j + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(l), nib);
+                }
+                if K == Q5_0 {
+                    // Bit q of each top-bit byte is quad q's fifth bit: to bit 4.
+                    let h = _mm512_loadu_si512(g.add(32) as *const _);
+                    let hs = [
+                        _mm512_slli_epi16::<4>(h),
+                        _mm512_slli_epi16::<3>(h),
+                        _mm512_slli_epi16::<2>(h),
+                        _mm512_slli_epi16::<1>(h),
+                        h,
+                        _mm512_srli_epi16::<1>(h),
+                        _mm512_srli_epi16::<2>(h),
+                        _mm512_srli_epi16::<3>(h),
+                    ];
+                    for (wj, hj) in w.iter_mut().zip(hs) {
+                        *wj = _mm512_or_si512(*wj, _mm512_and_si512(hj, fifth));
+                    }
+                }
+            }
+            let mut acc = [[_mm512_setzero_si512(); GA]; 2];
+            for (q, &wq) in w.iter().enumerate() {
+                let c = q % chains::<GA>();
+                for i in 0..GA {
+                    let x = bcast4(xs[i].q.as_ptr().add(32 * b + 4 * q));
+                    acc[c][i] = _mm512_dpbusd_epi32(acc[c][i], wq, x);
+                }
+            }
+            let acc = join(acc);
+            for i in 0..GA {
+                let mut v = acc[i];
+                if offset != 0 {
+                    let o = offset * i32::from(xs[i].bs[b]);
+                    v = _mm512_sub_epi32(v, _mm512_set1_epi32(o));
+                }
+                let ddx = _mm512_mul_ps(d, _mm512_set1_ps(xs[i].d[b]));
+                tot[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), ddx, tot[i]);
+                if K == Q4_1 {
+                    let m = halves(g.add(32));
+                    tot[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i].s32[b]), tot[i]);
+                }
+            }
+        }
+    }
+    store(tot)
+}
+
 /// The lanes of each total.
 #[inline(always)]
 fn store<const GA: usize>(tot: [__m512; GA]) -> [[f32; GROUP]; GA] {
@@ -596,9 +887,10 @@ mod tests {
         // Random GGML bytes (any bytes are a valid block) of 37 rows (a padded last group)
         // interleaved and read back row by row from several starting rows.
         let mut state = 0x2545_f491_4f6c_dd1du64;
-        for kind in [GgmlKind::Q4K, GgmlKind::Q6K] {
+        for kind in GgmlKind::ALL.into_iter().filter(|&k| interleaves(k)) {
             let (rows, cols) = (37, 512);
-            let raw: Vec<u8> = (0..rows * 2 * kind.block_bytes())
+            let row = cols / kind.block_len() * kind.block_bytes();
+            let raw: Vec<u8> = (0..rows * row)
                 .map(|_| {
                     state ^= state << 13;
                     state ^= state >> 7;
@@ -608,7 +900,6 @@ mod tests {
                 .collect();
             let mut il = vec![0u8; interleaved_len(kind, rows, cols)];
             interleave(kind, &raw, rows, cols, &mut il);
-            let row = 2 * kind.block_bytes();
             for (r0, n) in [(0, rows), (5, 1), (15, 3), (32, 5)] {
                 let mut back = vec![0u8; n * row];
                 deinterleave(kind, &il, cols, r0, &mut back);

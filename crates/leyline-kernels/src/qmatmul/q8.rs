@@ -16,6 +16,8 @@ pub(crate) struct Q8Row {
     pub(super) d: Vec<f32>,
     /// `d[b] * (sum of q over block b)`.
     pub(super) s32: Vec<f32>,
+    /// The sum of `q` over each block (at most 4,064 in size).
+    pub(super) bs: Vec<i16>,
 }
 
 impl Q8Row {
@@ -26,6 +28,7 @@ impl Q8Row {
         let mut q = vec![0i8; x.len()];
         let mut d = vec![0f32; nb];
         let mut s32 = vec![0f32; nb];
+        let mut bs = vec![0i16; nb];
         for (b, (xb, qb)) in x
             .chunks_exact(BLOCK)
             .zip(q.chunks_exact_mut(BLOCK))
@@ -45,8 +48,9 @@ impl Q8Row {
             d[b] = step;
             let sum: i32 = qb.iter().map(|&v| i32::from(v)).sum();
             s32[b] = step * sum as f32;
+            bs[b] = sum as i16;
         }
-        Self { q, d, s32 }
+        Self { q, d, s32, bs }
     }
 
     /// The values the row stands for, `d[i / 32] * q[i]`, into `out` (the row's length).
