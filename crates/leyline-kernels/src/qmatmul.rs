@@ -3,9 +3,11 @@
 //!
 //! Design decision: by default ([`Activations::Int8`]) every product reads its activations
 //! rounded to 8 bits (`q8.rs`), as llama.cpp's do, and from the AVX2 tier up meets the
-//! weights' quants in integer dot products (`int8.rs` for the kinds in blocks of 32, `kq.rs`
-//! for the K-quants: AVX2 `maddubs`, or VNNI on the AVX-512 VNNI tier), for any number of
-//! rows: one row (decode) streams the weights, many rows (prefill) take cached blocks of
+//! weights' quants in integer dot products for any number of rows. On the AVX-512 VNNI tier
+//! every matrix is interleaved at load in groups of 16 rows (`interleave.rs`) and one kernel
+//! per kind serves decode and prefill (`grouped.rs`: one output per vector lane); below it,
+//! rows stay as stored and `int8.rs` (the kinds in blocks of 32) and `kq.rs` (the K-quants)
+//! take AVX2 `maddubs`, one row streaming the weights, many rows reading cached blocks of
 //! weights extracted once. Every (weight row, activation row) pair takes the same
 //! instructions in the same order whatever the batch, and each row is rounded alone, so a
 //! row computes the same bits alone, batched, or as the tail of a prompt whose head is
@@ -14,11 +16,12 @@
 //! dequantized in registers) for few rows, dequantized chunks through gemm (`wide.rs`) for
 //! many; its rows are not batch-invariant.
 //!
-//! Files: `format.rs` holds the block formats and the repacked [`QMatrix`]; this file the
-//! few-row products, their threading and the kernel dispatch; `q8.rs` the activations'
-//! rounding; `int8.rs` the integer kernels; `wide.rs` the many-row products (dequantized
+//! Files: `format.rs` holds the block formats and [`QMatrix`]; this file the few-row
+//! products, their threading and the kernel dispatch; `q8.rs` the activations' rounding;
+//! `interleave.rs` and `grouped.rs` the VNNI tier's layout and kernels; `int8.rs` and
+//! `kq.rs` the AVX2 integer kernels; `wide.rs` the many-row f32 products (dequantized
 //! chunks through gemm); `scalar.rs`, `avx2.rs` and `avx512.rs` the f32 kernels per
-//! instruction set, `tile.rs` what the two x86 ones share.
+//! instruction set, `tile.rs` what the x86 ones share.
 
 use crate::pool::{split, SpinPool};
 use crate::Tier;
@@ -39,6 +42,8 @@ mod tile;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod grouped;
 #[cfg(target_arch = "x86_64")]
 mod int8;
 #[cfg(target_arch = "x86_64")]
@@ -350,10 +355,9 @@ impl Rounded {
 }
 
 /// Activation rows quantized to 8 bits for the integer kernels, which serve every kind
-/// from the AVX2 tier up: per block of 32 ([`q8::Q8Row`]) for the kinds in blocks of 32
-/// (`int8.rs`: AVX2 `maddubs`, or AVX-512 VNNI `vpdpbusd`), per super-block of 256
-/// ([`q8::Q8KRow`]) for the K-quants (`kq.rs`), each made only if a matrix of the product
-/// needs it. Each row is quantized alone and each (weight row, activation row) product takes
+/// from the AVX2 tier up: per block of 32 ([`q8::Q8Row`]) for the kinds in blocks of 32,
+/// per super-block of 256 ([`q8::Q8KRow`]) for the K-quants, each made only if a matrix of
+/// the product needs it. Each row is quantized alone and each (weight row, activation row) product takes
 /// the same instructions whatever the batch, so a row computes the same bits alone or
 /// batched.
 pub struct Int8 {
@@ -513,22 +517,24 @@ impl QMatrix {
                 unsafe {
                     let (nb, g0) = (self.cols / self.kind.block_len(), r0 / interleave::GROUP);
                     if self.kind.is_k() {
-                        interleave::rows(self.kind, &self.data, nb, g0, &act.krows, out)
+                        grouped::rows(self.kind, &self.data, nb, g0, &act.krows, out)
                     } else {
-                        interleave::rows32(self.kind, &self.data, nb, g0, &act.rows, out)
+                        grouped::rows32(self.kind, &self.data, nb, g0, &act.rows, out)
                     }
                 };
                 return;
             }
             let g = Self::geom_of(self.kind, self.cols);
             let rows = &*self.ggml_rows(r0, n);
+            // Rows as stored (below the VNNI tier, or a matrix built under a lower
+            // `LEYLINE_KERNEL_TIER`) take the AVX2 kernels.
             // SAFETY: `Int8::on` made `act` only for a tier the CPU runs, from AVX2 (with
-            // FMA and F16C) up, and set `vnni` only on the AVX-512 VNNI tier.
+            // FMA and F16C) up.
             unsafe {
                 if self.kind.is_k() {
-                    kq::rows(self.kind, g, rows, &act.krows, out, act.vnni)
+                    kq::rows(self.kind, g, rows, &act.krows, out)
                 } else {
-                    int8::rows(self.kind, g, rows, &act.rows, out, act.vnni)
+                    int8::rows(self.kind, g, rows, &act.rows, out)
                 }
             };
         }

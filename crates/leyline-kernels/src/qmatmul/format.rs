@@ -2,6 +2,8 @@
 //! super-blocks of 256 (Q4_K, Q5_K, Q6_K), and [`QMatrix`], a matrix of them with one stream
 //! per row, on its own or on huge pages shared by a model's matrices. Blocks of 32 are
 //! repacked (scales first, then quant bytes); K-quant rows keep GGML's super-blocks as they are.
+//! On the AVX-512 VNNI tier every kind is interleaved instead, in groups of 16 rows
+//! (`interleave.rs`), and the kernels that read rows rebuild them ([`QMatrix::ggml_rows`]).
 
 use crate::error::{KernelError, Result};
 use crate::mem::HugeBuf;
@@ -259,15 +261,13 @@ impl QMatrix {
     /// length (32, or 256 for the K-quants) or `raw` has the wrong length.
     pub fn from_ggml(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize) -> Result<Self> {
         #[cfg(target_arch = "x86_64")]
-        let il =
-            super::interleave::interleaves(kind) && crate::Tier::best() >= crate::Tier::Avx512Vnni;
+        let il = crate::Tier::best() >= crate::Tier::Avx512Vnni;
         #[cfg(not(target_arch = "x86_64"))]
         let il = false;
         Self::from_ggml_as(kind, raw, rows, cols, il)
     }
 
-    /// [`Self::from_ggml`], interleaved or not (`interleaved` only for the kinds
-    /// `interleave.rs` serves).
+    /// [`Self::from_ggml`], interleaved in groups of 16 rows or not.
     pub(super) fn from_ggml_as(
         kind: GgmlKind,
         raw: &[u8],

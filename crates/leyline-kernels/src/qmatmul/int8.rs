@@ -2,8 +2,9 @@
 //! from the AVX2 tier up, for any number of activation rows: each activation row is quantized
 //! to 8 bits per block of 32 ([`Q8Row`]), and each block of 32 weights meets its block in one
 //! `maddubs` (unsigned quants times signed activations, pairs summed to 16 bits) and one
-//! `madd` (to 32 bits), or one `vpdpbusd` on the AVX-512 VNNI tier. The K-quants' products
-//! are in `kq.rs`; [`quants`], which extracts a unit's 32 quants, serves both.
+//! `madd` (to 32 bits). The K-quants' products are in `kq.rs`; [`quants`], which extracts
+//! a unit's 32 quants, serves both. The AVX-512 VNNI tier reads interleaved matrices
+//! instead (`interleave.rs`).
 //!
 //! Design decision: the f32 kernels spend most of a decode step turning quants into floats
 //! (`avx2.rs`: widening, conversion and a multiply-add per 8 weights, 66% of a Qwen2.5-0.5B
@@ -116,10 +117,8 @@ fn fifth_bits(qh: u32) -> __m256i {
 /// instructions in the same order whatever `m` is and however the rows are grouped, so a row
 /// of `x` computed in a batch equals the same row computed alone, bit for bit.
 ///
-/// `vnni` picks the AVX-512 VNNI products ([`tile_vnni`]) over the AVX2 ones.
-///
 /// # Safety
-/// AVX2, FMA and F16C; with `vnni`, AVX-512 F/BW/VL/VNNI too. Lengths are asserted.
+/// AVX2, FMA and F16C. Lengths are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn rows(
     kind: GgmlKind,
@@ -127,7 +126,6 @@ pub(super) unsafe fn rows(
     rows: &[u8],
     acts: &[Q8Row],
     out: &mut [f32],
-    vnni: bool,
 ) {
     let m = acts.len();
     assert!(m > 0 && out.len().is_multiple_of(m));
@@ -141,9 +139,9 @@ pub(super) unsafe fn rows(
         macro_rules! of {
             ($k:expr) => {
                 if m > A {
-                    rows_of::<$k, true>(kind, g, rows, acts, out, vnni)
+                    rows_of::<$k, true>(kind, g, rows, acts, out)
                 } else {
-                    rows_of::<$k, false>(kind, g, rows, acts, out, vnni)
+                    rows_of::<$k, false>(kind, g, rows, acts, out)
                 }
             };
         }
@@ -162,12 +160,6 @@ pub(super) unsafe fn rows(
 /// Activation rows per pass: each weight unit, once extracted, meets this many activation
 /// rows.
 const A: usize = 4;
-
-/// Weight rows per tile at most: two on the AVX-512 VNNI tier's many-row loop, where each
-/// activation load then serves both; one elsewhere (four rows at a time made Q5_0 [4864, 896]
-/// and a Q8_0 head of [151936, 896] slower when streamed from memory,
-/// `benches/decode_formats.rs`; the AVX2 tile has no registers for two).
-const R: usize = 2;
 
 /// Bytes of a block of extracted quants ([`expand`]), which a core's second-level cache
 /// holds while the activation rows pass.
@@ -190,14 +182,13 @@ unsafe fn rows_of<const K: u8, const EXP: bool>(
     rows: &[u8],
     acts: &[Q8Row],
     out: &mut [f32],
-    vnni: bool,
 ) {
     let ns = g.nb;
     let m = acts.len();
     let n = out.len() / m;
     let ex_row = expanded_row_bytes(g);
     let block = if EXP {
-        (EXPANDED_BYTES / ex_row).clamp(2, n.max(2)) & !1
+        (EXPANDED_BYTES / ex_row).clamp(1, n.max(1))
     } else {
         1
     };
@@ -223,44 +214,33 @@ unsafe fn rows_of<const K: u8, const EXP: bool>(
         while i0 < m {
             let ga = A.min(m - i0);
             let xs = &acts[i0..i0 + ga];
-            let mut r = b0;
-            while r < b1 {
-                let rt = if vnni && r + R <= b1 { R } else { 1 };
+            for r in b0..b1 {
                 let base = if EXP {
                     ex[(r - b0) * ex_row..].as_ptr()
                 } else {
                     rows[r * g.stride..].as_ptr()
                 };
-                let dr = &d[(r - b0) * g.sb..];
-                // SAFETY: rows r .. r + rt < n lie in `rows` (asserted by `rows`) or, with
-                // `EXP`, in `ex` from its row r - b0; their scales are in `dr`; every
-                // activation row has nb units; `vnni` only where the caller checked the CPU
-                // has it.
-                let sums: [[f32; A]; R] = unsafe {
+                let k = r - b0;
+                // SAFETY: row r < n lies in `rows` (asserted by `rows`) or, with `EXP`, in
+                // `ex` from its row k; its scales are in `d` from k * sb; every activation
+                // row has nb units.
+                let sums: [f32; A] = unsafe {
                     macro_rules! run {
-                        ($rt:literal, $ga:literal) => {
-                            if vnni {
-                                widen(tile_vnni::<K, $rt, $ga, EXP>(base, g, xs, dr))
-                            } else {
-                                widen(tile::<K, $rt, $ga, EXP>(base, g, xs, dr))
-                            }
+                        ($ga:literal) => {
+                            widen(tile::<K, $ga, EXP>(base, g, xs, &d[k * g.sb..]))
                         };
                     }
-                    by_tile_shape!(rt, ga, run)
+                    by_ga!(ga, run)
                 };
-                for (j, s) in sums[..rt].iter().enumerate() {
-                    let k = r - b0 + j;
-                    let mj = &mn[k * g.sb..k * g.sb + ns];
-                    for (i, act) in xs.iter().enumerate() {
-                        // Q8_0 has no offset (its minimums are 0).
-                        out[(r + j) * m + i0 + i] = if K == Q8_0 {
-                            s[i]
-                        } else {
-                            s[i] + offset(mj, &act.s32)
-                        };
-                    }
+                let mk = &mn[k * g.sb..k * g.sb + ns];
+                for (i, act) in xs.iter().enumerate() {
+                    // Q8_0 has no offset (its minimums are 0).
+                    out[r * m + i0 + i] = if K == Q8_0 {
+                        sums[i]
+                    } else {
+                        sums[i] + offset(mk, &act.s32)
+                    };
                 }
-                r += rt;
             }
             i0 += ga;
         }
@@ -274,13 +254,13 @@ thread_local! {
     static EXPANDED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Bytes of one row's extracted quants ([`expand`]): whole pairs of units.
+/// Bytes of one row's extracted quants ([`expand`]).
 fn expanded_row_bytes(g: RowGeom) -> usize {
-    g.nb.div_ceil(2) * 2 * BLOCK
+    g.nb * BLOCK
 }
 
 /// Extracts the quants of the `n` rows of geometry `g` from `base` into `ex`: per row, each
-/// unit's 32 bytes ([`quants`]) in unit order, then zeros to a whole pair of units.
+/// unit's 32 bytes ([`quants`]) in unit order.
 ///
 /// # Safety
 /// AVX2; `n` whole rows of kind `K` from `base`.
@@ -304,93 +284,55 @@ unsafe fn expand<const K: u8>(base: *const u8, g: RowGeom, n: usize, ex: &mut Ve
 
 /// A tile's sums in the largest tile's shape.
 #[inline(always)]
-fn widen<const RT: usize, const GA: usize>(s: [[f32; GA]; RT]) -> [[f32; A]; R] {
-    let mut all = [[0f32; A]; R];
-    for (a, s) in all.iter_mut().zip(s) {
-        a[..GA].copy_from_slice(&s);
-    }
+fn widen<const GA: usize>(s: [f32; GA]) -> [f32; A] {
+    let mut all = [0f32; A];
+    all[..GA].copy_from_slice(&s);
     all
 }
 
-/// The scaled dot products of `RT` weight rows starting at `base` (row j's raw scales at
-/// `d[j * sb ..]`) with `GA` quantized activation rows: `sum_u (d_j[u] * dx_i[u]) *
-/// (q_j,u . qx_i,u)`, the scale product rounded to f32 before the multiply-add, as for
-/// any other grouping.
+/// The scaled dot products of the weight row at `base` (its raw scales in `d`) with `GA`
+/// quantized activation rows: `sum_u (d[u] * dx_i[u]) * (q_u . qx_i,u)`, the scale product
+/// rounded to f32 before the multiply-add, as for any other grouping.
 ///
 /// # Safety
-/// AVX2, FMA, F16C; `RT` whole rows of geometry `g` and kind `K` at `base`; `d` holds their
+/// AVX2, FMA, F16C; a whole row of geometry `g` and kind `K` at `base`; `d` holds its
 /// scales as [`rows_of`] leaves them; `xs` holds `GA` rows of `nb` units.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const K: u8, const RT: usize, const GA: usize, const EXP: bool>(
+unsafe fn tile<const K: u8, const GA: usize, const EXP: bool>(
     base: *const u8,
     g: RowGeom,
     xs: &[Q8Row],
     d: &[f32],
-) -> [[f32; GA]; RT] {
-    let mut acc = [[_mm256_setzero_ps(); GA]; RT];
+) -> [f32; GA] {
+    let mut acc = [_mm256_setzero_ps(); GA];
     for u in 0..g.nb {
-        // SAFETY: u < nb: each row's unit lies in the row, the activations at 32u; the
-        // scales read are entries u (or 2u, 2u + 1) of each row's, inside `d`, and of each
-        // activation row's steps.
+        // SAFETY: u < nb: the row's unit lies in the row, the activations at 32u; the
+        // scales read are entry u of the row's, inside `d`, and of each activation row's
+        // steps.
         unsafe {
-            let mut xq = [_mm256_setzero_si256(); GA];
-            let mut dx = [_mm256_setzero_ps(); GA];
+            let q = if EXP {
+                _mm256_loadu_si256(base.add(BLOCK * u) as *const __m256i)
+            } else {
+                quants::<K>(base, g, u)
+            };
+            let dw = _mm256_broadcast_ss(&*d.as_ptr().add(u));
+            let qa = if K == Q8_0 { _mm256_abs_epi8(q) } else { q };
             for i in 0..GA {
                 let x = &xs[i];
-                xq[i] = _mm256_loadu_si256(x.q.as_ptr().add(BLOCK * u) as *const __m256i);
-                dx[i] = _mm256_broadcast_ss(&*x.d.as_ptr().add(u));
-            }
-            for (j, accj) in acc.iter_mut().enumerate() {
-                let q = if EXP {
-                    let per_row = expanded_row_bytes(g);
-                    _mm256_loadu_si256(base.add(j * per_row + BLOCK * u) as *const __m256i)
+                let xq = _mm256_loadu_si256(x.q.as_ptr().add(BLOCK * u) as *const __m256i);
+                let dx = _mm256_broadcast_ss(&*x.d.as_ptr().add(u));
+                let p = if K == Q8_0 {
+                    _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xq, q))
                 } else {
-                    quants::<K>(base.add(j * g.stride), g, u)
+                    _mm256_maddubs_epi16(qa, xq)
                 };
-                let ds = d.as_ptr().add(j * g.sb);
-                let dw = _mm256_broadcast_ss(&*ds.add(u));
-                let qa = if K == Q8_0 { _mm256_abs_epi8(q) } else { q };
-                for i in 0..GA {
-                    let p = if K == Q8_0 {
-                        _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xq[i], q))
-                    } else {
-                        _mm256_maddubs_epi16(qa, xq[i])
-                    };
-                    let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-                    accj[i] = _mm256_fmadd_ps(p, _mm256_mul_ps(dw, dx[i]), accj[i]);
-                }
+                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+                acc[i] = _mm256_fmadd_ps(p, _mm256_mul_ps(dw, dx), acc[i]);
             }
         }
     }
-    // Loops, not closures: a closure takes no target features, and was not inlined.
-    let mut out = [[0f32; GA]; RT];
-    for (o, a) in out.iter_mut().zip(&acc) {
-        for (o, &v) in o.iter_mut().zip(a) {
-            *o = super::avx2::hsum(v);
-        }
-    }
-    out
-}
-
-/// Scales `p[0]` (and `p[1]` when `two_units`) spread to the 512-bit lanes of two units:
-/// lanes 0..8 the first, 8..16 the second (zero without it).
-///
-/// # Safety
-/// AVX-512F; `p[0]` (and `p[1]` when `two_units`) readable.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn spread(p: *const f32, two_units: bool) -> __m512 {
-    let pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    // SAFETY: the caller's contract.
-    unsafe {
-        let v = if two_units {
-            _mm_castpd_ps(_mm_load_sd(p as *const f64))
-        } else {
-            _mm_load_ss(p)
-        };
-        _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(v))
-    }
+    std::array::from_fn(|i| super::avx2::hsum(acc[i]))
 }
 
 /// `sum_k mn[k] * sx[k]`: eight lanes of multiply-adds, then their sum, then the tail.
@@ -417,82 +359,4 @@ fn offset(mn: &[f32], sx: &[f32]) -> f32 {
         tail += mn[k] * sx[k];
     }
     super::avx2::hsum(acc) + tail
-}
-
-/// The products of [`tile`] with AVX-512 VNNI: two units per 512-bit register, each lane's
-/// four byte products summed into 32 bits by one `vpdpbusd` (the same integers `maddubs` and
-/// `madd` give), converted and multiplied-added with the two scales' product, sixteen lanes,
-/// then summed. A different order of f32 sums than [`tile`]: the tier changes results, the
-/// grouping of rows never does.
-///
-/// # Safety
-/// AVX-512 F/BW/VL/VNNI and AVX2, FMA, F16C; otherwise as [`tile`].
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize, const EXP: bool>(
-    base: *const u8,
-    g: RowGeom,
-    xs: &[Q8Row],
-    d: &[f32],
-) -> [[f32; GA]; RT] {
-    let mut acc = [[_mm512_setzero_ps(); GA]; RT];
-    let per_row = expanded_row_bytes(g);
-    let mut u = 0;
-    while u < g.nb {
-        let two = u + 1 < g.nb;
-        // The last unit of an odd count alone: the upper lanes compute zeros.
-        let lanes: __mmask16 = if two { 0xffff } else { 0x00ff };
-        let bytes: __mmask64 = if two { u64::MAX } else { u64::from(u32::MAX) };
-        // SAFETY: units u (and u + 1 when `two`) lie in each row and each activation row;
-        // the scales read are theirs, inside `d` and each activation row's steps.
-        unsafe {
-            let mut xq = [_mm512_setzero_si512(); GA];
-            let mut dx = [_mm512_setzero_ps(); GA];
-            for i in 0..GA {
-                let x = &xs[i];
-                xq[i] = _mm512_maskz_loadu_epi8(bytes, x.q.as_ptr().add(BLOCK * u));
-                dx[i] = spread(x.d.as_ptr().add(u), two);
-            }
-            for (j, accj) in acc.iter_mut().enumerate() {
-                let q = if EXP {
-                    // The pair's bytes, zeros past a lone last unit.
-                    _mm512_loadu_si512(base.add(j * per_row + BLOCK * u) as *const _)
-                } else {
-                    let row = base.add(j * g.stride);
-                    let lo = quants::<K>(row, g, u);
-                    let hi = if two {
-                        quants::<K>(row, g, u + 1)
-                    } else {
-                        _mm256_setzero_si256()
-                    };
-                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-                };
-                let dw = spread(d.as_ptr().add(j * g.sb + u), two);
-                let (qa, neg) = if K == Q8_0 {
-                    (_mm512_abs_epi8(q), _mm512_movepi8_mask(q))
-                } else {
-                    (q, 0)
-                };
-                for i in 0..GA {
-                    let xv = if K == Q8_0 {
-                        _mm512_mask_sub_epi8(xq[i], neg, _mm512_setzero_si512(), xq[i])
-                    } else {
-                        xq[i]
-                    };
-                    let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qa, xv);
-                    let p = _mm512_cvtepi32_ps(p);
-                    accj[i] = _mm512_mask3_fmadd_ps(p, _mm512_mul_ps(dw, dx[i]), accj[i], lanes);
-                }
-            }
-        }
-        u += 2;
-    }
-    // Loops, not closures: a closure takes no target features, and was not inlined.
-    let mut out = [[0f32; GA]; RT];
-    for (o, a) in out.iter_mut().zip(&acc) {
-        for (o, &v) in o.iter_mut().zip(a) {
-            *o = _mm512_reduce_add_ps(v);
-        }
-    }
-    out
 }

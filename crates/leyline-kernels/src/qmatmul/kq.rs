@@ -1,11 +1,11 @@
 //! K-quant products (Q4_K, Q5_K, Q6_K) on activations quantized per super-block of 256
-//! ([`Q8KRow`]), for any number of activation rows, from the AVX2 tier up.
+//! ([`Q8KRow`]), for any number of activation rows, on the AVX2 tier and the AVX-512 one
+//! without VNNI (the VNNI tier reads interleaved matrices, `interleave.rs`).
 //!
 //! Design decision: with one activation step per super-block, a super-block's whole product
 //! stays in integers: each unit of 32 weights meets its activations in one `maddubs` (pairs
 //! of byte products summed to 16 bits), whose sums are multiplied by the unit's integer
-//! scale and summed to 32 bits in one `madd` (on the AVX-512 VNNI tier, two units per
-//! 512-bit register and one `vpdpwssd`); one conversion and one multiply-add per super-block
+//! scale and summed to 32 bits in one `madd`; one conversion and one multiply-add per super-block
 //! then apply `d * dx`, and the minimums (Q4_K, Q5_K) or Q6_K's offset of 32 come from the
 //! activations' per-16/32 sums. The per-unit float scaling of `int8.rs`, which these kinds
 //! took before, cost a conversion, a multiply and a multiply-add per unit and the scales'
@@ -30,10 +30,10 @@ const A: usize = 4;
 /// pair takes the same instructions in the same order whatever `m` is, so a row of `x`
 /// computed in a batch equals the same row computed alone, bit for bit.
 ///
-/// `vnni` picks the AVX-512 VNNI products ([`tile_vnni`]) over the AVX2 ones.
+/// The AVX-512 VNNI tier takes `interleave.rs` instead.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; with `vnni`, AVX-512 F/BW/VL/VNNI too. Lengths are asserted.
+/// AVX2, FMA and F16C. Lengths are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn rows(
     kind: GgmlKind,
@@ -41,7 +41,6 @@ pub(super) unsafe fn rows(
     rows: &[u8],
     acts: &[Q8KRow],
     out: &mut [f32],
-    vnni: bool,
 ) {
     let m = acts.len();
     assert!(m > 0 && out.len().is_multiple_of(m) && kind.is_k());
@@ -56,11 +55,10 @@ pub(super) unsafe fn rows(
     unsafe {
         macro_rules! of {
             ($k:expr) => {
-                match (vnni, m > A) {
-                    (false, false) => rows_of::<$k, false, false>(g, rows, acts, out),
-                    (false, true) => rows_of::<$k, false, true>(g, rows, acts, out),
-                    (true, false) => rows_of::<$k, true, false>(g, rows, acts, out),
-                    (true, true) => rows_of::<$k, true, true>(g, rows, acts, out),
+                if m > A {
+                    rows_of::<$k, true>(g, rows, acts, out)
+                } else {
+                    rows_of::<$k, false>(g, rows, acts, out)
                 }
             };
         }
@@ -73,18 +71,17 @@ pub(super) unsafe fn rows(
     }
 }
 
-/// [`rows`] for one kind and instruction choice. A few activation rows (decode, `!EXP`)
+/// [`rows`] for one kind. A few activation rows (decode, `!EXP`)
 /// meet one weight row at a time as it streams from memory, its quants and scales extracted
 /// in registers. More rows (prefill, `EXP`) take blocks of weight rows whose quants and
 /// scales are extracted once into [`Expanded`], which stays in cache while every group of
-/// [`A`] activation rows meets the block, two weight rows per tile on the AVX-512 VNNI tier
-/// so that each activation load serves both. The integers a tile reads are the same either
-/// way, and so is every (weight row, activation row) pair's arithmetic.
+/// [`A`] activation rows meets the block. The integers a tile reads are the same either way,
+/// and so is every (weight row, activation row) pair's arithmetic.
 ///
 /// # Safety
-/// As [`rows`], whose asserts hold; with `VNNI`, AVX-512 F/BW/VL/VNNI.
+/// As [`rows`], whose asserts hold.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_of<const K: u8, const VNNI: bool, const EXP: bool>(
+unsafe fn rows_of<const K: u8, const EXP: bool>(
     g: RowGeom,
     rows: &[u8],
     acts: &[Q8KRow],
@@ -95,7 +92,7 @@ unsafe fn rows_of<const K: u8, const VNNI: bool, const EXP: bool>(
     let ns = g.nb / 8;
     // Weight rows per block: the whole block is read again for each group of activation rows.
     let block = if EXP {
-        (EXPANDED_BYTES / (ns * EXP_SB)).clamp(2, n.max(2)) & !1
+        (EXPANDED_BYTES / (ns * EXP_SB)).clamp(1, n.max(1))
     } else {
         1
     };
@@ -114,36 +111,26 @@ unsafe fn rows_of<const K: u8, const VNNI: bool, const EXP: bool>(
         while i0 < m {
             let ga = A.min(m - i0);
             let xs = &acts[i0..i0 + ga];
-            let mut r = b0;
-            while r < b1 {
-                let rt = if VNNI && r + 2 <= b1 { 2 } else { 1 };
+            for r in b0..b1 {
                 let src = Src {
                     base: rows[r * g.stride..].as_ptr(),
                     ex: ex.bytes[((r - b0) * ns * EXP_QS).min(ex.bytes.len())..].as_ptr(),
                     exs: ex.scales[((r - b0) * ns).min(ex.scales.len())..].as_ptr(),
                 };
-                // SAFETY: rows r .. r + rt < n lie in `rows` (asserted by `rows`) and, with
-                // `EXP`, in the expanded block from its row r - b0; every activation row has
-                // the rows' units and super-blocks; `VNNI` only where the caller checked the
-                // CPU.
-                let sums: [[f32; A]; 2] = unsafe {
+                // SAFETY: row r < n lies in `rows` (asserted by `rows`) and, with `EXP`, in
+                // the expanded block from its row r - b0; every activation row has the row's
+                // units and super-blocks.
+                let sums: [f32; A] = unsafe {
                     macro_rules! run {
-                        ($rt:literal, $ga:literal) => {
-                            if VNNI {
-                                widen(tile_vnni::<K, $rt, $ga, EXP>(src, g, xs))
-                            } else {
-                                widen(tile::<K, $rt, $ga, EXP>(src, g, xs))
-                            }
+                        ($ga:literal) => {
+                            widen(tile::<K, $ga, EXP>(src, g, xs))
                         };
                     }
-                    by_tile_shape!(rt, ga, run)
+                    by_ga!(ga, run)
                 };
-                for (j, s) in sums[..rt].iter().enumerate() {
-                    for (i, &v) in s[..ga].iter().enumerate() {
-                        out[(r + j) * m + i0 + i] = v;
-                    }
+                for (i, &v) in sums[..ga].iter().enumerate() {
+                    out[r * m + i0 + i] = v;
                 }
-                r += rt;
             }
             i0 += ga;
         }
@@ -168,8 +155,7 @@ const EXP_SB: usize = EXP_QS + std::mem::size_of::<Scales>();
 /// A block of weight rows as the tiles read them, extracted once for many activation rows:
 /// per row and super-block, the 256 quants in unit order ([`quants`]), then the eight units'
 /// 16-bit scale lanes ([`unit_scales`]), 32 bytes each, in `bytes`; the super-blocks'
-/// [`Scales`] in `scales`. Units `2t, 2t + 1`'s quants and scales, side by side, are what
-/// [`tile_vnni`] puts in one 512-bit register.
+/// [`Scales`] in `scales`.
 #[derive(Default)]
 struct Expanded {
     bytes: Vec<u8>,
@@ -208,9 +194,8 @@ impl Expanded {
     }
 }
 
-/// Where a tile's weight rows are read: row `j` at `base + j * stride` as stored, or (for
-/// the tiles' `EXP`) at `ex + j * (super-blocks) * EXP_QS` and `exs + j * (super-blocks)`
-/// in an [`Expanded`] block.
+/// Where a tile's weight row is read: at `base` as stored, or (for the tiles' `EXP`) at
+/// `ex` and `exs` in an [`Expanded`] block.
 #[derive(Clone, Copy)]
 struct Src {
     base: *const u8,
@@ -220,224 +205,91 @@ struct Src {
 
 /// A tile's sums in the largest tile's shape.
 #[inline(always)]
-fn widen<const RT: usize, const GA: usize>(s: [[f32; GA]; RT]) -> [[f32; A]; 2] {
-    let mut all = [[0f32; A]; 2];
-    for (a, s) in all.iter_mut().zip(s) {
-        a[..GA].copy_from_slice(&s);
-    }
+fn widen<const GA: usize>(s: [f32; GA]) -> [f32; A] {
+    let mut all = [0f32; A];
+    all[..GA].copy_from_slice(&s);
     all
 }
 
-/// The scaled dot products of the `RT` weight rows from `base` with `GA` activation rows,
-/// on AVX2. Each (weight row, activation row) pair takes the same instructions in the same
-/// order whatever `RT` and `GA` are.
+/// The scaled dot products of the weight row from `src` with `GA` activation rows, on
+/// AVX2. Each activation row takes the same instructions in the same order whatever `GA`
+/// is.
 ///
 /// # Safety
-/// AVX2, FMA, F16C; `RT` whole rows of geometry `g` and kind `K` from `base`; `xs` holds
-/// `GA` rows of `g.nb` units.
+/// AVX2, FMA, F16C; a whole row of geometry `g` and kind `K` from `src`; `xs` holds `GA`
+/// rows of `g.nb` units.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const K: u8, const RT: usize, const GA: usize, const EXP: bool>(
+unsafe fn tile<const K: u8, const GA: usize, const EXP: bool>(
     src: Src,
     g: RowGeom,
     xs: &[Q8KRow],
-) -> [[f32; GA]; RT] {
+) -> [f32; GA] {
     let ns = g.nb / 8;
     // Bytes per super-block, from the row's geometry.
     let bytes = g.stride / ns;
-    let mut accf = [[_mm256_setzero_ps(); GA]; RT];
-    let mut accm = [[_mm_setzero_ps(); GA]; RT];
+    let mut accf = [_mm256_setzero_ps(); GA];
+    let mut accm = [_mm_setzero_ps(); GA];
     for s in 0..ns {
-        // SAFETY: super-block s lies in each row (stored or expanded); the activation loads
+        // SAFETY: super-block s lies in the row (stored or expanded); the activation loads
         // are units 8s .. 8s + 8 and sums of super-block s, inside each activation row
-        // (asserted by `rows`). All-zero bits are valid `Scales`.
+        // (asserted by `rows`).
         unsafe {
-            // Per row: the unit scales as 16-bit integers, and d / dmin.
-            let mut sc: [Scales; RT] = std::mem::zeroed();
-            for (j, scj) in sc.iter_mut().enumerate() {
-                *scj = if EXP {
-                    *src.exs.add(j * ns + s)
-                } else {
-                    block_scales::<K>(src.base.add(j * g.stride + s * bytes))
-                };
-            }
-            let mut acc = [[_mm256_setzero_si256(); GA]; RT];
+            // The unit scales as 16-bit integers, and d / dmin.
+            let sc = if EXP {
+                *src.exs.add(s)
+            } else {
+                block_scales::<K>(src.base.add(s * bytes))
+            };
+            let mut acc = [_mm256_setzero_si256(); GA];
             for k in 0..8 {
                 let u = 8 * s + k;
-                for j in 0..RT {
-                    let (w, su) = if EXP {
-                        let p = src.ex.add((j * ns + s) * EXP_QS + 32 * k);
-                        (
-                            _mm256_loadu_si256(p as *const __m256i),
-                            _mm256_loadu_si256(p.add(256) as *const __m256i),
-                        )
-                    } else {
-                        let w = quants::<K>(src.base.add(j * g.stride), g, u);
-                        (w, unit_scales::<K>(sc[j].sc, k))
-                    };
-                    for i in 0..GA {
-                        let x = _mm256_loadu_si256(xs[i].q.as_ptr().add(32 * u) as *const __m256i);
-                        let p = _mm256_maddubs_epi16(w, x);
-                        acc[j][i] = _mm256_add_epi32(acc[j][i], _mm256_madd_epi16(p, su));
-                    }
-                }
-            }
-            for j in 0..RT {
-                let Scales {
-                    d,
-                    dmin,
-                    sc: scv,
-                    mins,
-                } = sc[j];
-                for i in 0..GA {
-                    let dx = xs[i].d[s];
-                    let dd = _mm256_set1_ps(d * dx);
-                    accf[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][i]), dd, accf[j][i]);
-                    if K == Q6_K {
-                        // sum_j sc_j * (sum of q over the 16 values j): the offset of 32.
-                        let bs =
-                            _mm256_loadu_si256(xs[i].bs16.as_ptr().add(16 * s) as *const __m256i);
-                        let off = _mm256_cvtepi32_ps(_mm256_madd_epi16(scv, bs));
-                        let c = _mm256_set1_ps(-32.0 * (d * dx));
-                        accf[j][i] = _mm256_fmadd_ps(off, c, accf[j][i]);
-                    } else {
-                        // sum_k mn_k * (sum of q over unit k): the minimums.
-                        let bs = _mm_loadu_si128(xs[i].bs32.as_ptr().add(8 * s) as *const __m128i);
-                        let mm = _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs));
-                        accm[j][i] = _mm_fmadd_ps(mm, _mm_set1_ps(-(dmin * dx)), accm[j][i]);
-                    }
-                }
-            }
-        }
-    }
-    let mut out = [[0f32; GA]; RT];
-    for j in 0..RT {
-        for i in 0..GA {
-            out[j][i] = super::avx2::hsum(accf[j][i]) + hsum128(accm[j][i]);
-        }
-    }
-    out
-}
-
-/// The products of [`tile`] with AVX-512 BW and VNNI: two units per 512-bit register (one
-/// load of 64 activation bytes, the two units' quants side by side), `maddubs` on 64 bytes
-/// and one `vpdpwssd` with the two units' scales; the float steps per super-block on 16
-/// lanes. A different order of f32 sums than [`tile`]: the tier changes results, the
-/// grouping of rows never does.
-///
-/// # Safety
-/// AVX-512 F/BW/VL/VNNI, AVX2, FMA, F16C; otherwise as [`tile`].
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_vnni<const K: u8, const RT: usize, const GA: usize, const EXP: bool>(
-    src: Src,
-    g: RowGeom,
-    xs: &[Q8KRow],
-) -> [[f32; GA]; RT] {
-    let ns = g.nb / 8;
-    // Bytes per super-block, from the row's geometry.
-    let bytes = g.stride / ns;
-    let mut accf = [[_mm512_setzero_ps(); GA]; RT];
-    let mut accm = [[_mm_setzero_ps(); GA]; RT];
-    for s in 0..ns {
-        // SAFETY: as in `tile`: super-block s lies in each row (stored or expanded), units
-        // 8s .. 8s + 8 and the sums of super-block s in each activation row.
-        unsafe {
-            let mut sc: [Scales; RT] = std::mem::zeroed();
-            for (j, scj) in sc.iter_mut().enumerate() {
-                *scj = if EXP {
-                    *src.exs.add(j * ns + s)
+                let (w, su) = if EXP {
+                    let p = src.ex.add(s * EXP_QS + 32 * k);
+                    (
+                        _mm256_loadu_si256(p as *const __m256i),
+                        _mm256_loadu_si256(p.add(256) as *const __m256i),
+                    )
                 } else {
-                    block_scales::<K>(src.base.add(j * g.stride + s * bytes))
+                    let w = quants::<K>(src.base, g, u);
+                    (w, unit_scales::<K>(sc.sc, k))
                 };
-            }
-            let mut acc = [[_mm512_setzero_si512(); GA]; RT];
-            for t in 0..4 {
-                let u = 8 * s + 2 * t;
-                let mut x = [_mm512_setzero_si512(); GA];
-                for (i, xi) in x.iter_mut().enumerate() {
-                    *xi = _mm512_loadu_si512(xs[i].q.as_ptr().add(32 * u) as *const _);
-                }
-                for j in 0..RT {
-                    // Units u and u + 1 side by side; each 16-bit lane's scale: unit u's in
-                    // lanes 0..16, u + 1's in 16..32 (Q6_K: four scales of 16 values, eight
-                    // lanes each).
-                    let (w, su) = if EXP {
-                        let p = src.ex.add((j * ns + s) * EXP_QS + 64 * t);
-                        (
-                            _mm512_loadu_si512(p as *const _),
-                            _mm512_loadu_si512(p.add(256) as *const _),
-                        )
-                    } else {
-                        let row = src.base.add(j * g.stride);
-                        let w = _mm512_inserti64x4::<1>(
-                            _mm512_castsi256_si512(quants::<K>(row, g, u)),
-                            quants::<K>(row, g, u + 1),
-                        );
-                        let sc512 = _mm512_castsi256_si512(sc[j].sc);
-                        (w, _mm512_permutexvar_epi16(scale_index::<K>(t), sc512))
-                    };
-                    for i in 0..GA {
-                        let p = _mm512_maddubs_epi16(w, x[i]);
-                        acc[j][i] = _mm512_dpwssd_epi32(acc[j][i], p, su);
-                    }
-                }
-            }
-            for j in 0..RT {
-                let Scales {
-                    d,
-                    dmin,
-                    sc: sc16,
-                    mins,
-                } = sc[j];
                 for i in 0..GA {
-                    let dx = xs[i].d[s];
-                    let dd = _mm512_set1_ps(d * dx);
-                    accf[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j][i]), dd, accf[j][i]);
-                    if K == Q6_K {
-                        let bs =
-                            _mm256_loadu_si256(xs[i].bs16.as_ptr().add(16 * s) as *const __m256i);
-                        let off = _mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bs));
-                        let off = _mm512_castps256_ps512(off);
-                        let c = _mm512_set1_ps(-32.0 * (d * dx));
-                        accf[j][i] = _mm512_mask3_fmadd_ps(off, c, accf[j][i], 0x00ff);
-                    } else {
-                        let bs = _mm_loadu_si128(xs[i].bs32.as_ptr().add(8 * s) as *const __m128i);
-                        let mm = _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs));
-                        accm[j][i] = _mm_fmadd_ps(mm, _mm_set1_ps(-(dmin * dx)), accm[j][i]);
-                    }
+                    let x = _mm256_loadu_si256(xs[i].q.as_ptr().add(32 * u) as *const __m256i);
+                    let p = _mm256_maddubs_epi16(w, x);
+                    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, su));
+                }
+            }
+            let Scales {
+                d,
+                dmin,
+                sc: scv,
+                mins,
+            } = sc;
+            for i in 0..GA {
+                let dx = xs[i].d[s];
+                let dd = _mm256_set1_ps(d * dx);
+                accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), dd, accf[i]);
+                if K == Q6_K {
+                    // sum_j sc_j * (sum of q over the 16 values j): the offset of 32.
+                    let bs = _mm256_loadu_si256(xs[i].bs16.as_ptr().add(16 * s) as *const __m256i);
+                    let off = _mm256_cvtepi32_ps(_mm256_madd_epi16(scv, bs));
+                    let c = _mm256_set1_ps(-32.0 * (d * dx));
+                    accf[i] = _mm256_fmadd_ps(off, c, accf[i]);
+                } else {
+                    // sum_k mn_k * (sum of q over unit k): the minimums.
+                    let bs = _mm_loadu_si128(xs[i].bs32.as_ptr().add(8 * s) as *const __m128i);
+                    let mm = _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs));
+                    accm[i] = _mm_fmadd_ps(mm, _mm_set1_ps(-(dmin * dx)), accm[i]);
                 }
             }
         }
     }
-    let mut out = [[0f32; GA]; RT];
-    for j in 0..RT {
-        for i in 0..GA {
-            out[j][i] = _mm512_reduce_add_ps(accf[j][i]) + hsum128(accm[j][i]);
-        }
-    }
-    out
+    // SAFETY: AVX2, FMA and F16C are this function's contract.
+    std::array::from_fn(|i| unsafe { super::avx2::hsum(accf[i]) + hsum128(accm[i]) })
 }
 
-/// The lane index that [`tile_vnni`]'s `permutexvar` takes scales by for units `2t, 2t + 1`
-/// of a super-block: scale `2t` in lanes 0..16 and `2t + 1` in 16..32 (Q4_K, Q5_K); for
-/// Q6_K scales `4t .. 4t + 4`, eight lanes each.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-fn scale_index<const K: u8>(t: usize) -> __m512i {
-    let mut idx = [0i16; 32];
-    for (l, v) in idx.iter_mut().enumerate() {
-        *v = if K == Q6_K {
-            (4 * t + l / 8) as i16
-        } else {
-            (2 * t + l / 16) as i16
-        };
-    }
-    // SAFETY: `idx` holds 64 readable bytes.
-    unsafe { _mm512_loadu_si512(idx.as_ptr() as *const _) }
-}
-
-/// A K-quant super-block's scales, as both tiles read them.
+/// A K-quant super-block's scales, as the tiles read them.
 #[derive(Clone, Copy)]
 struct Scales {
     /// The super-block's scale.

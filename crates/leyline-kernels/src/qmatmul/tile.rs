@@ -148,19 +148,15 @@ macro_rules! tile_driver {
     };
 }
 
-/// Calls the caller's `$run!(RT, GA)` with the const shape of an integer tile from the
-/// runtime `($rt, $ga)`: 1 or 2 weight rows, 1 to 4 activation rows (4 for anything more).
-macro_rules! by_tile_shape {
-    ($rt:expr, $ga:expr, $run:ident) => {
-        match ($rt, $ga) {
-            (1, 1) => $run!(1, 1),
-            (1, 2) => $run!(1, 2),
-            (1, 3) => $run!(1, 3),
-            (1, _) => $run!(1, 4),
-            (_, 1) => $run!(2, 1),
-            (_, 2) => $run!(2, 2),
-            (_, 3) => $run!(2, 3),
-            (_, _) => $run!(2, 4),
+/// Calls the caller's `$run!(GA)` with the const activation-row count of an integer tile
+/// from the runtime `$ga`: 1 to 4 (4 for anything more).
+macro_rules! by_ga {
+    ($ga:expr, $run:ident) => {
+        match $ga {
+            1 => $run!(1),
+            2 => $run!(2),
+            3 => $run!(3),
+            _ => $run!(4),
         }
     };
 }
