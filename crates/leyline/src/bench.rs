@@ -4,7 +4,7 @@ use crate::eval::stats::median;
 use crate::{load_model, storage_for, ModelArgs, ThreadsArgs};
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
-use leyline_engine::{generate, GenerateParams, SamplingParams};
+use leyline_engine::{generate, generate_after, GenerateParams, SamplingParams};
 use std::ops::ControlFlow;
 use std::time::Instant;
 
@@ -34,6 +34,10 @@ pub struct EngineArgs {
     /// Tokens generated for the decode measurement.
     #[arg(long, default_value_t = 128)]
     pub gen_tokens: usize,
+    /// Tokens already in the context before both measurements (as `llama-bench -d`): they
+    /// are prefilled once, untimed, and both tests run after them.
+    #[arg(long, default_value_t = 0)]
+    pub depth: usize,
     /// Repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
@@ -69,23 +73,36 @@ fn engine(a: EngineArgs) -> Result<()> {
     a.pool.init()?;
     let lm = load_model(&a.model)?;
     let mut text = String::new();
+    // The depth, then the measured prompt: one text, so the prompt continues the depth.
+    let (depth, want) = (a.depth, a.depth + a.prompt_tokens);
     let mut prompt = Vec::new();
-    while prompt.len() < a.prompt_tokens {
+    while prompt.len() < want {
         text.push_str(FILLER);
         prompt = lm.tokenizer.encode(&text, false)?;
     }
-    prompt.truncate(a.prompt_tokens);
+    prompt.truncate(want);
     let mut kv = storage_for(&lm, &a.model)?;
+    let one = GenerateParams {
+        max_tokens: 1,
+        ..Default::default()
+    };
+    if depth > 0 {
+        eprintln!("prefilling the depth of {depth} tokens (untimed)");
+        generate(
+            lm.model.as_ref(),
+            &mut kv,
+            &prompt[..depth + 1],
+            &one,
+            |_| ControlFlow::Continue(()),
+        )?;
+    }
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     for i in 0..=a.repeat {
-        // Prefill alone: generate one token (the first sample needs only the prefill).
-        let params = GenerateParams {
-            max_tokens: 1,
-            ..Default::default()
-        };
+        // Prefill alone: generate one token (the first sample needs only the prefill). Slots
+        // past the depth are rewritten each time; the depth's stay.
         let t = Instant::now();
-        generate(lm.model.as_ref(), &mut kv, &prompt, &params, |_| {
+        generate_after(lm.model.as_ref(), &mut kv, &prompt, depth, &one, |_| {
             ControlFlow::Continue(())
         })?;
         let prefill = t.elapsed().as_secs_f64();
@@ -95,17 +112,18 @@ fn engine(a: EngineArgs) -> Result<()> {
             sampling: SamplingParams::greedy(),
             ..Default::default()
         };
-        let stats = generate(
+        let stats = generate_after(
             lm.model.as_ref(),
             &mut kv,
-            &prompt[..8.min(prompt.len())],
+            &prompt[..depth + 8.min(a.prompt_tokens)],
+            depth,
             &params,
             |_| ControlFlow::Continue(()),
         )?;
         if i == 0 {
             continue; // warm-up
         }
-        pp.push(prompt.len() as f64 / prefill);
+        pp.push(a.prompt_tokens as f64 / prefill);
         tg.push(a.gen_tokens as f64 / stats.decode_time.as_secs_f64());
     }
     let (pp, tg) = (
@@ -121,6 +139,7 @@ fn engine(a: EngineArgs) -> Result<()> {
                 "kv_dtype": a.model.kv_dtype.name(),
                 "prompt_tokens": a.prompt_tokens,
                 "gen_tokens": a.gen_tokens,
+                "depth": a.depth,
                 "prefill_tok_s": pp,
                 "decode_tok_s": tg,
             })
@@ -133,12 +152,17 @@ fn engine(a: EngineArgs) -> Result<()> {
         println!("|---|---|---|---|---|");
         let name = &lm.model.info().name;
         let kv = a.model.kv_dtype;
+        let at = if depth > 0 {
+            format!(" @ d{depth}")
+        } else {
+            String::new()
+        };
         println!(
-            "| {name} | {} | {kv} | pp{} | {pp:.1} |",
+            "| {name} | {} | {kv} | pp{}{at} | {pp:.1} |",
             a.pool.threads, a.prompt_tokens
         );
         println!(
-            "| {name} | {} | {kv} | tg{} | {tg:.1} |",
+            "| {name} | {} | {kv} | tg{}{at} | {tg:.1} |",
             a.pool.threads, a.gen_tokens
         );
     }
