@@ -260,21 +260,6 @@ impl QMatrix {
     /// [`KernelError::Quantized`] when `cols` is not a positive multiple of the kind's block
     /// length (32, or 256 for the K-quants) or `raw` has the wrong length.
     pub fn from_ggml(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        #[cfg(target_arch = "x86_64")]
-        let il = crate::Tier::best() >= crate::Tier::Avx512Vnni;
-        #[cfg(not(target_arch = "x86_64"))]
-        let il = false;
-        Self::from_ggml_as(kind, raw, rows, cols, il)
-    }
-
-    /// [`Self::from_ggml`], interleaved in groups of 16 rows or not.
-    pub(super) fn from_ggml_as(
-        kind: GgmlKind,
-        raw: &[u8],
-        rows: usize,
-        cols: usize,
-        interleaved: bool,
-    ) -> Result<Self> {
         let len = kind.block_len();
         if cols == 0 || !cols.is_multiple_of(len) {
             return Err(KernelError::Quantized(format!(
@@ -291,8 +276,9 @@ impl QMatrix {
                 raw.len()
             )));
         }
+        // The AVX-512 VNNI tier's kernels read groups of 16 rows (`interleave.rs`).
         #[cfg(target_arch = "x86_64")]
-        if interleaved {
+        if crate::Tier::best() >= crate::Tier::Avx512Vnni {
             let len = super::interleave::interleaved_len(kind, rows, cols);
             let mut data = HugeBuf::<u8>::zeroed_small_pages(len + SLACK);
             super::interleave::interleave(kind, raw, rows, cols, &mut data[..len]);
@@ -301,10 +287,9 @@ impl QMatrix {
                 rows,
                 cols,
                 data: Bytes::Own(data),
-                interleaved,
+                interleaved: true,
             });
         }
-        assert!(!interleaved, "no interleaved layout off x86-64");
         let mut data = HugeBuf::<u8>::zeroed_small_pages(want + SLACK);
         repack(kind, cols, raw, &mut data[..want]);
         Ok(Self {

@@ -165,18 +165,22 @@ fn drive<T>(
 
 use std::arch::x86_64::*;
 
-/// Four activation bytes at `p` in every 32-bit lane.
+/// The 4 bytes at `p` (four activation bytes, or two 16-bit sums) in every 32-bit lane.
 #[inline(always)]
-unsafe fn bcast4(p: *const i8) -> __m512i {
+unsafe fn bcast<T>(p: *const T) -> __m512i {
     // SAFETY: the caller's `p` has 4 readable bytes.
     unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
 }
 
-/// Two 16-bit sums at `p` in every 32-bit lane.
+/// Block `s` of `bytes` bytes from `base`, its weights asked for ahead when `STREAM`.
 #[inline(always)]
-unsafe fn bcast2(p: *const i16) -> __m512i {
-    // SAFETY: the caller's `p` has 4 readable bytes.
-    unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
+unsafe fn block<const STREAM: bool>(base: *const u8, s: usize, bytes: usize) -> *const u8 {
+    // SAFETY: the caller's block s lies in the group.
+    let b = unsafe { base.add(s * bytes) };
+    if STREAM {
+        prefetch_ahead(b, bytes);
+    }
+    b
 }
 
 /// Sixteen f16 at `p` as f32.
@@ -207,10 +211,7 @@ unsafe fn group_q4k<const K: u8, const GA: usize, const STREAM: bool>(
         // SAFETY: the offsets lie in super-block s of the group and of each activation row.
         unsafe {
             let bytes = if K == Q5_K { Q5K_BYTES } else { Q4K_BYTES };
-            let b = base.add(s * bytes);
-            if STREAM {
-                prefetch_ahead(b, bytes);
-            }
+            let b = block::<STREAM>(base, s, bytes);
             let d = halves(b);
             let dmin = halves(b.add(32));
             let mut sbf = [_mm512_setzero_ps(); GA];
@@ -220,7 +221,7 @@ unsafe fn group_q4k<const K: u8, const GA: usize, const STREAM: bool>(
                     b.add(Q4K_MINS + 32 * t) as *const __m256i
                 ));
                 for i in 0..GA {
-                    let bs = bcast2(xs[i].bs32.as_ptr().add(8 * s + 2 * t));
+                    let bs = bcast(xs[i].bs32.as_ptr().add(8 * s + 2 * t));
                     mins[i] = _mm512_dpwssd_epi32(mins[i], mn, bs);
                 }
             }
@@ -245,8 +246,8 @@ unsafe fn group_q4k<const K: u8, const GA: usize, const STREAM: bool>(
                     let c = q % chains::<GA>();
                     for i in 0..GA {
                         let x = xs[i].q.as_ptr().add(256 * s + 64 * t + 4 * q);
-                        ia[c][i] = _mm512_dpbusd_epi32(ia[c][i], lo, bcast4(x));
-                        ib[c][i] = _mm512_dpbusd_epi32(ib[c][i], hi, bcast4(x.add(32)));
+                        ia[c][i] = _mm512_dpbusd_epi32(ia[c][i], lo, bcast(x));
+                        ib[c][i] = _mm512_dpbusd_epi32(ib[c][i], hi, bcast(x.add(32)));
                     }
                 }
                 let (ia, ib) = (join(ia), join(ib));
@@ -288,10 +289,7 @@ unsafe fn group_q6k<const GA: usize, const STREAM: bool>(
     for s in 0..ns {
         // SAFETY: as in `group_q4k`.
         unsafe {
-            let b = base.add(s * Q6K_BYTES);
-            if STREAM {
-                prefetch_ahead(b, Q6K_BYTES);
-            }
+            let b = block::<STREAM>(base, s, Q6K_BYTES);
             let d = halves(b);
             let mut sbf = [_mm512_setzero_ps(); GA];
             let mut off = [_mm512_setzero_si512(); GA];
@@ -304,8 +302,8 @@ unsafe fn group_q6k<const GA: usize, const STREAM: bool>(
                 ));
                 for i in 0..GA {
                     let bs = xs[i].bs16.as_ptr().add(16 * s + 4 * t);
-                    off[i] = _mm512_dpwssd_epi32(off[i], pa, bcast2(bs));
-                    off[i] = _mm512_dpwssd_epi32(off[i], pb, bcast2(bs.add(2)));
+                    off[i] = _mm512_dpwssd_epi32(off[i], pa, bcast(bs));
+                    off[i] = _mm512_dpwssd_epi32(off[i], pb, bcast(bs.add(2)));
                 }
                 // The low (e = 0) and high (e = 1) scale of a pair, times d.
                 let scale = |p: __m512i, e: usize| {
@@ -337,8 +335,8 @@ unsafe fn group_q6k<const GA: usize, const STREAM: bool>(
                             let c = q % chains::<GA>();
                             for i in 0..GA {
                                 let x = xs[i].q.as_ptr().add(256 * s + 64 * t + 4 * q);
-                                ia[c][i] = _mm512_dpbusd_epi32(ia[c][i], lo, bcast4(x));
-                                ib[c][i] = _mm512_dpbusd_epi32(ib[c][i], hi, bcast4(x.add(32)));
+                                ia[c][i] = _mm512_dpbusd_epi32(ia[c][i], lo, bcast(x));
+                                ib[c][i] = _mm512_dpbusd_epi32(ib[c][i], hi, bcast(x.add(32)));
                             }
                         }
                     }
@@ -444,10 +442,7 @@ unsafe fn group32<const K: u8, const GA: usize, const STREAM: bool>(
     for b in 0..nb {
         // SAFETY: the offsets lie in block b of the group and of each activation row.
         unsafe {
-            let g = base.add(b * bytes);
-            if STREAM {
-                prefetch_ahead(g, bytes);
-            }
+            let g = block::<STREAM>(base, b, bytes);
             let d = halves(g);
             let mut w = [_mm512_setzero_si512(); 8];
             if K == Q8_0 {
@@ -472,7 +467,7 @@ unsafe fn group32<const K: u8, const GA: usize, const STREAM: bool>(
             for (q, &wq) in w.iter().enumerate() {
                 let c = q % chains::<GA>();
                 for i in 0..GA {
-                    let x = bcast4(xs[i].q.as_ptr().add(32 * b + 4 * q));
+                    let x = bcast(xs[i].q.as_ptr().add(32 * b + 4 * q));
                     acc[c][i] = _mm512_dpbusd_epi32(acc[c][i], wq, x);
                 }
             }
