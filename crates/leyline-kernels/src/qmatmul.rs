@@ -3,14 +3,13 @@
 //!
 //! Design decision: by default ([`Activations::Int8`]) every product reads its activations
 //! rounded to 8 bits (`q8.rs`), as llama.cpp's do, and from the AVX2 tier up meets the
-//! weights' quants in integer dot products for any number of rows. On the AVX-512 VNNI tier
-//! every matrix is interleaved at load in groups of 16 rows (`interleave.rs`) and one kernel
-//! per kind serves decode and prefill (`grouped.rs`: one output per vector lane); below it,
-//! rows stay as stored and `int8.rs` (the kinds in blocks of 32) and `kq.rs` (the K-quants)
-//! take AVX2 `maddubs`, one row streaming the weights, many rows reading cached blocks of
-//! weights extracted once. Every (weight row, activation row) pair takes the same
-//! instructions in the same order whatever the batch, and each row is rounded alone, so a
-//! row computes the same bits alone, batched, or as the tail of a prompt whose head is
+//! weights' quants in integer dot products for any number of rows. From that tier up every
+//! matrix is interleaved at load in groups of 16 rows (`interleave.rs`) and one kernel per
+//! kind and tier serves decode and prefill, one output per 32-bit lane: `grouped.rs` with
+//! `vpdpbusd` (AVX-512 VNNI, 16 rows a vector), `grouped_avx2.rs` with `maddubs` (two
+//! halves of 8 rows). Every (weight row, activation row) pair takes the same instructions in
+//! the same order whatever the batch, and each row is rounded alone, so a row computes the
+//! same bits alone, batched, or as the tail of a prompt whose head is
 //! cached. The portable tier multiplies the same rounded values in f32, per pair the same
 //! way for any row count. [`Activations::F32`] is the reference path: f32 kernels (weights
 //! dequantized in registers) for few rows, dequantized chunks through gemm (`wide.rs`) for
@@ -18,8 +17,8 @@
 //!
 //! Files: `format.rs` holds the block formats and [`QMatrix`]; this file the few-row
 //! products, their threading and the kernel dispatch; `q8.rs` the activations' rounding;
-//! `interleave.rs` and `grouped.rs` the VNNI tier's layout and kernels; `int8.rs` and
-//! `kq.rs` the AVX2 integer kernels; `wide.rs` the many-row f32 products (dequantized
+//! `interleave.rs` the integer kernels' layout, `grouped.rs` and `grouped_avx2.rs` their
+//! kernels; `wide.rs` the many-row f32 products (dequantized
 //! chunks through gemm); `scalar.rs`, `avx2.rs` and `avx512.rs` the f32 kernels per
 //! instruction set, `tile.rs` what the x86 ones share.
 
@@ -45,11 +44,9 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod grouped;
 #[cfg(target_arch = "x86_64")]
-mod int8;
+mod grouped_avx2;
 #[cfg(target_arch = "x86_64")]
 mod interleave;
-#[cfg(target_arch = "x86_64")]
-mod kq;
 #[cfg(test)]
 mod reference;
 #[cfg(test)]
@@ -157,7 +154,9 @@ impl QMatrix {
         let tier = Tier::best();
         let cols = mats.first().map_or(0, |w| w.cols);
         let rounded = activations() == Activations::Int8;
-        let int8 = if rounded {
+        // The integer kernels read interleaved matrices; a matrix loaded below their tier
+        // (under a lower `LEYLINE_KERNEL_TIER`) is not.
+        let int8 = if rounded && mats.iter().all(|w| w.interleaved) {
             Int8::on_pool(Some(pool), tier, x, m, cols, mats.iter().map(|w| w.kind))
         } else {
             None
@@ -507,34 +506,25 @@ impl QMatrix {
             let m = act.rows.len().max(act.krows.len());
             let n = out.len() / m;
             assert!(r0 + n <= self.rows);
-            if self.interleaved && act.vnni {
-                assert!(
-                    r0.is_multiple_of(interleave::GROUP),
-                    "a product starts on a group"
-                );
-                // SAFETY: `vnni` is set only on the AVX-512 VNNI tier, which the CPU runs
-                // (`Int8::on`); lengths are asserted by `rows`.
-                unsafe {
-                    let (nb, g0) = (self.cols / self.kind.block_len(), r0 / interleave::GROUP);
-                    if self.kind.is_k() {
-                        grouped::rows(self.kind, &self.data, nb, g0, &act.krows, out)
-                    } else {
-                        grouped::rows32(self.kind, &self.data, nb, g0, &act.rows, out)
-                    }
-                };
-                return;
-            }
-            let g = Self::geom_of(self.kind, self.cols);
-            let rows = &*self.ggml_rows(r0, n);
-            // Rows as stored (below the VNNI tier, or a matrix built under a lower
-            // `LEYLINE_KERNEL_TIER`) take the AVX2 kernels.
-            // SAFETY: `Int8::on` made `act` only for a tier the CPU runs, from AVX2 (with
-            // FMA and F16C) up.
+            assert!(
+                self.interleaved,
+                "integer products read matrices interleaved at load (from the AVX2 tier up)"
+            );
+            assert!(
+                r0.is_multiple_of(interleave::GROUP),
+                "a product starts on a group"
+            );
+            let (nb, g0) = (self.cols / self.kind.block_len(), r0 / interleave::GROUP);
+            let (k, data) = (self.kind, &self.data[..]);
+            // SAFETY: `vnni` is set only on the AVX-512 VNNI tier, and `act` made only for a
+            // tier from AVX2 (with FMA and F16C) up, which the CPU runs (`Int8::on`); lengths
+            // are asserted by the kernels.
             unsafe {
-                if self.kind.is_k() {
-                    kq::rows(self.kind, g, rows, &act.krows, out)
-                } else {
-                    int8::rows(self.kind, g, rows, &act.rows, out)
+                match (act.vnni, k.is_k()) {
+                    (true, true) => grouped::rows(k, data, nb, g0, &act.krows, out),
+                    (true, false) => grouped::rows32(k, data, nb, g0, &act.rows, out),
+                    (false, true) => grouped_avx2::rows(k, data, nb, g0, &act.krows, out),
+                    (false, false) => grouped_avx2::rows32(k, data, nb, g0, &act.rows, out),
                 }
             };
         }
@@ -544,12 +534,15 @@ impl QMatrix {
 
     /// `y = x W^T` for `x: [m, cols]` through the integer kernels of `tier` (activations
     /// rounded to 8 bits per block of 32), on the calling thread: for tests and benchmarks.
-    /// `None` below the AVX2 tier.
+    /// `None` below the AVX2 tier, or for a matrix loaded below it (not interleaved).
     ///
     /// # Panics
     /// If the CPU does not run `tier`, `x.len() != m * cols` or `y.len() != m * rows`.
     pub fn matmul_int8(&self, tier: Tier, x: &[f32], m: usize, y: &mut [f32]) -> Option<()> {
         assert!(x.len() == m * self.cols && y.len() == m * self.rows);
+        if !self.interleaved {
+            return None;
+        }
         let act = Int8::on(tier, x, m, self.cols, [self.kind])?;
         if m == 0 {
             return Some(());

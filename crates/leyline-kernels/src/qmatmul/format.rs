@@ -2,7 +2,7 @@
 //! super-blocks of 256 (Q4_K, Q5_K, Q6_K), and [`QMatrix`], a matrix of them with one stream
 //! per row, on its own or on huge pages shared by a model's matrices. Blocks of 32 are
 //! repacked (scales first, then quant bytes); K-quant rows keep GGML's super-blocks as they are.
-//! On the AVX-512 VNNI tier every kind is interleaved instead, in groups of 16 rows
+//! From the AVX2 tier up every kind is interleaved instead, in groups of 16 rows
 //! (`interleave.rs`), and the kernels that read rows rebuild them ([`QMatrix::ggml_rows`]).
 
 use crate::error::{KernelError, Result};
@@ -276,9 +276,9 @@ impl QMatrix {
                 raw.len()
             )));
         }
-        // The AVX-512 VNNI tier's kernels read groups of 16 rows (`interleave.rs`).
+        // The integer kernels from the AVX2 tier up read groups of 16 rows (`interleave.rs`).
         #[cfg(target_arch = "x86_64")]
-        if crate::Tier::best() >= crate::Tier::Avx512Vnni {
+        if crate::Tier::best() >= crate::Tier::Avx2 {
             let len = super::interleave::interleaved_len(kind, rows, cols);
             let mut data = HugeBuf::<u8>::zeroed_small_pages(len + SLACK);
             super::interleave::interleave(kind, raw, rows, cols, &mut data[..len]);

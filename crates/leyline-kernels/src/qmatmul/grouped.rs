@@ -1,5 +1,6 @@
 //! Products of matrices interleaved in groups of 16 rows (`interleave.rs`) with 8-bit
-//! activations ([`Q8Row`], [`Q8KRow`]) for any row count: the AVX-512 VNNI tier's.
+//! activations ([`Q8Row`], [`Q8KRow`]) for any row count: the AVX-512 VNNI tier's
+//! (`grouped_avx2.rs` holds the AVX2 tier's), and the loop both tiers share.
 //!
 //! Design decision: in GGML's layout a row's block is a stream of its own, so a kernel
 //! that reads it keeps one output's partial sums across a vector's lanes and pays a
@@ -36,11 +37,8 @@ pub(super) unsafe fn rows(
     acts: &[Q8KRow],
     out: &mut [f32],
 ) {
-    for act in acts {
-        assert!(act.q.len() == 256 * ns && act.d.len() == ns);
-        assert!(act.bs16.len() == 16 * ns && act.bs32.len() == 8 * ns);
-    }
-    drive(
+    check_supers(acts, ns);
+    drive::<_, GA>(
         kind,
         data,
         ns,
@@ -84,11 +82,8 @@ pub(super) unsafe fn rows32(
     acts: &[Q8Row],
     out: &mut [f32],
 ) {
-    for act in acts {
-        assert!(act.q.len() == 32 * nb && act.d.len() == nb);
-        assert!(act.bs.len() == nb && act.s32.len() == nb);
-    }
-    drive(
+    check_blocks32(acts, nb);
+    drive::<_, GA>(
         kind,
         data,
         nb,
@@ -125,17 +120,33 @@ pub(super) unsafe fn rows32(
     );
 }
 
-/// The loop both [`rows`] share: for each group of `n = out.len() / m` rows from group `g0`
-/// of `data` (`nb` blocks per row), each pass of up to [`GA`] activation rows;
-/// `group(base, xs, ga, stream, sums)` leaves the group's outputs for `xs` in `sums`.
-fn drive<T>(
+/// Asserts that each activation row has `ns` super-blocks with their sums.
+pub(super) fn check_supers(acts: &[Q8KRow], ns: usize) {
+    for act in acts {
+        assert!(act.q.len() == 256 * ns && act.d.len() == ns);
+        assert!(act.bs16.len() == 16 * ns && act.bs32.len() == 8 * ns);
+    }
+}
+
+/// Asserts that each activation row has `nb` blocks of 32 with their sums.
+pub(super) fn check_blocks32(acts: &[Q8Row], nb: usize) {
+    for act in acts {
+        assert!(act.q.len() == 32 * nb && act.d.len() == nb);
+        assert!(act.bs.len() == nb);
+    }
+}
+
+/// The loop the grouped products of every tier share: for each group of `n = out.len() / m`
+/// rows from group `g0` of `data` (`nb` blocks per row), each pass of up to `P` activation
+/// rows; `group(base, xs, ga, stream, sums)` leaves the group's outputs for `xs` in `sums`.
+pub(super) fn drive<T, const P: usize>(
     kind: GgmlKind,
     data: &[u8],
     nb: usize,
     g0: usize,
     acts: &[T],
     out: &mut [f32],
-    group: impl Fn(*const u8, &[T], usize, bool, &mut [[f32; GROUP]; GA]),
+    group: impl Fn(*const u8, &[T], usize, bool, &mut [[f32; GROUP]; P]),
 ) {
     let m = acts.len();
     assert!(m > 0 && out.len().is_multiple_of(m));
@@ -144,14 +155,14 @@ fn drive<T>(
     assert!(data.len() >= (g0 + n.div_ceil(GROUP)) * gb);
     // One pass over the weights (few activation rows) streams them from memory: ask for
     // them ahead. More passes read each group from cache.
-    let stream = m <= GA;
+    let stream = m <= P;
     for gi in 0..n.div_ceil(GROUP) {
         let base = data[(g0 + gi) * gb..].as_ptr();
         let live = GROUP.min(n - gi * GROUP);
         let mut i0 = 0;
         while i0 < m {
-            let ga = GA.min(m - i0);
-            let mut sums = [[0f32; GROUP]; GA];
+            let ga = P.min(m - i0);
+            let mut sums = [[0f32; GROUP]; P];
             group(base, &acts[i0..i0 + ga], ga, stream, &mut sums);
             for r in 0..live {
                 for (i, s) in sums[..ga].iter().enumerate() {
@@ -174,7 +185,11 @@ unsafe fn bcast<T>(p: *const T) -> __m512i {
 
 /// Block `s` of `bytes` bytes from `base`, its weights asked for ahead when `STREAM`.
 #[inline(always)]
-unsafe fn block<const STREAM: bool>(base: *const u8, s: usize, bytes: usize) -> *const u8 {
+pub(super) unsafe fn block<const STREAM: bool>(
+    base: *const u8,
+    s: usize,
+    bytes: usize,
+) -> *const u8 {
     // SAFETY: the caller's block s lies in the group.
     let b = unsafe { base.add(s * bytes) };
     if STREAM {
@@ -381,7 +396,7 @@ const PREFETCH: usize = 4096;
 
 /// Asks for the `len` bytes [`PREFETCH`] past `b` (hardware prefetchers stop at pages).
 #[inline(always)]
-fn prefetch_ahead(b: *const u8, len: usize) {
+pub(super) fn prefetch_ahead(b: *const u8, len: usize) {
     for off in (0..len).step_by(64) {
         // SAFETY: a prefetch never faults, whatever the address; `wrapping_add` makes none
         // of the arithmetic undefined past the matrix's end.
@@ -482,7 +497,7 @@ unsafe fn group32<const K: u8, const GA: usize, const STREAM: bool>(
                 tot[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), ddx, tot[i]);
                 if K == Q4_1 {
                     let m = halves(g.add(32));
-                    tot[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i].s32[b]), tot[i]);
+                    tot[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i].dsum(b)), tot[i]);
                 }
             }
         }

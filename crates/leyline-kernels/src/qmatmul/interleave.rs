@@ -1,6 +1,6 @@
-//! Quantized matrices interleaved in groups of 16 rows, the layout the AVX-512 VNNI tier's
-//! products read (`grouped.rs`, which says why), and back to GGML's blocks for the kernels
-//! that read rows.
+//! Quantized matrices interleaved in groups of 16 rows, the layout the integer products read
+//! (`grouped.rs`, which says why, and `grouped_avx2.rs`), and back to GGML's blocks for the
+//! kernels that read rows.
 //!
 //! The layout per group of 16 rows and block (`r` a row of the group, `k` a byte of a quad
 //! of 4 values):

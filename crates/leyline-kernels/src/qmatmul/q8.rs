@@ -1,10 +1,10 @@
 //! The rounding of activations that every quantized product shares: each row to 8 bits per
 //! block of 32 values ([`Q8Row`]) for the formats in blocks of 32, per super-block of 256
 //! ([`Q8KRow`]) for the K-quants, as llama.cpp's Q8 and Q8_K activations. The integer
-//! kernels (`int8.rs`, `kq.rs`) read the quantized values; the kernels that multiply in f32 (the portable
-//! tier's and the many-row gemm of `wide.rs`) read the same values turned back into floats
-//! ([`Q8Row::dequantize_into`]), so every path and every tier computes the same products up
-//! to the order of f32 additions.
+//! kernels (`grouped.rs`, `grouped_avx2.rs`) read the quantized values; the kernels that
+//! multiply in f32 (the portable tier's and the many-row gemm of `wide.rs`) read the same
+//! values turned back into floats ([`Q8Row::dequantize_into`]), so every path and every tier
+//! computes the same products up to the order of f32 additions.
 
 use super::format::{GgmlKind, BLOCK};
 
@@ -14,20 +14,23 @@ pub(crate) struct Q8Row {
     pub(super) q: Vec<i8>,
     /// Each block's step, `max |x| / 127` of the block.
     pub(super) d: Vec<f32>,
-    /// `d[b] * (sum of q over block b)`.
-    pub(super) s32: Vec<f32>,
     /// The sum of `q` over each block (at most 4,064 in size).
     pub(super) bs: Vec<i16>,
 }
 
 impl Q8Row {
+    /// `d[b] * (sum of q over block b)`: what a block's offset or minimum meets.
+    #[inline(always)]
+    pub(super) fn dsum(&self, b: usize) -> f32 {
+        self.d[b] * f32::from(self.bs[b])
+    }
+
     /// Quantizes `x` (its length a multiple of 32): `q = round(x / d)`, ties away from zero.
     pub(crate) fn quantize(x: &[f32]) -> Self {
         debug_assert!(x.len().is_multiple_of(BLOCK));
         let nb = x.len() / BLOCK;
         let mut q = vec![0i8; x.len()];
         let mut d = vec![0f32; nb];
-        let mut s32 = vec![0f32; nb];
         let mut bs = vec![0i16; nb];
         for (b, (xb, qb)) in x
             .chunks_exact(BLOCK)
@@ -47,10 +50,9 @@ impl Q8Row {
             }
             d[b] = step;
             let sum: i32 = qb.iter().map(|&v| i32::from(v)).sum();
-            s32[b] = step * sum as f32;
             bs[b] = sum as i16;
         }
-        Self { q, d, s32, bs }
+        Self { q, d, bs }
     }
 
     /// The values the row stands for, `d[i / 32] * q[i]`, into `out` (the row's length).
@@ -73,7 +75,7 @@ fn dequantize(q: &[i8], d: &[f32], block: usize, out: &mut [f32]) {
 }
 
 /// One activation row quantized per super-block of 256 values, for the K-quant kernels
-/// (`kq.rs`): `x[i] ~ d[i / 256] * q[i]`. One step per super-block lets a kernel sum a
+/// (`grouped.rs`): `x[i] ~ d[i / 256] * q[i]`. One step per super-block lets a kernel sum a
 /// super-block's integer products with the weights' integer sub-block scales before any
 /// float operation, as llama.cpp's Q8_K does; the price is a coarser step than [`Q8Row`]'s
 /// where a super-block's values differ much in size.

@@ -492,16 +492,23 @@ fn dequantized_rows_are_the_format_values_rounded_once() {
     }
 }
 
-/// The tiers with integer kernels that this CPU runs; the others are named as unverified.
+/// The tiers with integer kernels that this CPU runs and [`Tier::best`] allows (matrices
+/// are interleaved for them only from the AVX2 tier up); the others are named as unverified.
 fn int8_tiers() -> Vec<Tier> {
-    for t in [Tier::Avx2, Tier::Avx512Vnni] {
+    let kernels = [Tier::Avx2, Tier::Avx512Vnni];
+    for t in kernels {
         if !t.available() {
             eprintln!("tier {t}: integer kernels not verified here (CPU lacks it)");
+        } else if t > Tier::best() {
+            eprintln!(
+                "tier {t}: integer kernels not verified here (above {})",
+                crate::TIER_ENV
+            );
         }
     }
-    Tier::all_available()
+    kernels
         .into_iter()
-        .filter(|&t| t == Tier::Avx2 || t == Tier::Avx512Vnni)
+        .filter(|&t| t.available() && t <= Tier::best())
         .collect()
 }
 
