@@ -19,6 +19,7 @@ use super::format::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q8_0};
 use super::interleave::{group_bytes, legacy_quants, GROUP, Q4K_BYTES, Q5K_BYTES, Q6K_BYTES};
 use super::interleave::{Q4K_LO, Q4K_MINS, Q5K_HI, Q6K_HI, Q6K_LO, SC};
 use super::q8::{Q8KRow, Q8Row};
+use super::tile::PREFETCH;
 
 /// Activation rows that meet a group's unpacked quants per pass.
 const GA: usize = 4;
@@ -390,9 +391,6 @@ fn bit_to_4(h: __m512i, bit: usize) -> __m512i {
         }
     }
 }
-
-/// How far ahead of the super-block being read a streaming pass asks for weights.
-const PREFETCH: usize = 4096;
 
 /// Asks for the `len` bytes [`PREFETCH`] past `b` (hardware prefetchers stop at pages).
 #[inline(always)]

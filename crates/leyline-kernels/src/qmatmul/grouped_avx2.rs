@@ -478,6 +478,12 @@ unsafe fn group32<const K: u8, const GA: usize, const STREAM: bool>(
                     }
                 }
                 let d = halves(g.add(half(2, h)));
+                // Q4_1's minimums, one per row.
+                let m = if K == Q4_1 {
+                    halves(g.add(32 + half(2, h)))
+                } else {
+                    _mm256_setzero_ps()
+                };
                 for i in 0..GA {
                     let mut v = acc[i];
                     if offset != 0 {
@@ -487,7 +493,6 @@ unsafe fn group32<const K: u8, const GA: usize, const STREAM: bool>(
                     let ddx = _mm256_mul_ps(d, _mm256_set1_ps(xs[i].d[b]));
                     th[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), ddx, th[i]);
                     if K == Q4_1 {
-                        let m = halves(g.add(32 + half(2, h)));
                         th[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i].dsum(b)), th[i]);
                     }
                 }

@@ -3,8 +3,8 @@
 
 use super::format::RowGeom;
 
-/// How far ahead of the current row tile the kernels prefetch weights.
-const PREFETCH: usize = 4096;
+/// How far ahead of the weights being read the kernels that stream them prefetch.
+pub(super) const PREFETCH: usize = 4096;
 
 /// Asks for the bytes [`PREFETCH`] past the tile of rows `r..r + rt` of `rows` (rows of
 /// `stride` bytes); the tile's own rows are read while those are in flight (hardware
