@@ -10,6 +10,9 @@
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 /// Bytes of a transparent huge page on x86-64 and (4 KiB-granule) aarch64.
 const HUGE_PAGE: usize = 2 << 20;
@@ -95,6 +98,137 @@ impl<T: Zeroable> fmt::Debug for HugeBuf<T> {
             self.len(),
             std::any::type_name::<T>()
         )
+    }
+}
+
+/// Alignment of every piece of an [`Arena`]: a cache line.
+const PIECE_ALIGN: usize = 64;
+
+/// A zeroed buffer on transparent huge pages ([`HugeBuf::zeroed`]) handed out in disjoint
+/// pieces, each written once by whoever takes it and then shared read-only: a model's
+/// matrices are built straight into the place they are streamed from, with no copy and no
+/// small pages in between. Pages nobody takes are never touched, so a generous capacity
+/// costs address space only.
+pub struct Arena {
+    /// Owns the memory; never dereferenced after `base` is taken from it, so that the
+    /// pieces' borrows are the only ones.
+    _buf: HugeBuf<u8>,
+    base: NonNull<u8>,
+    cap: usize,
+    /// Bytes handed out so far.
+    next: AtomicUsize,
+}
+
+// SAFETY: the arena is owned memory of `u8`s; `take` hands each byte out at most once (the
+// atomic `next` only grows), so a piece's `&mut [u8]` never aliases another piece or any
+// `ArenaBytes`, which read only frozen pieces. Sharing or sending the arena shares or sends
+// nothing else.
+unsafe impl Send for Arena {}
+// SAFETY: as above.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    /// An arena of `cap` bytes.
+    ///
+    /// # Panics
+    /// As [`HugeBuf::zeroed`].
+    pub fn new(cap: usize) -> Arc<Self> {
+        let mut buf = HugeBuf::<u8>::zeroed(cap);
+        let base = NonNull::new(buf.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        Arc::new(Self {
+            _buf: buf,
+            base,
+            cap,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// The next `len` zeroed bytes, starting on a 64-byte boundary, or `None` when the arena
+    /// has not that much room left.
+    pub fn take(self: &Arc<Self>, len: usize) -> Option<ArenaPiece> {
+        let size = len.checked_next_multiple_of(PIECE_ALIGN)?;
+        let start = self
+            .next
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |at| {
+                at.checked_add(size).filter(|&end| end <= self.cap)
+            })
+            .ok()?;
+        Some(ArenaPiece(ArenaBytes {
+            arena: Arc::clone(self),
+            start,
+            len,
+        }))
+    }
+
+    /// Bytes handed out so far (pieces rounded up to 64 bytes).
+    pub fn used(&self) -> usize {
+        self.next.load(Ordering::Relaxed)
+    }
+}
+
+impl fmt::Debug for Arena {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Arena({} of {} bytes used)", self.used(), self.cap)
+    }
+}
+
+/// A piece of an [`Arena`] being written: the only handle to its bytes until
+/// [`Self::freeze`].
+#[derive(Debug)]
+pub struct ArenaPiece(ArenaBytes);
+
+impl ArenaPiece {
+    /// The piece, read-only from now on and shared at will.
+    pub fn freeze(self) -> ArenaBytes {
+        self.0
+    }
+}
+
+impl Deref for ArenaPiece {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl DerefMut for ArenaPiece {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        let b = &self.0;
+        // SAFETY: `[start, start + len)` lies inside the arena's `cap` bytes (checked by
+        // `take`) and was handed out to this piece alone, which is not `Clone`; `&mut self`
+        // makes this the only borrow of it.
+        unsafe { std::slice::from_raw_parts_mut(b.arena.base.as_ptr().add(b.start), b.len) }
+    }
+}
+
+/// A frozen piece of an [`Arena`], which it keeps alive.
+#[derive(Clone)]
+pub struct ArenaBytes {
+    arena: Arc<Arena>,
+    start: usize,
+    len: usize,
+}
+
+impl ArenaBytes {
+    /// Whether both lie in the same arena.
+    pub fn same_arena(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.arena, &other.arena)
+    }
+}
+
+impl Deref for ArenaBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the range lies inside the arena (checked by `take`) and belongs to this
+        // piece alone; an `ArenaBytes` outside `ArenaPiece` exists only once the piece is
+        // frozen, after which nothing writes it. The arena's memory lives while `arena` does.
+        unsafe { std::slice::from_raw_parts(self.arena.base.as_ptr().add(self.start), self.len) }
+    }
+}
+
+impl fmt::Debug for ArenaBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ArenaBytes({}..{})", self.start, self.start + self.len)
     }
 }
 
@@ -267,6 +401,63 @@ mod tests {
             kib > 0,
             "no huge pages in an advised, written 16 MiB buffer"
         );
+    }
+
+    #[test]
+    fn arena_pieces_are_zeroed_aligned_disjoint_and_outlive_their_handles() {
+        let arena = Arena::new(1000);
+        let mut a = arena.take(100).expect("room");
+        let mut b = arena.take(37).expect("room");
+        assert!(a.iter().chain(b.iter()).all(|&x| x == 0));
+        a.fill(1);
+        b.fill(2);
+        let (a, b) = (a.freeze(), b.freeze());
+        assert_eq!((a.len(), b.len()), (100, 37));
+        assert_eq!(a.as_ptr() as usize % PIECE_ALIGN, 0);
+        assert_eq!(b.as_ptr() as usize - a.as_ptr() as usize, 128);
+        assert_eq!(arena.used(), 128 + 64);
+        assert!(a.same_arena(&b) && !a.same_arena(&Arena::new(64).take(1).unwrap().freeze()));
+        // 808 bytes are left, room for 12 lines: a piece of 769 does not fit, one of 768
+        // does, then nothing.
+        assert!(arena.take(769).is_none());
+        let last = arena.take(768).expect("the rest").freeze();
+        assert!(arena.take(1).is_none());
+        assert_eq!(last.len(), 768);
+        // Frozen pieces keep the memory after the arena's own handle goes.
+        drop(arena);
+        let c = a.clone();
+        drop(a);
+        assert!(c.iter().all(|&x| x == 1) && b.iter().all(|&x| x == 2));
+    }
+
+    #[test]
+    fn arena_pieces_taken_from_several_threads_never_overlap() {
+        let arena = Arena::new(64 * 64 * 8);
+        let pieces: Vec<ArenaBytes> = std::thread::scope(|s| {
+            let hands: Vec<_> = (0..8u8)
+                .map(|t| {
+                    let arena = &arena;
+                    s.spawn(move || {
+                        (0..64)
+                            .map(|_| {
+                                let mut p = arena.take(50).expect("sized for all");
+                                p.fill(t + 1);
+                                p.freeze()
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            hands.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        });
+        assert!(arena.take(1).is_none());
+        for (i, p) in pieces.iter().enumerate() {
+            let t = (i / 64) as u8 + 1;
+            assert!(
+                p.iter().all(|&x| x == t),
+                "piece {i} was written by another thread"
+            );
+        }
     }
 
     /// A small-pages buffer holds no huge page even where the kernel uses them for every

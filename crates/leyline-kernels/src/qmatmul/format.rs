@@ -6,7 +6,7 @@
 //! (`interleave.rs`), and the kernels that read rows rebuild them ([`QMatrix::ggml_rows`]).
 
 use crate::error::{KernelError, Result};
-use crate::mem::HugeBuf;
+use crate::mem::{Arena, ArenaBytes, HugeBuf};
 use half::f16;
 use std::borrow::Cow;
 use std::ops::Deref;
@@ -119,19 +119,16 @@ pub struct QMatrix {
     pub(super) interleaved: bool,
 }
 
-/// A matrix's bytes: a mapping of its own once built, a range of a buffer that the model's
-/// matrices share after [`QMatrix::share_pages`]. Its own bytes are a mapping rather than a
-/// heap vector so that they go back to the system when they move: glibc keeps freed heap
-/// blocks of up to 32 MB, and a 1.5B model's load stayed 0.6 GB above its weights that way;
-/// on small pages, since a matrix of 0.2 MB in a huge page would take 2 MB until it moves.
+/// A matrix's bytes: a mapping of its own, or a piece of an [`Arena`] on huge pages that the
+/// model's matrices share (built there by [`QMatrix::from_ggml_in`], or moved there by
+/// [`QMatrix::share_pages`]). Its own bytes are a mapping rather than a heap vector so that
+/// they go back to the system when they move: glibc keeps freed heap blocks of up to 32 MB,
+/// and a 1.5B model's load stayed 0.6 GB above its weights that way; on small pages, since a
+/// matrix of 0.2 MB in a huge page would take 2 MB until it moves.
 #[derive(Debug, Clone)]
 pub(super) enum Bytes {
     Own(HugeBuf<u8>),
-    Shared {
-        buf: Arc<HugeBuf<u8>>,
-        start: usize,
-        len: usize,
-    },
+    Shared(ArenaBytes),
 }
 
 impl Deref for Bytes {
@@ -139,7 +136,7 @@ impl Deref for Bytes {
     fn deref(&self) -> &[u8] {
         match self {
             Bytes::Own(v) => v,
-            Bytes::Shared { buf, start, len } => &buf[*start..*start + *len],
+            Bytes::Shared(b) => b,
         }
     }
 }
@@ -260,45 +257,98 @@ impl QMatrix {
     /// [`KernelError::Quantized`] when `cols` is not a positive multiple of the kind's block
     /// length (32, or 256 for the K-quants) or `raw` has the wrong length.
     pub fn from_ggml(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        let len = kind.block_len();
-        if cols == 0 || !cols.is_multiple_of(len) {
-            return Err(KernelError::Quantized(format!(
-                "quantized matrix {kind:?}: {cols} columns is not a positive multiple of {len}"
-            )));
-        }
-        let want = rows
-            .checked_mul(cols / len)
-            .and_then(|b| b.checked_mul(kind.block_bytes()))
-            .ok_or_else(|| KernelError::Quantized("quantized matrix: size overflows".into()))?;
+        Self::from_ggml_in(kind, raw, rows, cols, None)
+    }
+
+    /// [`Self::from_ggml`], built straight into a piece of `arena` when one is given and has
+    /// room ([`Self::stored_len`] bytes), else into a buffer of its own.
+    ///
+    /// # Errors
+    /// As [`Self::from_ggml`].
+    pub fn from_ggml_in(
+        kind: GgmlKind,
+        raw: &[u8],
+        rows: usize,
+        cols: usize,
+        arena: Option<&Arc<Arena>>,
+    ) -> Result<Self> {
+        let want = Self::ggml_len(kind, rows, cols)?;
         if raw.len() != want {
             return Err(KernelError::Quantized(format!(
                 "quantized matrix {kind:?} [{rows}, {cols}]: {} bytes, expected {want}",
                 raw.len()
             )));
         }
-        // The integer kernels from the AVX2 tier up read groups of 16 rows (`interleave.rs`).
-        #[cfg(target_arch = "x86_64")]
-        if crate::Tier::best() >= crate::Tier::Avx2 {
-            let len = super::interleave::interleaved_len(kind, rows, cols);
-            let mut data = HugeBuf::<u8>::zeroed_small_pages(len + SLACK);
-            super::interleave::interleave(kind, raw, rows, cols, &mut data[..len]);
-            return Ok(Self {
-                kind,
-                rows,
-                cols,
-                data: Bytes::Own(data),
-                interleaved: true,
-            });
-        }
-        let mut data = HugeBuf::<u8>::zeroed_small_pages(want + SLACK);
-        repack(kind, cols, raw, &mut data[..want]);
+        let interleaved = Self::interleaves();
+        let len = Self::layout_len(kind, rows, cols, interleaved);
+        let fill = |dst: &mut [u8]| {
+            #[cfg(target_arch = "x86_64")]
+            if interleaved {
+                super::interleave::interleave(kind, raw, rows, cols, &mut dst[..len]);
+                return;
+            }
+            repack(kind, cols, raw, &mut dst[..len]);
+        };
+        let data = match arena.and_then(|a| a.take(len + SLACK)) {
+            Some(mut piece) => {
+                fill(&mut piece);
+                Bytes::Shared(piece.freeze())
+            }
+            None => {
+                let mut own = HugeBuf::<u8>::zeroed_small_pages(len + SLACK);
+                fill(&mut own);
+                Bytes::Own(own)
+            }
+        };
         Ok(Self {
             kind,
             rows,
             cols,
-            data: Bytes::Own(data),
-            interleaved: false,
+            data,
+            interleaved,
         })
+    }
+
+    /// Bytes a `[rows, cols]` matrix of `kind` takes once built, [`SLACK`] included: what an
+    /// [`Arena`] needs for it ([`Self::from_ggml_in`]).
+    ///
+    /// # Errors
+    /// As [`Self::from_ggml`], for the shape.
+    pub fn stored_len(kind: GgmlKind, rows: usize, cols: usize) -> Result<usize> {
+        Self::ggml_len(kind, rows, cols)?;
+        Ok(Self::layout_len(kind, rows, cols, Self::interleaves()) + SLACK)
+    }
+
+    /// GGML's bytes for the shape, checked.
+    fn ggml_len(kind: GgmlKind, rows: usize, cols: usize) -> Result<usize> {
+        let len = kind.block_len();
+        if cols == 0 || !cols.is_multiple_of(len) {
+            return Err(KernelError::Quantized(format!(
+                "quantized matrix {kind:?}: {cols} columns is not a positive multiple of {len}"
+            )));
+        }
+        rows.checked_mul(cols / len)
+            .and_then(|b| b.checked_mul(kind.block_bytes()))
+            .ok_or_else(|| KernelError::Quantized("quantized matrix: size overflows".into()))
+    }
+
+    /// Whether matrices built now are interleaved: the integer kernels from the AVX2 tier up
+    /// read groups of 16 rows (`interleave.rs`).
+    fn interleaves() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return crate::Tier::best() >= crate::Tier::Avx2;
+        #[cfg(not(target_arch = "x86_64"))]
+        return false;
+    }
+
+    /// Bytes of the layout before [`SLACK`]: interleaved groups, or GGML's size.
+    fn layout_len(kind: GgmlKind, rows: usize, cols: usize, interleaved: bool) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if interleaved {
+            return super::interleave::interleaved_len(kind, rows, cols);
+        }
+        let _ = interleaved;
+        rows * (cols / kind.block_len()) * kind.block_bytes()
     }
 
     /// Rows `r0 .. r0 + n` in GGML's layout (repacked for the kinds in blocks of 32), then
@@ -323,35 +373,32 @@ impl QMatrix {
         Cow::Borrowed(&self.data[r0 * stride..(r0 + n) * stride + SLACK])
     }
 
-    /// Moves the bytes of `mats` into one buffer on transparent huge pages, in the order
-    /// given (a forward's order makes one forward stream). A decode step reads every weight
-    /// once; on 4 KiB pages that is a page walk per 4 KiB, expensive under virtualization,
-    /// and a matrix of 0.2-1.7 MB in a mapping of its own holds no whole 2 MiB page. Products
-    /// are unchanged: the same bytes, in another place.
+    /// Moves the bytes of `mats` that are not yet in an [`Arena`] into one new arena on
+    /// transparent huge pages, in the order given (a forward's order makes one forward
+    /// stream); matrices built in an arena ([`Self::from_ggml_in`]) stay where they are. A
+    /// decode step reads every weight once; on 4 KiB pages that is a page walk per 4 KiB,
+    /// expensive under virtualization, and a matrix of 0.2-1.7 MB in a mapping of its own
+    /// holds no whole 2 MiB page. Products are unchanged: the same bytes, in another place.
     pub fn share_pages<'a>(mats: impl IntoIterator<Item = &'a mut QMatrix>) {
-        let mut mats: Vec<&mut QMatrix> = mats.into_iter().collect();
-        // Each matrix starts on a cache line.
-        let at = |len: usize| len.next_multiple_of(64);
-        let total: usize = mats.iter().map(|m| at(m.data.len())).sum();
-        let mut buf = HugeBuf::<u8>::zeroed(total);
-        let mut spans = Vec::with_capacity(mats.len());
-        let mut start = 0;
+        let mut mats: Vec<&mut QMatrix> = mats
+            .into_iter()
+            .filter(|m| matches!(m.data, Bytes::Own(_)))
+            .collect();
+        let total = mats
+            .iter()
+            .try_fold(0usize, |t, m| {
+                t.checked_add(m.data.len().next_multiple_of(64))
+            })
+            .expect("the sizes of matrices that exist add up");
+        let arena = Arena::new(total);
         for m in &mut mats {
-            let len = m.data.len();
-            buf[start..start + len].copy_from_slice(&m.data);
-            // Free each matrix's old bytes as they move, so that loading a model never holds
-            // its weights twice (the buffer's pages are only touched as they are written).
-            m.data = Bytes::Own(HugeBuf::zeroed_small_pages(0));
-            spans.push((start, len));
-            start += at(len);
-        }
-        let buf = Arc::new(buf);
-        for (m, (start, len)) in mats.iter_mut().zip(spans) {
-            m.data = Bytes::Shared {
-                buf: Arc::clone(&buf),
-                start,
-                len,
-            };
+            let mut piece = arena
+                .take(m.data.len())
+                .expect("the arena was sized for these matrices");
+            piece.copy_from_slice(&m.data);
+            // Each matrix's old bytes go as they move, so that loading a model never holds
+            // its weights twice (the arena's pages are only touched as they are written).
+            m.data = Bytes::Shared(piece.freeze());
         }
     }
 

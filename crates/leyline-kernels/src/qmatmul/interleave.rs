@@ -88,6 +88,7 @@ impl Super {
     }
 
     /// From GGML's block bytes `b`.
+    #[cfg(test)]
     fn read_ggml(&mut self, kind: GgmlKind, b: &[u8]) {
         let half = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
         match kind {
@@ -229,7 +230,9 @@ impl Super {
         }
     }
 
-    /// As row `r` of the group's super-block (block of 32) `g`.
+    /// As row `r` of the group's super-block (block of 32) `g`: the layout's definition, which
+    /// [`write_group`] computes straight from GGML's bytes.
+    #[cfg(test)]
     fn write_group(&self, kind: GgmlKind, g: &mut [u8], r: usize) {
         g[2 * r..2 * r + 2].copy_from_slice(&self.d.to_le_bytes());
         let q = &self.q;
@@ -409,15 +412,168 @@ pub(super) fn interleave(kind: GgmlKind, raw: &[u8], rows: usize, cols: usize, d
     dst.par_chunks_mut(ns * gb)
         .enumerate()
         .for_each(|(gi, group)| {
-            let mut sb = Super::new();
             for r in 0..GROUP.min(rows - gi * GROUP) {
                 let row = &raw[(gi * GROUP + r) * ns * bb..];
                 for s in 0..ns {
-                    sb.read_ggml(kind, &row[s * bb..(s + 1) * bb]);
-                    sb.write_group(kind, &mut group[s * gb..(s + 1) * gb], r);
+                    write_group(kind, &row[s * bb..(s + 1) * bb], &mut group[s * gb..], r);
                 }
             }
         });
+}
+
+/// Copies the 4 bytes at `src[from..]` to `dst[to..]`.
+#[inline(always)]
+fn quad(dst: &mut [u8], to: usize, src: &[u8], from: usize) {
+    dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
+}
+
+/// The 4 bytes at `src[at..]`, little-endian.
+#[inline(always)]
+fn word(src: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]])
+}
+
+/// Writes `v` little-endian at `dst[at..]`.
+#[inline(always)]
+fn put(dst: &mut [u8], at: usize, v: u32) {
+    dst[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+/// GGML's block `b` of `kind` as row `r` of the group's super-block (block of 32) `g`,
+/// computed from the bytes as they lie: a load streams a model's weights through here once,
+/// so no block is unpacked into values first ([`Super`] does that for the way back). Most of
+/// the layout is GGML's own bytes regrouped: the nibble pairs of Q4_0/Q4_1/Q5_0 and Q4_K/Q5_K
+/// are GGML's bytes, Q6_K's low nibbles two of its bytes' halves.
+fn write_group(kind: GgmlKind, b: &[u8], g: &mut [u8], r: usize) {
+    // Fixed-size views and `r < 16` let the compiler drop the bounds checks of the
+    // constant-offset accesses below.
+    let r = r % GROUP;
+    match kind {
+        GgmlKind::Q4_0 => legacy::<{ GROUP * 18 }, 18>(kind, b, g, r),
+        GgmlKind::Q4_1 => legacy::<{ GROUP * 20 }, 20>(kind, b, g, r),
+        GgmlKind::Q5_0 => legacy::<{ GROUP * 22 }, 22>(kind, b, g, r),
+        GgmlKind::Q8_0 => legacy::<{ GROUP * 34 }, 34>(kind, b, g, r),
+        GgmlKind::Q4K => k45::<Q4K_BYTES, 144>(b, g, r),
+        GgmlKind::Q5K => k45::<Q5K_BYTES, 176>(b, g, r),
+        GgmlKind::Q6K => k6(fixed(b), fixed_mut(g), r),
+    }
+}
+
+/// The first `N` bytes of `s` as an array.
+#[inline(always)]
+fn fixed<const N: usize>(s: &[u8]) -> &[u8; N] {
+    s[..N].try_into().expect("N bytes")
+}
+
+/// The first `N` bytes of `s` as a mutable array.
+#[inline(always)]
+fn fixed_mut<const N: usize>(s: &mut [u8]) -> &mut [u8; N] {
+    (&mut s[..N]).try_into().expect("N bytes")
+}
+
+/// [`write_group`] for the blocks of 32 (`B` bytes each, `G` per group).
+#[inline(always)]
+fn legacy<const G: usize, const B: usize>(kind: GgmlKind, b: &[u8], g: &mut [u8], r: usize) {
+    let (b, g): (&[u8; B], &mut [u8; G]) = (fixed(b), fixed_mut(g));
+    g[2 * r..2 * r + 2].copy_from_slice(&b[0..2]);
+    let at = legacy_quants(kind);
+    if kind == GgmlKind::Q8_0 {
+        for j in 0..8 {
+            put(g, at + 64 * j + 4 * r, word(b, 2 + 4 * j) ^ 0x8080_8080);
+        }
+        return;
+    }
+    let qs = match kind {
+        GgmlKind::Q4_1 => {
+            g[32 + 2 * r..34 + 2 * r].copy_from_slice(&b[2..4]);
+            4
+        }
+        GgmlKind::Q5_0 => {
+            // Byte k of the row: bit j holds value 4 j + k's fifth bit.
+            let qh = word(b, 2);
+            for k in 0..4 {
+                g[32 + 4 * r + k] =
+                    (0..8).fold(0, |h, j| h | ((((qh >> (4 * j + k)) & 1) as u8) << j));
+            }
+            6
+        }
+        _ => 2,
+    };
+    for j in 0..4 {
+        quad(g, at + 64 * j + 4 * r, b, qs + 4 * j);
+    }
+}
+
+/// [`write_group`] for Q4_K and Q5_K (`B` bytes a block, `G` a group's super-block).
+#[inline(always)]
+fn k45<const G: usize, const B: usize>(b: &[u8], g: &mut [u8], r: usize) {
+    let (b, g): (&[u8; B], &mut [u8; G]) = (fixed(b), fixed_mut(g));
+    let five = G == Q5K_BYTES;
+    g[2 * r..2 * r + 2].copy_from_slice(&b[0..2]);
+    g[32 + 2 * r..34 + 2 * r].copy_from_slice(&b[2..4]);
+    let (sc, mn) = super::format::k_scales_mins(&b[4..16]);
+    for u in 0..8 {
+        g[SC + 16 * u + r] = sc[u];
+        g[Q4K_MINS + 32 * (u / 2) + 2 * r + u % 2] = mn[u];
+    }
+    let qs = if five { 48 } else { 16 };
+    for t in 0..4 {
+        for qd in 0..8 {
+            quad(
+                g,
+                Q4K_LO + 64 * (8 * t + qd) + 4 * r,
+                b,
+                qs + 32 * t + 4 * qd,
+            );
+        }
+    }
+    if five {
+        // GGML: bit u of qh[v] (at byte 16 + v) is unit u's value v's fifth bit; four bytes k
+        // at once.
+        for (t, e) in (0..4).flat_map(|t| (0..2).map(move |e| (t, e))) {
+            let mut h = 0;
+            for (bit, u, qd) in plane_bits(t, e) {
+                h |= ((word(b, 16 + 4 * qd) >> u) & 0x0101_0101) << bit;
+            }
+            put(g, Q5K_HI + 64 * (2 * t + e) + 4 * r, h);
+        }
+    }
+}
+
+/// [`write_group`] for Q6_K.
+#[inline(always)]
+fn k6(b: &[u8; 210], g: &mut [u8; Q6K_BYTES], r: usize) {
+    g[2 * r..2 * r + 2].copy_from_slice(&b[208..210]);
+    for j in 0..16 {
+        g[SC + 32 * (j / 2) + 2 * r + j % 2] = b[192 + j];
+    }
+    // ql at bytes 0..128, qh at 128..192.
+    for t in 0..4 {
+        let h = t / 2;
+        for qd in 0..8 {
+            let (a, c) = (word(b, 64 * h + 4 * qd), word(b, 64 * h + 32 + 4 * qd));
+            let v = if t % 2 == 0 {
+                (a & 0x0f0f_0f0f) | ((c & 0x0f0f_0f0f) << 4)
+            } else {
+                ((a >> 4) & 0x0f0f_0f0f) | (c & 0xf0f0_f0f0)
+            };
+            put(g, Q6K_LO + 64 * (8 * t + qd) + 4 * r, v);
+        }
+    }
+    // GGML: value 128 h + 32 s + l keeps its top two bits at bits 2 s of qh[32 h + l]; four
+    // bytes k at once.
+    let top =
+        |u: usize, qd: usize| (word(b, 128 + 32 * (u / 4) + 4 * qd) >> (2 * (u % 4))) & 0x0303_0303;
+    for t in 0..4 {
+        for p in 0..4 {
+            let (u0, q0) = (2 * t, 2 * p);
+            let v = top(u0, q0)
+                | (top(u0 + 1, q0) << 2)
+                | (top(u0, q0 + 1) << 4)
+                | (top(u0 + 1, q0 + 1) << 6);
+            put(g, Q6K_HI + 64 * (4 * t + p) + 4 * r, v);
+        }
+    }
 }
 
 /// Rows `r0 .. r0 + n` of an interleaved matrix `data` as GGML's blocks (not repacked),
@@ -459,6 +615,27 @@ mod tests {
                 .collect();
             let mut il = vec![0u8; interleaved_len(kind, rows, cols)];
             interleave(kind, &raw, rows, cols, &mut il);
+            // The direct writer against the layout's definition (unpack, then place values).
+            let (ns, gb, bb) = (
+                cols / kind.block_len(),
+                group_bytes(kind),
+                kind.block_bytes(),
+            );
+            let mut sb = Super::new();
+            for (gi, group) in il.chunks_exact(ns * gb).enumerate() {
+                let mut want = vec![0u8; ns * gb];
+                for r in 0..GROUP.min(rows - gi * GROUP) {
+                    for s in 0..ns {
+                        let at = ((gi * GROUP + r) * ns + s) * bb;
+                        sb.read_ggml(kind, &raw[at..at + bb]);
+                        sb.write_group(kind, &mut want[s * gb..(s + 1) * gb], r);
+                    }
+                }
+                assert!(
+                    group == want,
+                    "{kind:?}: group {gi} differs from the definition"
+                );
+            }
             for (r0, n) in [(0, rows), (5, 1), (15, 3), (32, 5)] {
                 let mut back = vec![0u8; n * row];
                 deinterleave(kind, &il, cols, r0, &mut back);
