@@ -2,21 +2,39 @@
 
 use crate::error::{ModelError, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::QTensor;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
+use leyline_kernels::mem::Arena;
+use memmap2::Mmap;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::io::BufReader;
+use std::io::Cursor;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// An opened GGUF file: its parsed header and a reader for tensor data.
+/// An opened GGUF file: its parsed header, and the file mapped read-only for tensor data.
+///
+/// Tensors are read from the mapping: a matrix the kernels repack is built straight from
+/// the file's pages, which are then given back ([`Self::release`]), so that loading never
+/// holds the weights twice; a warm page cache makes a second start cost no read at all.
 pub struct GgufFile {
     path: PathBuf,
     content: Content,
-    reader: BufReader<File>,
-    file_len: u64,
+    map: Mmap,
     /// Tensors read so far ([`Self::ensure_all_taken`]).
     taken: HashSet<String>,
+    /// Where the file's quantized matrices are built ([`Self::arena`]).
+    arena: Option<Arc<Arena>>,
+}
+
+/// A tensor as the file stores it: GGML's blocks, borrowed from the mapping.
+pub struct StoredTensor<'f> {
+    /// The stored type.
+    pub dtype: GgmlDType,
+    /// Dimensions, outermost first (GGUF lists them innermost first).
+    pub dims: Vec<usize>,
+    /// The tensor's bytes.
+    pub bytes: &'f [u8],
 }
 
 impl GgufFile {
@@ -30,16 +48,21 @@ impl GgufFile {
             reason,
         };
         let file = File::open(path).map_err(|e| file_err(format!("cannot open: {e}")))?;
-        let file_len = file.metadata().map_err(|e| file_err(e.to_string()))?.len();
-        let mut reader = BufReader::new(file);
-        let content = Content::read(&mut reader)
+        // SAFETY: the mapping is read-only and private to this value; what Rust cannot see is
+        // another process changing the file while it is mapped. Leyline never writes a model
+        // file in place (the hub renames a complete download over it, which leaves this
+        // mapping on the old file), and the mapping lives only while the model loads, unless
+        // a tensor is kept as stored. The same contract as llama.cpp's and candle's mappings.
+        let map = unsafe { Mmap::map(&file) }
+            .map_err(|e| file_err(format!("cannot map the file: {e}")))?;
+        let content = Content::read(&mut Cursor::new(&map[..]))
             .map_err(|e| file_err(format!("not a readable GGUF file: {e}")))?;
         let this = Self {
             path: path.to_path_buf(),
             content,
-            reader,
-            file_len,
+            map,
             taken: HashSet::new(),
+            arena: None,
         };
         this.check_tensor_extents()?;
         Ok(this)
@@ -48,22 +71,29 @@ impl GgufFile {
     /// Every tensor's data must lie inside the file; a truncated download fails here, early
     /// and with a clear message, instead of in the middle of loading.
     fn check_tensor_extents(&self) -> Result<()> {
-        for (name, info) in &self.content.tensor_infos {
-            let elems: usize = info.shape.elem_count();
-            let block = info.ggml_dtype.block_size();
-            let bytes = (elems / block.max(1)) as u64 * info.ggml_dtype.type_size() as u64;
-            let end = self.content.tensor_data_offset + info.offset + bytes;
-            if end > self.file_len {
+        for name in self.content.tensor_infos.keys() {
+            let (_, end) = self.extent(name).unwrap_or_default();
+            if end > self.map.len() as u64 {
                 return Err(ModelError::File {
                     path: self.path.clone(),
                     reason: format!(
                         "truncated file: tensor {name} ends at byte {end} but the file has {} bytes",
-                        self.file_len
+                        self.map.len()
                     ),
                 });
             }
         }
         Ok(())
+    }
+
+    /// Where a tensor's bytes lie in the file: `(start, end)`.
+    fn extent(&self, name: &str) -> Option<(u64, u64)> {
+        let info = self.content.tensor_infos.get(name)?;
+        let elems = info.shape.elem_count() as u64;
+        let block = info.ggml_dtype.block_size().max(1) as u64;
+        let bytes = elems / block * info.ggml_dtype.type_size() as u64;
+        let start = self.content.tensor_data_offset + info.offset;
+        Some((start, start + bytes))
     }
 
     /// Every tensor's name and size in bytes as stored, in the file's order of offsets.
@@ -81,6 +111,23 @@ impl GgufFile {
             .collect();
         v.sort();
         v.into_iter().map(|(_, n, b)| (n, b)).collect()
+    }
+
+    /// Every tensor's name, stored type and dimensions (outermost first).
+    pub fn tensor_types(&self) -> impl Iterator<Item = (&str, GgmlDType, &[usize])> {
+        self.content
+            .tensor_infos
+            .iter()
+            .map(|(n, i)| (n.as_str(), i.ggml_dtype, i.shape.dims()))
+    }
+
+    /// The arena this file's repacked matrices share, made on first use with the capacity
+    /// `size` gives for the file (`quant::load_qmatrix` knows what the kernels store).
+    pub(crate) fn arena(&mut self, size: impl FnOnce(&Self) -> usize) -> Arc<Arena> {
+        if self.arena.is_none() {
+            self.arena = Some(Arena::new(size(self)));
+        }
+        Arc::clone(self.arena.as_ref().expect("made above"))
     }
 
     /// The file's path.
@@ -109,11 +156,55 @@ impl GgufFile {
         }
         self.taken.insert(name.to_string());
         self.content
-            .tensor(&mut self.reader, name, &Device::Cpu)
+            .tensor(&mut Cursor::new(&self.map[..]), name, &Device::Cpu)
             .map_err(|e| ModelError::File {
                 path: self.path.clone(),
                 reason: format!("tensor {name}: {e}"),
             })
+    }
+
+    /// A tensor's stored bytes, borrowed from the mapping, and counts it as taken
+    /// ([`Self::ensure_all_taken`]).
+    ///
+    /// # Errors
+    /// [`ModelError::File`] naming the tensor when it is missing.
+    pub fn stored(&mut self, name: &str) -> Result<StoredTensor<'_>> {
+        let Some((start, end)) = self.extent(name) else {
+            return Err(self.file_error(format!("missing tensor {name}")));
+        };
+        self.taken.insert(name.to_string());
+        let info = &self.content.tensor_infos[name];
+        // Extents were checked against the file's length at open.
+        Ok(StoredTensor {
+            dtype: info.ggml_dtype,
+            dims: info.shape.dims().to_vec(),
+            bytes: &self.map[start as usize..end as usize],
+        })
+    }
+
+    /// Gives the pages that lie wholly inside a tensor back to the system, once it has been
+    /// copied out (repacked), so that the process does not hold the file's pages beside the
+    /// copy. The page cache keeps them: a later read, or the next start, finds them there.
+    /// A tensor that was not read, or a refusal by the kernel, changes nothing.
+    pub fn release(&self, name: &str) {
+        let Some((start, end)) = self.extent(name) else {
+            return;
+        };
+        let page = 4096;
+        let (lo, hi) = (
+            (start as usize).next_multiple_of(page),
+            end as usize / page * page,
+        );
+        if hi > lo {
+            // SAFETY: the mapping is read-only, so it holds no private page whose contents
+            // could be lost: after MADV_DONTNEED a read faults the same bytes in from the
+            // file again. No `&[u8]` handed out is invalidated, only its pages' residency.
+            #[cfg(unix)]
+            let _ = unsafe {
+                self.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, lo, hi - lo)
+            };
+        }
     }
 
     /// Reads a tensor as its f32 values, flattened (norm weights, frequency factors), and

@@ -5,7 +5,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::quant::{ggml_kind, qmatrix};
+use crate::quant::{ggml_kind, load_qmatrix, qmatrix};
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Storage, Tensor};
 use leyline_kernels::gemm::gemm_into;
@@ -116,14 +116,17 @@ impl Linear {
     /// # Errors
     /// Missing or unreadable tensors.
     pub fn load(f: &mut GgufFile, prefix: &str) -> Result<Self> {
-        let q = f.tensor(&format!("{prefix}.weight"))?;
         let bias = format!("{prefix}.bias");
         let b = if f.has_tensor(&bias) {
             Some(f.tensor(&bias)?.dequantize(&Device::Cpu)?)
         } else {
             None
         };
-        Self::from_qtensor(&q, b)
+        let name = format!("{prefix}.weight");
+        match load_qmatrix(f, &name)? {
+            Some(q) => Self::from_qmatrix(q, b),
+            None => Self::from_qtensor(&f.tensor(&name)?, b),
+        }
     }
 
     /// A layer on a GGUF tensor `[out, in]`: its quantized blocks when [`QMatrix`] knows the
@@ -419,6 +422,18 @@ pub enum Embedding {
 }
 
 impl Embedding {
+    /// The table `name` of a GGUF file: its blocks when [`QMatrix`] knows the format, else
+    /// f32.
+    ///
+    /// # Errors
+    /// A missing tensor, one that is not 2-D, or unreadable data.
+    pub fn load(f: &mut GgufFile, name: &str) -> Result<Self> {
+        match load_qmatrix(f, name)? {
+            Some(q) => Ok(Self::Quant(q)),
+            None => Self::from_qtensor(&f.tensor(name)?),
+        }
+    }
+
     /// The table of a GGUF tensor: its blocks when [`QMatrix`] knows the format, else f32.
     ///
     /// # Errors

@@ -370,14 +370,17 @@ fn run(a: RunArgs) -> Result<()> {
     if a.prompt.is_empty() {
         bail!("the prompt is empty: pass some text with --prompt");
     }
+    let start = std::time::Instant::now();
     a.threads.init()?;
     let lm = load_model(&a.model)?;
+    let loaded = start.elapsed();
     let prompt = lm.tokenizer.encode(&a.prompt, true)?;
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
     let mut kv = storage_for(&lm, &a.model)?;
     let params = params(&a.sampling, &lm)?;
+    let before_prompt = start.elapsed();
     let stats = stream(&lm, &mut kv, &prompt, &params)?;
     println!();
     if a.stats {
@@ -389,6 +392,12 @@ fn run(a: RunArgs) -> Result<()> {
             stats.prefill_time.as_secs_f64() * 1e3,
             stats.generated_tokens,
             stats.stop
+        );
+        eprintln!(
+            "model loaded in {:.1} ms; first token {:.1} ms after the start; KV pool {:.1} MB",
+            loaded.as_secs_f64() * 1e3,
+            (before_prompt + stats.prefill_time).as_secs_f64() * 1e3,
+            kv.bytes() as f64 / 1e6
         );
     }
     Ok(())

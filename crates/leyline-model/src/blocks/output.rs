@@ -13,7 +13,7 @@ use leyline_kernels::qmatmul::QMatrix;
 /// # Errors
 /// Missing or unreadable tensor, or a width other than `hidden`.
 pub(crate) fn load_embedding(f: &mut GgufFile, hidden: usize) -> Result<Embedding> {
-    let table = Embedding::from_qtensor(&f.tensor("token_embd.weight")?)?;
+    let table = Embedding::load(f, "token_embd.weight")?;
     let (_, width) = table.dims();
     if width != hidden {
         return Err(ModelError::File {
