@@ -140,6 +140,26 @@ impl GgufFile {
         &self.content.metadata
     }
 
+    /// Moves the metadata entries whose keys `pick` selects out of the file's map, for work
+    /// that runs beside the loading of the weights; [`Self::put_metadata`] puts them back.
+    pub fn take_metadata(&mut self, pick: impl Fn(&str) -> bool) -> HashMap<String, Value> {
+        let keys: Vec<String> = self
+            .content
+            .metadata
+            .keys()
+            .filter(|k| pick(k))
+            .cloned()
+            .collect();
+        keys.into_iter()
+            .filter_map(|k| self.content.metadata.remove_entry(&k))
+            .collect()
+    }
+
+    /// Puts entries taken by [`Self::take_metadata`] back.
+    pub fn put_metadata(&mut self, entries: HashMap<String, Value>) {
+        self.content.metadata.extend(entries);
+    }
+
     /// Whether a tensor of that name exists.
     pub fn has_tensor(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)

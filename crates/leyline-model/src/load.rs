@@ -31,9 +31,19 @@ pub struct LoadedModel {
 /// file and the reason.
 pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
     let mut f = gguf::GgufFile::open(path)?;
-    let model = load_network(&mut f)?;
-    let tokenizer =
-        tokenizer::Tokenizer::from_gguf_metadata(f.metadata()).map_err(|e| ModelError::File {
+    // The tokenizer (a few hundred ms for a vocabulary of 150K) is built on a thread of its
+    // own from its keys, moved out of the header meanwhile, while the weights load.
+    let keys = f.take_metadata(|k| k.starts_with("tokenizer.ggml."));
+    let (model, tokenizer) = std::thread::scope(|s| {
+        let tokenizer = s.spawn(|| tokenizer::Tokenizer::from_gguf_metadata(&keys));
+        let model = load_network(&mut f);
+        (model, tokenizer.join())
+    });
+    f.put_metadata(keys);
+    let model = model?;
+    let tokenizer = tokenizer
+        .map_err(|_| ModelError::Input("the tokenizer's thread panicked".into()))?
+        .map_err(|e| ModelError::File {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
