@@ -48,11 +48,11 @@ impl GgufFile {
             reason,
         };
         let file = File::open(path).map_err(|e| file_err(format!("cannot open: {e}")))?;
-        // SAFETY: the mapping is read-only and private to this value; what Rust cannot see is
+        // SAFETY: the mapping is read-only and owned by this value; what Rust cannot see is
         // another process changing the file while it is mapped. Leyline never writes a model
         // file in place (the hub renames a complete download over it, which leaves this
-        // mapping on the old file), and the mapping lives only while the model loads, unless
-        // a tensor is kept as stored. The same contract as llama.cpp's and candle's mappings.
+        // mapping on the old file), and the mapping lives only while the model loads: every
+        // tensor is copied out of it. The same contract as llama.cpp's and candle's mappings.
         let map = unsafe { Mmap::map(&file) }
             .map_err(|e| file_err(format!("cannot map the file: {e}")))?;
         let content = Content::read(&mut Cursor::new(&map[..]))
@@ -72,7 +72,9 @@ impl GgufFile {
     /// and with a clear message, instead of in the middle of loading.
     fn check_tensor_extents(&self) -> Result<()> {
         for name in self.content.tensor_infos.keys() {
-            let (_, end) = self.extent(name).unwrap_or_default();
+            let Some((_, end)) = self.extent(name) else {
+                return Err(self.file_error(format!("tensor {name}: its size overflows")));
+            };
             if end > self.map.len() as u64 {
                 return Err(ModelError::File {
                     path: self.path.clone(),
@@ -86,14 +88,19 @@ impl GgufFile {
         Ok(())
     }
 
-    /// Where a tensor's bytes lie in the file: `(start, end)`.
+    /// Where a tensor's bytes lie in the file: `(start, end)`; `None` for a missing tensor or
+    /// a header whose numbers overflow.
     fn extent(&self, name: &str) -> Option<(u64, u64)> {
         let info = self.content.tensor_infos.get(name)?;
-        let elems = info.shape.elem_count() as u64;
+        let elems = info
+            .shape
+            .dims()
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d as u64))?;
         let block = info.ggml_dtype.block_size().max(1) as u64;
-        let bytes = elems / block * info.ggml_dtype.type_size() as u64;
-        let start = self.content.tensor_data_offset + info.offset;
-        Some((start, start + bytes))
+        let bytes = (elems / block).checked_mul(info.ggml_dtype.type_size() as u64)?;
+        let start = self.content.tensor_data_offset.checked_add(info.offset)?;
+        Some((start, start.checked_add(bytes)?))
     }
 
     /// Every tensor's name and size in bytes as stored, in the file's order of offsets.
@@ -192,9 +199,9 @@ impl GgufFile {
         let Some((start, end)) = self.extent(name) else {
             return Err(self.file_error(format!("missing tensor {name}")));
         };
+        // Every extent was checked against the file's length at open.
         self.taken.insert(name.to_string());
         let info = &self.content.tensor_infos[name];
-        // Extents were checked against the file's length at open.
         Ok(StoredTensor {
             dtype: info.ggml_dtype,
             dims: info.shape.dims().to_vec(),
@@ -440,5 +447,49 @@ impl<'f> ArchKeys<'f> {
     /// The file (for keys outside the architecture's prefix).
     pub fn file(&self) -> &'f GgufFile {
         self.f
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Tensor;
+
+    #[test]
+    fn tensors_read_from_the_mapping_and_a_truncated_file_is_refused_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        let vals: Vec<f32> = (0..32).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let t = Tensor::from_vec(vals.clone(), (4, 8), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, GgmlDType::F32).unwrap();
+        let mut out = File::create(&path).unwrap();
+        candle_core::quantized::gguf_file::write(&mut out, &[], &[("w", &q)]).unwrap();
+        drop(out);
+
+        let mut f = GgufFile::open(&path).unwrap();
+        let s = f.stored("w").unwrap();
+        assert_eq!((s.dtype, s.dims.as_slice()), (GgmlDType::F32, &[4, 8][..]));
+        let want: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(s.bytes, &want[..]);
+        f.release("w");
+        assert_eq!(f.tensor_f32("w").unwrap(), vals);
+        assert!(f.stored("x").is_err());
+        drop(f);
+
+        let len = std::fs::metadata(&path).unwrap().len();
+        File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(len - 4)
+            .unwrap();
+        let err = GgufFile::open(&path)
+            .err()
+            .expect("a truncated file")
+            .to_string();
+        assert!(
+            err.contains("truncated file: tensor w ends at byte"),
+            "{err}"
+        );
     }
 }
