@@ -20,7 +20,7 @@ use std::sync::Arc;
 pub struct GgufFile {
     path: PathBuf,
     content: Content,
-    map: Mmap,
+    map: Arc<Mmap>,
     /// Tensors read so far ([`Self::ensure_all_taken`]).
     taken: HashSet<String>,
     /// Where the file's quantized matrices are built ([`Self::arena`]).
@@ -35,6 +35,8 @@ pub struct StoredTensor<'f> {
     pub dims: Vec<usize>,
     /// The tensor's bytes.
     pub bytes: &'f [u8],
+    /// Where they start in the file ([`GgufFile::mapping`]).
+    pub start: usize,
 }
 
 impl GgufFile {
@@ -51,10 +53,13 @@ impl GgufFile {
         // SAFETY: the mapping is read-only and owned by this value; what Rust cannot see is
         // another process changing the file while it is mapped. Leyline never writes a model
         // file in place (the hub renames a complete download over it, which leaves this
-        // mapping on the old file), and the mapping lives only while the model loads: every
-        // tensor is copied out of it. The same contract as llama.cpp's and candle's mappings.
-        let map = unsafe { Mmap::map(&file) }
-            .map_err(|e| file_err(format!("cannot map the file: {e}")))?;
+        // mapping on the old file), and the mapping outlives the load only where a tensor is
+        // kept as stored (an embedding table that is not also the head). The same contract as
+        // llama.cpp's and candle's mappings.
+        let map = Arc::new(
+            unsafe { Mmap::map(&file) }
+                .map_err(|e| file_err(format!("cannot map the file: {e}")))?,
+        );
         let content = Content::read(&mut Cursor::new(&map[..]))
             .map_err(|e| file_err(format!("not a readable GGUF file: {e}")))?;
         let this = Self {
@@ -206,7 +211,13 @@ impl GgufFile {
             dtype: info.ggml_dtype,
             dims: info.shape.dims().to_vec(),
             bytes: &self.map[start as usize..end as usize],
+            start: start as usize,
         })
+    }
+
+    /// The file's mapping, for a tensor kept where it is stored (it keeps the mapping alive).
+    pub fn mapping(&self) -> Arc<dyn AsRef<[u8]> + Send + Sync> {
+        Arc::clone(&self.map) as Arc<dyn AsRef<[u8]> + Send + Sync>
     }
 
     /// Gives the pages that lie wholly inside a tensor back to the system, once it has been

@@ -5,7 +5,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::quant::{ggml_kind, load_qmatrix, qmatrix};
+use crate::quant::{ggml_kind, load_qmatrix, qmatrix, stored_qmatrix};
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Storage, Tensor};
 use leyline_kernels::gemm::gemm_into;
@@ -422,6 +422,18 @@ pub enum Embedding {
 }
 
 impl Embedding {
+    /// A table `name` that is only read by rows (not also the output head): left where the
+    /// file stores it when the kernels read its format in place, else as [`Self::load`].
+    ///
+    /// # Errors
+    /// As [`Self::load`].
+    pub fn load_stored(f: &mut GgufFile, name: &str) -> Result<Self> {
+        match stored_qmatrix(f, name)? {
+            Some(q) => Ok(Self::Quant(q)),
+            None => Self::load(f, name),
+        }
+    }
+
     /// The table `name` of a GGUF file: its blocks when [`QMatrix`] knows the format, else
     /// f32.
     ///

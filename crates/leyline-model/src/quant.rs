@@ -67,6 +67,27 @@ pub fn load_qmatrix(f: &mut GgufFile, name: &str) -> Result<Option<QMatrix>> {
     Ok(Some(q))
 }
 
+/// The table `name` of `f` left in the file's mapping, where the kernels read a K-quant's
+/// rows as stored ([`QMatrix::from_stored`]): nothing copied, nothing in anonymous memory.
+/// `None` for a type or layout they cannot read in place (the caller builds it instead).
+///
+/// # Errors
+/// A missing tensor, or one that is not 2-D.
+pub fn stored_qmatrix(f: &mut GgufFile, name: &str) -> Result<Option<QMatrix>> {
+    let map = f.mapping();
+    let t = f.stored(name)?;
+    let Some(kind) = ggml_kind(t.dtype) else {
+        return Ok(None);
+    };
+    let &[rows, cols] = t.dims.as_slice() else {
+        return Err(ModelError::Input(format!(
+            "table {name}: dimensions {:?}, expected 2",
+            t.dims
+        )));
+    };
+    Ok(QMatrix::from_stored(kind, rows, cols, map, t.start)?)
+}
+
 /// Room for every 2-D tensor of `f` that [`load_qmatrix`] may build (shapes the kernels
 /// refuse count nothing: they fail at their own load).
 fn arena_size(f: &GgufFile) -> usize {
@@ -117,6 +138,14 @@ mod tests {
         let mut f = GgufFile::open(&path).unwrap();
         for (name, q) in &tensors[..2] {
             let want = qmatrix(q).unwrap();
+            // Left in the mapping, its rows read back as the repacked matrix's.
+            let kept = stored_qmatrix(&mut f, name)
+                .unwrap()
+                .expect("a K-quant, slack after");
+            let (mut a, mut b) = (vec![0f32; 3 * 512], vec![1f32; 3 * 512]);
+            want.dequantize_rows(40, &mut a);
+            kept.dequantize_rows(40, &mut b);
+            assert_eq!(a, b, "{name} kept as stored");
             let stored = f.stored(name).unwrap();
             assert_eq!(stored.dims, [48, 512]);
             assert_eq!(stored.bytes, &*q.data().unwrap());
@@ -133,6 +162,7 @@ mod tests {
             assert_eq!(a, b, "{name}");
         }
         assert!(load_qmatrix(&mut f, "c.weight").unwrap().is_none());
+        assert!(stored_qmatrix(&mut f, "c.weight").unwrap().is_none());
         assert!(load_qmatrix(&mut f, "d.weight").is_err());
         f.ensure_all_taken("test").unwrap();
     }

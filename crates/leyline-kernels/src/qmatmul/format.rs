@@ -129,6 +129,8 @@ pub struct QMatrix {
 pub(super) enum Bytes {
     Own(HugeBuf<u8>),
     Shared(ArenaBytes),
+    /// Left where they were stored ([`QMatrix::from_stored`]).
+    Stored(Stored),
 }
 
 impl Deref for Bytes {
@@ -137,7 +139,22 @@ impl Deref for Bytes {
         match self {
             Bytes::Own(v) => v,
             Bytes::Shared(b) => b,
+            Bytes::Stored(s) => &(*s.owner).as_ref()[s.start..s.start + s.len],
         }
+    }
+}
+
+/// Bytes that stay in a buffer owned elsewhere (a mapped file), kept alive here.
+#[derive(Clone)]
+pub(super) struct Stored {
+    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    start: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for Stored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stored({}..{})", self.start, self.start + self.len)
     }
 }
 
@@ -309,6 +326,49 @@ impl QMatrix {
         })
     }
 
+    /// A K-quant matrix left where it is stored: GGML's rows at `owner[start..]`, which must
+    /// be followed by at least [`SLACK`] bytes of the same buffer (the kernels' loads may run
+    /// past the last row; those bytes are read, not used). For tables read by rows, such as
+    /// an embedding that is not also the output head: nothing is copied, and a product over
+    /// it takes the f32 kernels. `None` for the kinds in blocks of 32 (their row layout is
+    /// repacked) and where fewer than [`SLACK`] bytes follow.
+    ///
+    /// # Errors
+    /// As [`Self::from_ggml`], for the shape; a range outside `owner`.
+    pub fn from_stored(
+        kind: GgmlKind,
+        rows: usize,
+        cols: usize,
+        owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        start: usize,
+    ) -> Result<Option<Self>> {
+        let len = Self::ggml_len(kind, rows, cols)?;
+        let have = (*owner).as_ref().len();
+        let end = start
+            .checked_add(len)
+            .filter(|&e| e <= have)
+            .ok_or_else(|| {
+                KernelError::Quantized(format!(
+                    "quantized matrix {kind:?} [{rows}, {cols}]: bytes {start}.. of a buffer of \
+                     {have}"
+                ))
+            })?;
+        if !kind.is_k() || have - end < SLACK {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            kind,
+            rows,
+            cols,
+            data: Bytes::Stored(Stored {
+                owner,
+                start,
+                len: len + SLACK,
+            }),
+            interleaved: false,
+        }))
+    }
+
     /// Bytes a `[rows, cols]` matrix of `kind` takes once built, [`SLACK`] included: what an
     /// [`Arena`] needs for it ([`Self::from_ggml_in`]).
     ///
@@ -375,7 +435,8 @@ impl QMatrix {
 
     /// Moves the bytes of `mats` that are not yet in an [`Arena`] into one new arena on
     /// transparent huge pages, in the order given (a forward's order makes one forward
-    /// stream); matrices built in an arena ([`Self::from_ggml_in`]) stay where they are. A
+    /// stream); matrices built in an arena ([`Self::from_ggml_in`]) or left where they are
+    /// stored ([`Self::from_stored`]) stay where they are. A
     /// decode step reads every weight once; on 4 KiB pages that is a page walk per 4 KiB,
     /// expensive under virtualization, and a matrix of 0.2-1.7 MB in a mapping of its own
     /// holds no whole 2 MiB page. Products are unchanged: the same bytes, in another place.
@@ -384,6 +445,9 @@ impl QMatrix {
             .into_iter()
             .filter(|m| matches!(m.data, Bytes::Own(_)))
             .collect();
+        if mats.is_empty() {
+            return;
+        }
         let total = mats
             .iter()
             .try_fold(0usize, |t, m| {

@@ -3,6 +3,7 @@ use super::*;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use half::f16;
+use std::sync::Arc;
 
 /// splitmix64: a small seeded generator for test data.
 struct Rng(u64);
@@ -668,4 +669,47 @@ fn integer_products_of_a_batch_equal_each_row_alone_bit_for_bit() {
             }
         }
     }
+}
+
+#[test]
+fn k_quant_tables_left_where_they_are_stored_read_back_their_rows() {
+    let mut rng = Rng(29);
+    for kind in [GgmlKind::Q4K, GgmlKind::Q5K, GgmlKind::Q6K] {
+        let (rows, cols) = (21, 512);
+        let raw = random_ggml(kind, rows, cols, &mut rng);
+        let want = dequant_ref(kind, &raw);
+        // The matrix at byte 7 of a buffer, then 64 bytes that belong to something else.
+        let mut buf = vec![0xa5u8; 7];
+        buf.extend_from_slice(&raw);
+        buf.extend_from_slice(&[0x5a; 64]);
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(buf);
+        let m = QMatrix::from_stored(kind, rows, cols, Arc::clone(&owner), 7)
+            .unwrap()
+            .expect("a K-quant with its slack");
+        assert!(matches!(m.data, Bytes::Stored(_)) && !m.interleaved);
+        for (r0, n) in [(0, 1), (5, 3), (20, 1), (0, rows)] {
+            let mut got = vec![f32::NAN; n * cols];
+            m.dequantize_rows(r0, &mut got);
+            for (i, (&g, &w)) in got.iter().zip(&want[r0 * cols..]).enumerate() {
+                assert!(
+                    (f64::from(g) - w).abs() <= 1e-6 * w.abs().max(1.0),
+                    "{kind:?} row {}: {g} vs {w}",
+                    r0 + i / cols
+                );
+            }
+        }
+        // Too little room after it, a range past the end: not stored, or refused.
+        let short: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(raw.clone());
+        assert!(QMatrix::from_stored(kind, rows, cols, short, 0)
+            .unwrap()
+            .is_none());
+        assert!(QMatrix::from_stored(kind, rows, cols, owner, 100).is_err());
+    }
+    let raw = random_ggml(GgmlKind::Q4_0, 2, 64, &mut rng);
+    let mut buf = raw.clone();
+    buf.extend_from_slice(&[0; 64]);
+    let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(buf);
+    assert!(QMatrix::from_stored(GgmlKind::Q4_0, 2, 64, owner, 0)
+        .unwrap()
+        .is_none());
 }

@@ -8,12 +8,18 @@ use crate::linear::{Embedding, Linear, RowSplit};
 use crate::model::{ForwardSeq, Ran};
 use leyline_kernels::qmatmul::QMatrix;
 
-/// `token_embd.weight` as the embedding table.
+/// `token_embd.weight` as the embedding table; left in the file's mapping where it is not
+/// also the head and its format is read in place ([`Embedding::load_stored`]).
 ///
 /// # Errors
 /// Missing or unreadable tensor, or a width other than `hidden`.
 pub(crate) fn load_embedding(f: &mut GgufFile, hidden: usize) -> Result<Embedding> {
-    let table = Embedding::load(f, "token_embd.weight")?;
+    // A table that is not also the head is only read a row per token: it stays in the file.
+    let table = if f.has_tensor("output.weight") {
+        Embedding::load_stored(f, "token_embd.weight")?
+    } else {
+        Embedding::load(f, "token_embd.weight")?
+    };
     let (_, width) = table.dims();
     if width != hidden {
         return Err(ModelError::File {
