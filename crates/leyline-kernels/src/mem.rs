@@ -209,13 +209,6 @@ pub struct ArenaBytes {
     len: usize,
 }
 
-impl ArenaBytes {
-    /// Whether both lie in the same arena.
-    pub fn same_arena(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.arena, &other.arena)
-    }
-}
-
 impl Deref for ArenaBytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
@@ -416,7 +409,6 @@ mod tests {
         assert_eq!(a.as_ptr() as usize % PIECE_ALIGN, 0);
         assert_eq!(b.as_ptr() as usize - a.as_ptr() as usize, 128);
         assert_eq!(arena.used(), 128 + 64);
-        assert!(a.same_arena(&b) && !a.same_arena(&Arena::new(64).take(1).unwrap().freeze()));
         // 808 bytes are left, room for 12 lines: a piece of 769 does not fit, one of 768
         // does, then nothing.
         assert!(arena.take(769).is_none());

@@ -115,10 +115,9 @@ impl GgufFile {
             .tensor_infos
             .iter()
             .map(|(name, info)| {
-                let elems = info.shape.elem_count();
-                let block = info.ggml_dtype.block_size().max(1);
-                let bytes = (elems / block) as u64 * info.ggml_dtype.type_size() as u64;
-                (info.offset, name.clone(), bytes)
+                // Extents were checked at open.
+                let (start, end) = self.extent(name).unwrap_or_default();
+                (info.offset, name.clone(), end - start)
             })
             .collect();
         v.sort();

@@ -39,14 +39,20 @@ pub fn qmatrix(t: &QTensor) -> Result<QMatrix> {
 /// Another dtype or rank.
 pub fn qmatrix_stored(t: &StoredTensor<'_>, arena: Option<&Arc<Arena>>) -> Result<QMatrix> {
     let kind = kind_of(t.dtype)?;
-    let &[rows, cols] = t.dims.as_slice() else {
-        return Err(ModelError::Input(format!(
+    let (rows, cols) = rows_cols(t)?;
+    Ok(QMatrix::from_ggml_in(kind, t.bytes, rows, cols, arena)?)
+}
+
+/// `(rows, cols)` of a 2-D stored tensor.
+fn rows_cols(t: &StoredTensor<'_>) -> Result<(usize, usize)> {
+    match *t.dims.as_slice() {
+        [rows, cols] => Ok((rows, cols)),
+        _ => Err(ModelError::Input(format!(
             "quantized matrix: {} dimensions {:?}, expected 2",
             t.dims.len(),
             t.dims
-        )));
-    };
-    Ok(QMatrix::from_ggml_in(kind, t.bytes, rows, cols, arena)?)
+        ))),
+    }
 }
 
 /// The tensor `name` of `f` as a quantized matrix built straight from the file's bytes into
@@ -79,12 +85,7 @@ pub fn stored_qmatrix(f: &mut GgufFile, name: &str) -> Result<Option<QMatrix>> {
     let Some(kind) = ggml_kind(t.dtype) else {
         return Ok(None);
     };
-    let &[rows, cols] = t.dims.as_slice() else {
-        return Err(ModelError::Input(format!(
-            "table {name}: dimensions {:?}, expected 2",
-            t.dims
-        )));
-    };
+    let (rows, cols) = rows_cols(&t)?;
     Ok(QMatrix::from_stored(kind, rows, cols, map, t.start)?)
 }
 
