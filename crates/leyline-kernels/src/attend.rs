@@ -38,7 +38,7 @@ use std::sync::Mutex;
 use task::write_out;
 
 pub use kernel::Queries;
-pub use task::{direct, last_piece, offset_of, Heads, Task, KB, RB, SPAN};
+pub use task::{direct, last_piece, offset_of, Heads, Task, DR, KB, RB, SPAN};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

@@ -71,6 +71,158 @@ pub(super) unsafe fn transpose_avx2(krows: &[&[f32]; KB], kt: &mut [f32], hd: us
     }
 }
 
+/// `st[j][r] = q[r] . k[j]` for one key block and the 8 query lanes of `qt: [hd][8]` (the
+/// scaled queries transposed; lanes past the task's rows zero) with AVX2 and FMA: 8 keys
+/// broadcast against the rows' lanes, as [`scores_avx2`] does for 16 lanes. Each score is one
+/// FMA per head dim in order.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `qt.len() >= 8 hd`, every key row holds `hd` values and
+/// `st.len() >= 8 KB`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn scores8_avx2(qt: &[f32], krows: &[&[f32]; KB], st: &mut [f32], hd: usize) {
+    for (group, out) in krows.chunks_exact(8).zip(st.chunks_exact_mut(64)) {
+        let group: &[&[f32]; 8] = group.try_into().expect("8 keys");
+        // SAFETY: the CPU has AVX2 and FMA; the caller's bounds are the group's.
+        unsafe { group8(qt, group, out, hd) };
+    }
+}
+
+/// The scores of 8 keys (rows of `hd` values) for the 8 query lanes of `qt: [hd][8]`, into
+/// `out: [8 keys][8 lanes]`.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `qt.len() >= 8 hd`, every row of `keys` holds `hd` values and
+/// `out.len() >= 64`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn group8(qt: &[f32], keys: &[&[f32]; 8], out: &mut [f32], hd: usize) {
+    let mut acc = [_mm256_setzero_ps(); 8];
+    for d in 0..hd {
+        // SAFETY: `8 d + 8 <= 8 hd <= qt.len()`.
+        let q = unsafe { _mm256_loadu_ps(qt.as_ptr().add(8 * d)) };
+        for (a, kr) in acc.iter_mut().zip(keys) {
+            // SAFETY: key rows hold `hd` values.
+            let k = _mm256_set1_ps(unsafe { *kr.get_unchecked(d) });
+            *a = _mm256_fmadd_ps(k, q, *a);
+        }
+    }
+    for (kk, a) in acc.into_iter().enumerate() {
+        // SAFETY: `8 kk + 8 <= 64 <= out.len()`.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * kk), a) };
+    }
+}
+
+/// [`scores8_avx2`] reading f16 key rows: each group of 8 keys is converted into `kg` (8 rows
+/// of `hd`, reused, so it stays in the L1 cache) right before its products. Only the groups
+/// that hold the block's first `nb` keys are computed (rows past `nb` may be empty). The
+/// same bits as [`scores8_avx2`] on the converted rows.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `qt.len() >= 8 hd`, `kg.len() >= 8 hd` and
+/// `st.len() >= 8 KB`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn scores8_f16_avx2(
+    qt: &[f32],
+    krows: &[&[u16]; KB],
+    nb: usize,
+    kg: &mut [f32],
+    st: &mut [f32],
+    hd: usize,
+) {
+    for (jb, group) in krows.chunks_exact(8).take(nb.div_ceil(8)).enumerate() {
+        if let Some(next) = krows.get(8 * jb + 8..8 * jb + 16) {
+            for kr in next.iter().filter(|r| !r.is_empty()) {
+                let p = kr.as_ptr() as *const i8;
+                for off in (0..2 * hd).step_by(64) {
+                    // SAFETY: a prefetch never faults; `off < 2 hd`, inside the row.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(off)) };
+                }
+            }
+        }
+        for (kk, kr) in group.iter().enumerate() {
+            let row = &mut kg[kk * hd..(kk + 1) * hd];
+            if kr.is_empty() {
+                // A key past the block's `nb`: its scores are not read.
+                row.fill(0.0);
+            } else {
+                // SAFETY: the CPU has AVX and F16C.
+                unsafe { f16_row(&kr[..hd], row) };
+            }
+        }
+        let keys: [&[f32]; 8] = std::array::from_fn(|kk| &kg[kk * hd..(kk + 1) * hd]);
+        // SAFETY: the CPU has AVX2 and FMA; `8 jb + 8 <= KB`, so `st` holds the group's 64.
+        unsafe { group8(qt, &keys, &mut st[64 * jb..], hd) };
+    }
+}
+
+/// `o[r] += sum_j st[j][r] * v[j]` over the block's first `nb` keys for the 8 rows of
+/// `o: [8][hd]` and the probabilities `st: [KB][8]`, reading f16 value rows: 8 rows x 8 head
+/// dims of accumulators, each value vector converted once per key. One FMA per key, in key
+/// order, as the portable `values` sums them.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `st.len() >= 8 nb`, `o.len() >= 8 hd`, and the first `nb`
+/// value rows hold `hd` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn values8_f16_avx2(
+    st: &[f32],
+    vrows: &[&[u16]; KB],
+    o: &mut [f32],
+    hd: usize,
+    nb: usize,
+) {
+    let full = hd / 8 * 8;
+    for dc in (0..full).step_by(8) {
+        // SAFETY: `r * hd + dc + 8 <= 8 hd <= o.len()`.
+        let mut acc: [__m256; 8] =
+            std::array::from_fn(|r| unsafe { _mm256_loadu_ps(o.as_ptr().add(r * hd + dc)) });
+        for (j, vr) in vrows.iter().enumerate().take(nb) {
+            // SAFETY: `dc + 8 <= hd`, inside the value row.
+            let v =
+                unsafe { _mm256_cvtph_ps(_mm_loadu_si128(vr.as_ptr().add(dc) as *const __m128i)) };
+            for (r, a) in acc.iter_mut().enumerate() {
+                // SAFETY: `8 j + r < 8 nb <= st.len()`.
+                let p = _mm256_set1_ps(unsafe { *st.get_unchecked(8 * j + r) });
+                *a = _mm256_fmadd_ps(p, v, *a);
+            }
+        }
+        for (r, a) in acc.into_iter().enumerate() {
+            // SAFETY: as the loads above.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(r * hd + dc), a) };
+        }
+    }
+    for (j, vr) in vrows.iter().enumerate().take(nb) {
+        for d in full..hd {
+            let v = crate::convert::f16_to_f32(vr[d]);
+            for r in 0..8 {
+                o[r * hd + d] = st[8 * j + r].mul_add(v, o[r * hd + d]);
+            }
+        }
+    }
+}
+
+/// f16 bits to f32 (exact) for the shorter of `src` and `dst`, 8 at a time with F16C.
+///
+/// # Safety
+/// The CPU has AVX and F16C.
+#[target_feature(enable = "avx,f16c")]
+#[inline]
+pub(super) unsafe fn f16_row(src: &[u16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let full = n / 8 * 8;
+    for i in (0..full).step_by(8) {
+        // SAFETY: `i + 8 <= n`, inside both slices.
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+    }
+    for i in full..n {
+        dst[i] = crate::convert::f16_to_f32(src[i]);
+    }
+}
+
 /// Row i of the result holds lane i of each of `r`'s 8 vectors.
 #[target_feature(enable = "avx2")]
 #[inline]

@@ -3,7 +3,7 @@
 //! the score products of `portable.rs`, `avx2.rs` or `avx512.rs`.
 
 use super::portable::scores_portable;
-use super::task::{direct, finish, fold, last_piece, offset_of, Heads, Task, KB, RB, SPAN};
+use super::task::{direct, finish, fold, last_piece, offset_of, Heads, Task, DR, KB, RB, SPAN};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
 use crate::fastmath::exp2;
@@ -52,10 +52,17 @@ pub(super) struct Scratch {
     fo: Vec<f32>,
 }
 
-/// Query rows padded to whole 16-lane vectors.
+/// Query rows padded to whole vectors: 8 lanes for a direct task ([`DR`] rows at most), else
+/// whole 16-lane vectors.
 fn lanes_of(rows: usize) -> usize {
-    rows.div_ceil(16) * 16
+    if direct(rows) {
+        DR
+    } else {
+        rows.div_ceil(16) * 16
+    }
 }
+
+const _: () = assert!(DR == 8 && RB <= DR);
 
 impl Scratch {
     pub(super) fn new(rows: usize, hd: usize) -> Self {
@@ -80,10 +87,24 @@ impl Scratch {
 }
 
 /// How rows of a storage dtype become f32.
-pub(super) trait Load<T>: Copy {
+pub(super) trait Load<T: Copy>: Copy {
     fn f32(self, x: T) -> f32;
+    /// `dst[i] = f32(src[i])` for the shorter of both, with `tier`'s instructions where it has
+    /// a conversion of its own (the same exact values).
+    #[inline(always)]
+    fn row(self, _tier: Tier, src: &[T], dst: &mut [f32]) {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = self.f32(x);
+        }
+    }
     /// The rows themselves when they already are f32.
     fn in_place(self, rows: &[T]) -> Option<&[f32]>;
+    /// The rows as f16 bits when the storage is f16 (the AVX2 direct path reads them as
+    /// they are).
+    #[inline(always)]
+    fn f16_bits(self, _rows: &[T]) -> Option<&[u16]> {
+        None
+    }
 }
 
 /// f32 storage: rows are read where they are.
@@ -126,8 +147,26 @@ impl Load<u16> for FromF16 {
         crate::convert::f16_to_f32(b)
     }
     #[inline(always)]
+    fn row(self, tier: Tier, src: &[u16], dst: &mut [f32]) {
+        match tier {
+            // SAFETY: the task runs on `tier`, which the CPU runs ([`super::attend`] checked);
+            // every x86 tier above the portable one has F16C.
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Vnni => unsafe { avx2::f16_row(src, dst) },
+            _ => {
+                for (d, &x) in dst.iter_mut().zip(src) {
+                    *d = self.f32(x);
+                }
+            }
+        }
+    }
+    #[inline(always)]
     fn in_place(self, _: &[u16]) -> Option<&[f32]> {
         None
+    }
+    #[inline(always)]
+    fn f16_bits(self, rows: &[u16]) -> Option<&[u16]> {
+        Some(rows)
     }
 }
 
@@ -197,10 +236,11 @@ fn transpose_portable(krows: &[&[f32]; KB], nb: usize, kt: &mut [f32], hd: usize
     }
 }
 
-/// `st[j][r] = q[r] . k[j]` for one key block and the first `rows` (at most [`RB`]) query
-/// rows of `qb: [lanes][hd]` (scaled, untransposed), with keys across lanes: `kt` holds the
-/// block transposed ([`transpose_block`]). Each score is one FMA per head dim in order, as
-/// [`scores`] sums it, so both give the same bits. Lanes from `rows` on are zeroed.
+/// `st[j][r] = q[r] . k[j]` for one key block and the first `rows` (at most [`DR`]) query
+/// rows of `qb: [DR][hd]` (scaled, untransposed, rows from `rows` on zero), with keys across
+/// lanes: `kt` holds the block transposed ([`transpose_block`]). Each score is one FMA per
+/// head dim in order, as [`scores`] sums it, so both give the same bits. Lanes from `rows` on
+/// are zeroed.
 #[inline(always)]
 fn scores_keys<const W: usize>(
     qb: &[f32],
@@ -210,11 +250,17 @@ fn scores_keys<const W: usize>(
     st: &mut [f32],
     hd: usize,
 ) {
+    assert!(rows <= DR && qb.len() >= DR * hd && kt.len() >= hd * KB);
+    assert!(lanes == DR && st.len() >= KB * DR);
     match rows {
         1 => keys_rows::<1, W>(qb, lanes, kt, st, hd),
         2 => keys_rows::<2, W>(qb, lanes, kt, st, hd),
         3 => keys_rows::<3, W>(qb, lanes, kt, st, hd),
-        _ => keys_rows::<RB, W>(qb, lanes, kt, st, hd),
+        ..=RB => keys_rows::<RB, W>(qb, lanes, kt, st, hd),
+        _ => {
+            keys_rows::<RB, W>(qb, lanes, kt, st, hd);
+            keys_rows::<RB, W>(&qb[RB * hd..], lanes, kt, &mut st[RB..], hd);
+        }
     }
     for srow in st.chunks_exact_mut(lanes).take(KB) {
         srow[rows..].fill(0.0);
@@ -235,6 +281,8 @@ fn keys_rows<const R: usize, const W: usize>(
     debug_assert!(KB.is_multiple_of(w));
     for c0 in (0..KB).step_by(w) {
         let mut acc = [[0f32; W]; R];
+        // `st` may start at a later row's lane: `(KB - 1) * lanes + R` is the last one written.
+        debug_assert!(st.len() >= (KB - 1) * lanes + R);
         for d in 0..hd {
             let col = &kt[d * KB + c0..d * KB + c0 + w];
             for (r, a) in acc.iter_mut().enumerate() {
@@ -295,8 +343,8 @@ macro_rules! task_for {
         }
     };
 }
-task_for!(task_avx512, "avx512f", 64);
-task_for!(task_avx2, "avx2,fma", 16);
+task_for!(task_avx512, "avx512f,f16c", 64);
+task_for!(task_avx2, "avx2,fma,f16c", 16);
 
 /// Runs one task into `out` (its rows, token-major, heads within a token).
 ///
@@ -324,7 +372,6 @@ fn task<T: Copy, const W: usize>(
     let (h, hd) = (shape.heads, shape.head_dim);
     let g = h / shape.kv_heads;
     let rows = task.rows(g);
-    let padded = rows.div_ceil(RB) * RB;
     let lanes = lanes_of(rows);
     let c = std::f32::consts::LOG2_E / (hd as f32).sqrt();
     let Scratch {
@@ -344,6 +391,14 @@ fn task<T: Copy, const W: usize>(
         fo,
     } = buf;
     let direct = direct(rows);
+    // AVX2 takes the scores of a direct task of more than `RB` rows (a GQA group's decode)
+    // with its rows across 8 lanes: keys broadcast, no block transposed.
+    let rows_across = direct && rows > RB && tier == Tier::Avx2;
+    // With f16 storage it reads the rows as stored, converting a few at a time (a block's
+    // worth of f32 copies does not stay in the L1 cache), and sums the values of all 8 rows.
+    let (k16, v16) = (ld.f16_bits(k), ld.f16_bits(v));
+    let fused = rows_across && k16.is_some() && v16.is_some();
+    let padded = if fused { DR } else { rows.div_ceil(RB) * RB };
     // The queries, scaled, turned back by a shifted run's offset, and transposed for the
     // wide product; loaded again wherever the task's keys enter a run of another offset.
     let load = |rot: Option<usize>, qb: &mut [f32], qt: &mut [f32]| {
@@ -362,7 +417,7 @@ fn task<T: Copy, const W: usize>(
                 dst.fill(0.0);
             }
         }
-        if !direct {
+        if !direct || rows_across {
             for (d, col) in qt.chunks_exact_mut(lanes).take(hd).enumerate() {
                 for (x, row) in col.iter_mut().zip(qb.chunks_exact(hd)) {
                     *x = row[d];
@@ -424,27 +479,43 @@ fn task<T: Copy, const W: usize>(
         let last = last_piece(&task.pieces, j0 + nb);
         // The next block's rows sit at scattered slots, which hardware prefetchers do not
         // follow: ask for them while this block computes.
-        for j in j0 + KB..(j0 + 2 * KB).min(task.k1) {
-            let s = slot(j);
-            prefetch(&k[s * kw + off..s * kw + off + hd]);
-            prefetch(&v[s * vw + off..s * vw + off + hd]);
+        if fused {
+            // The fused kernels read a block's rows as they go, and the score product asks
+            // for each group's keys one group ahead: ask now for this block's values and the
+            // next block's first keys. (With the whole next block asked for, as below, the
+            // fused kernels still waited on most rows' first loads: measured with
+            // `benches/attend.rs`, 0.5B shape, 0.63x the time of that order. A task reads
+            // half of each row's bytes, so its rows fall in half of the L1 cache's sets.)
+            for j in j0..(j0 + KB).min(task.k1) {
+                let s = slot(j);
+                prefetch(&v[s * vw + off..s * vw + off + hd]);
+            }
+            for j in j0 + KB..(j0 + KB + 8).min(task.k1) {
+                let s = slot(j);
+                prefetch(&k[s * kw + off..s * kw + off + hd]);
+            }
+        } else {
+            for j in j0 + KB..(j0 + 2 * KB).min(task.k1) {
+                let s = slot(j);
+                prefetch(&k[s * kw + off..s * kw + off + hd]);
+                prefetch(&v[s * vw + off..s * vw + off + hd]);
+            }
         }
         let slots: [usize; KB] = std::array::from_fn(|jj| if jj < nb { slot(j0 + jj) } else { 0 });
-        if kf.is_none() {
+        let target = offset_of(rotations, rot);
+        // A block whose keys all share the queries' offset needs no turned copy.
+        let fuse =
+            fused && (first..=last).all(|p| offset_of(rotations, task.pieces[p].1) == target);
+        if kf.is_none() && !fuse {
             for (jj, &s) in slots[..nb].iter().enumerate() {
                 let (kr, vr) = (&k[s * kw + off..][..hd], &v[s * vw + off..][..hd]);
-                for (d, &x) in kb[jj * hd..(jj + 1) * hd].iter_mut().zip(kr) {
-                    *d = ld.f32(x);
-                }
-                for (d, &x) in vb[jj * hd..(jj + 1) * hd].iter_mut().zip(vr) {
-                    *d = ld.f32(x);
-                }
+                ld.row(tier, kr, &mut kb[jj * hd..(jj + 1) * hd]);
+                ld.row(tier, vr, &mut vb[jj * hd..(jj + 1) * hd]);
             }
         }
         // Keys of other offsets than the queries' turn by the difference, in the f32 copy
         // (f32 storage: copied first); `turned` marks them.
         let mut turned = 0u64;
-        let target = offset_of(rotations, rot);
         for p in first..=last {
             let d = target - offset_of(rotations, task.pieces[p].1);
             if d == 0 {
@@ -472,7 +543,31 @@ fn task<T: Copy, const W: usize>(
         let zero = &zero[..hd];
         let krows = block_rows(kf, turned, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
         let vrows = block_rows(vf, 0, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
-        if direct {
+        let (k16b, v16b) = match (fuse, k16, v16) {
+            (true, Some(k16), Some(v16)) => (
+                stored_rows(k16, |jj| slots[jj] * kw + off, nb, hd),
+                stored_rows(v16, |jj| slots[jj] * vw + off, nb, hd),
+            ),
+            _ => ([&[][..]; KB], [&[][..]; KB]),
+        };
+        if fuse {
+            assert!(qt.len() >= 8 * hd && kb.len() >= 8 * hd && st.len() >= 8 * KB);
+            // SAFETY: `fuse` is the AVX2 tier's, which the CPU runs (see [`run`]): it has AVX2,
+            // FMA and F16C; the assert above and the first `nb` rows of `hd` values are its
+            // bounds.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                super::avx2::scores8_f16_avx2(qt, &k16b, nb, kb, st, hd)
+            };
+        } else if rows_across {
+            assert!(qt.len() >= 8 * hd && st.len() >= 8 * KB);
+            // SAFETY: `rows_across` is the AVX2 tier's, which the CPU runs (see [`run`]); the
+            // assert above and the block's rows of `hd` values are its bounds.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                super::avx2::scores8_avx2(qt, &krows, st, hd)
+            };
+        } else if direct {
             transpose_block(tier, &krows, nb, kt, hd);
             scores_keys::<W>(qb, rows, lanes, kt, st, hd);
         } else {
@@ -504,7 +599,16 @@ fn task<T: Copy, const W: usize>(
                 }
             }
         }
-        values::<W>(st, lanes, &vrows, o, padded, hd, nb);
+        if fuse {
+            assert!(st.len() >= 8 * nb && o.len() >= 8 * hd);
+            // SAFETY: as for the scores above; the assert is the rest of its bounds.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                super::avx2::values8_f16_avx2(st, &v16b, o, hd, nb)
+            };
+        } else {
+            values::<W>(st, lanes, &vrows, o, padded, hd, nb);
+        }
         j0 += nb;
     }
     if task.merged {
@@ -523,6 +627,12 @@ fn task<T: Copy, const W: usize>(
     }
     out[rows * hd..rows * (hd + 1)].copy_from_slice(&fm[..rows]);
     out[rows * (hd + 1)..rows * (hd + 2)].copy_from_slice(&fl[..rows]);
+}
+
+/// A key block's first `nb` rows for one kv head as stored (at `at(jj)`), empty past them.
+#[inline(always)]
+fn stored_rows<T>(rows: &[T], at: impl Fn(usize) -> usize, nb: usize, hd: usize) -> [&[T]; KB] {
+    std::array::from_fn(|jj| if jj < nb { &rows[at(jj)..][..hd] } else { &[] })
 }
 
 /// A key block's rows for one kv head: in place in `rows` (at `at(jj)`) when the storage is
@@ -545,7 +655,8 @@ fn block_rows<'a>(
     })
 }
 
-/// One block's online softmax over its first `nb` keys, 16 query rows at a time: updates
+/// One block's online softmax over its first `nb` keys, 16 query rows at a time (8 for a
+/// direct task's 8 lanes; a row's bits are the same either way): updates
 /// each row's running max `m` and sum `l`, turns the scores `st` into `2^(s - m)`, and
 /// leaves in `corr` the factor by which the row's earlier value sums must be scaled.
 ///
@@ -562,25 +673,43 @@ fn softmax_block(
     l: &mut [f32],
     corr: &mut [f32],
 ) {
-    for c0 in (0..lanes).step_by(16) {
+    if lanes.is_multiple_of(16) {
+        softmax_lanes::<16>(st, lanes, nb, m, l, corr)
+    } else {
+        softmax_lanes::<8>(st, lanes, nb, m, l, corr)
+    }
+}
+
+/// [`softmax_block`] in chunks of `L` lanes (`lanes` a multiple of `L`).
+#[inline(always)]
+fn softmax_lanes<const L: usize>(
+    st: &mut [f32],
+    lanes: usize,
+    nb: usize,
+    m: &mut [f32],
+    l: &mut [f32],
+    corr: &mut [f32],
+) {
+    debug_assert!(lanes.is_multiple_of(L));
+    for c0 in (0..lanes).step_by(L) {
         let at = |jj: usize| jj * lanes + c0;
-        let mut mx: [f32; 16] = m[c0..c0 + 16].try_into().expect("16 lanes");
+        let mut mx: [f32; L] = m[c0..c0 + L].try_into().expect("L lanes");
         for jj in 0..nb {
-            let s: &[f32; 16] = st[at(jj)..at(jj) + 16].try_into().expect("16 lanes");
+            let s: &[f32; L] = st[at(jj)..at(jj) + L].try_into().expect("L lanes");
             for (a, &x) in mx.iter_mut().zip(s) {
                 *a = a.max(x);
             }
         }
         let base = mx.map(|x| if x == f32::NEG_INFINITY { 0.0 } else { x });
-        let mut sum = [0f32; 16];
+        let mut sum = [0f32; L];
         for jj in 0..nb {
-            let s: &mut [f32; 16] = (&mut st[at(jj)..at(jj) + 16]).try_into().expect("16 lanes");
+            let s: &mut [f32; L] = (&mut st[at(jj)..at(jj) + L]).try_into().expect("L lanes");
             for ((x, a), &mr) in s.iter_mut().zip(&mut sum).zip(&base) {
                 *x = exp2(*x - mr);
                 *a += *x;
             }
         }
-        let rows = c0..c0 + 16;
+        let rows = c0..c0 + L;
         for (((((mo, lo), co), &mr), &b), &sr) in m[rows.clone()]
             .iter_mut()
             .zip(&mut l[rows.clone()])
@@ -615,7 +744,8 @@ fn prefetch<T>(row: &[T]) {
 }
 
 /// `o[r] += sum_j st[j][r] * v[j]` over the block's `nb` keys: [`RB`] rows at a time, in
-/// head-dim chunks of `W` lanes, then of [`DC`], then one lane at a time.
+/// head-dim chunks of `W` lanes, then of [`DC`], then one lane at a time. Every value is one
+/// FMA per key, in key order, however it is chunked (AVX2's fused f16 kernel sums the same).
 #[inline(always)]
 fn values<const W: usize>(
     st: &[f32],
@@ -640,7 +770,7 @@ fn values<const W: usize>(
         for (srow, vr) in st.chunks_exact(lanes).zip(vrows).take(nb) {
             for (rr, &p) in srow[rb..rb + RB].iter().enumerate() {
                 for d in dc..hd {
-                    o[rr * hd + d] += p * vr[d];
+                    o[rr * hd + d] = p.mul_add(vr[d], o[rr * hd + d]);
                 }
             }
         }

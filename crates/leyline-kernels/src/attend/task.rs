@@ -18,12 +18,16 @@ pub const SPAN: usize = 512;
 
 const _: () = assert!(SPAN.is_multiple_of(KB));
 
+/// Query rows up to which a task takes the direct product ([`direct`]): a decode step's GQA
+/// group (up to 8 query heads per kv head) fills one AVX2 vector of rows.
+pub const DR: usize = 8;
+
 /// Whether a task of `rows` query rows takes its scores with keys across vector lanes (a key
-/// block transposed) instead of query rows: with one register block of rows or fewer, the
-/// rows' lanes would be mostly padding. Both sum each score in the same order (one FMA per
-/// head dim, in order), so a row's bits do not depend on the choice.
+/// block transposed) instead of query rows: with [`DR`] rows or fewer, the 16 lanes of rows
+/// would be mostly padding. Both sum each score in the same order (one FMA per head dim, in
+/// order), so a row's bits do not depend on the choice.
 pub fn direct(rows: usize) -> bool {
-    rows <= RB
+    rows <= DR
 }
 
 /// Head counts of an attention call.

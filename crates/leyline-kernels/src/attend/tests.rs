@@ -311,7 +311,8 @@ fn check_parts(work: &Work<'_>, window: Option<usize>, what: &str) {
 /// context; decode rows whose keys are split into spans some of which lie wholly below
 /// the window (their weight in the merge must be 0, not NaN); blocks of query tokens (the
 /// transposed product) and a few (the direct one), within one span and across spans;
-/// GQA groups of 1, 3 and 8.
+/// GQA groups of 1, 3 and 8; f32 storage, and f16 for groups of 3 and 8 (AVX2 reads a
+/// decode's 8 rows' f16 keys and values as stored).
 #[test]
 fn sliding_windows_match_a_scalar_f64_reference() {
     let shapes = [(6, 2, 64), (4, 4, 64), (8, 1, 64), (6, 2, 40)].map(|(h, kvh, hd)| Heads {
@@ -357,9 +358,13 @@ fn sliding_windows_match_a_scalar_f64_reference() {
             check_window(shape, cut, None, Store::F32);
         }
     }
-    for cut in [decode(true, true), prefill(SPAN - 60, 140, 64, true, true)] {
-        for w in [1, KB, 100] {
-            check_window(shapes[0], cut, Some(w), Store::F16);
+    // f16 storage: GQA groups of 3 and 8 (a decode of 8 rows takes AVX2's fused f16 path).
+    for shape in [shapes[0], shapes[2]] {
+        for cut in [decode(true, true), prefill(SPAN - 60, 140, 64, true, true)] {
+            for w in [1, KB, 100] {
+                check_window(shape, cut, Some(w), Store::F16);
+            }
+            check_window(shape, cut, None, Store::F16);
         }
     }
 }
@@ -484,8 +489,10 @@ fn run_prompt(
 #[test]
 fn a_rows_bits_do_not_depend_on_how_the_batch_is_cut() {
     let keys = 2 * SPAN + 77;
-    // GQA groups of 4 (a token alone takes the direct product), 1 and 8 (the transposed).
-    let shapes = [(4, 1, 32), (3, 3, 40), (8, 1, 16)].map(|(h, kvh, hd)| Heads {
+    // GQA groups of 4 (a token alone takes the direct product; two tokens, 8 rows, AVX2's
+    // rows-across one), 1, 8 (a token alone: rows across) and 6 with a head dim that is not
+    // a multiple of 8 (tail dims in AVX2's fused f16 value sums).
+    let shapes = [(4, 1, 32), (3, 3, 40), (8, 1, 16), (6, 1, 20)].map(|(h, kvh, hd)| Heads {
         heads: h,
         kv_heads: kvh,
         head_dim: hd,
