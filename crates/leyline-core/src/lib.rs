@@ -56,6 +56,23 @@ pub enum Mode {
     Forget,
 }
 
+impl Mode {
+    /// The mode's name on the wire and in metrics: `amortize` or `forget`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Amortize => "amortize",
+            Mode::Forget => "forget",
+        }
+    }
+
+    /// The mode [`Mode::name`] gives this name, if any (exact).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Mode::Amortize, Mode::Forget]
+            .into_iter()
+            .find(|m| m.name() == name)
+    }
+}
+
 /// Replace tokens `[start, end)` of the current sequence by `replacement`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Directive {

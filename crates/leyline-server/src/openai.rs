@@ -3,6 +3,7 @@
 //! with a wrong type or an absurd value are refused with the field named.
 
 use crate::error::{Result, ServerError};
+use leyline_core::Mode;
 use leyline_engine::SamplingParams;
 use leyline_model::chat::ChatMessage;
 use serde::{Deserialize, Serialize};
@@ -26,40 +27,72 @@ pub enum StopSpec {
     Many(Vec<String>),
 }
 
-/// `leyline.mode` (or, for a request without a session, the `X-Leyline-Mode` header): what
-/// an edit of cached context does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
+/// How a request uses cached context, as `leyline.mode` (or, for a request without a session,
+/// the `X-Leyline-Mode` header) names it: an edit of cached context becomes directives of a
+/// [`Mode`] (`amortize`, the default, or `forget`), or only the prefix cache is used
+/// (`prefix`). The one vocabulary from the wire to the directive: the names are [`Mode`]'s.
+///
+/// - `amortize`: splice the edit in place. In the body without a session id it opens a new
+///   session (its id comes back); by header it is the implicit splice.
+/// - `forget`: trim and prefill again; what the edit drops is never served again. In the body
+///   without a session id it opens a new session; by header the conversation the request
+///   continues takes the turn in FORGET mode.
+/// - `prefix`: no splice (a session keeps its longest common prefix with the prompt).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheMode {
-    /// Splice the edit in place (the default). In the body without a session id it opens a
-    /// new session (its id comes back); by header it is the implicit splice.
-    Amortize,
-    /// Trim and prefill again; what the edit drops is never served again. In the body
-    /// without a session id it opens a new session; by header the conversation the request
-    /// continues takes the turn in FORGET mode.
-    Forget,
-    /// The prefix cache only: no splice (a session keeps its longest common prefix with the
-    /// prompt).
+    /// Edits become directives of this mode.
+    Edit(Mode),
+    /// The prefix cache only.
     Prefix,
 }
 
 impl CacheMode {
-    /// Reads the `X-Leyline-Mode` header's value.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "amortize" => Some(CacheMode::Amortize),
-            "forget" => Some(CacheMode::Forget),
-            "prefix" => Some(CacheMode::Prefix),
-            _ => None,
+    /// What a request without a mode gets: AMORTIZE.
+    pub const DEFAULT: CacheMode = CacheMode::Edit(Mode::Amortize);
+    /// Every name, in the order errors list them.
+    const NAMES: [&'static str; 3] = ["amortize", "forget", "prefix"];
+
+    /// The mode's name: [`Mode::name`], or `prefix`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheMode::Edit(m) => m.name(),
+            CacheMode::Prefix => "prefix",
         }
     }
 
-    /// The engine's mode for the edits of a turn in this mode.
-    pub fn engine_mode(self) -> leyline_core::Mode {
-        match self {
-            CacheMode::Forget => leyline_core::Mode::Forget,
-            CacheMode::Amortize | CacheMode::Prefix => leyline_core::Mode::Amortize,
+    /// The mode of an exact name.
+    fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "prefix" => Some(CacheMode::Prefix),
+            _ => Mode::from_name(name).map(CacheMode::Edit),
         }
+    }
+
+    /// Reads the `X-Leyline-Mode` header's value (case and surrounding blanks ignored).
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::from_name(&s.trim().to_ascii_lowercase())
+    }
+
+    /// The mode of a session turn's directives (or, without message bounds, of its token
+    /// diff): a prefix-only turn keeps the longest common prefix, as AMORTIZE does.
+    pub fn directive_mode(self) -> Mode {
+        match self {
+            CacheMode::Edit(m) => m,
+            CacheMode::Prefix => Mode::Amortize,
+        }
+    }
+}
+
+impl Serialize for CacheMode {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for CacheMode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        Self::from_name(&name).ok_or_else(|| serde::de::Error::unknown_variant(&name, &Self::NAMES))
     }
 }
 
@@ -777,6 +810,45 @@ pub struct Completion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The API's three names (README, `X-Leyline-Mode`), in the body exactly and in the
+    /// header with any case and blanks; the engine modes they carry; anything else refused
+    /// with the names listed.
+    #[test]
+    fn cache_modes_have_the_wire_names_and_carry_the_directive_mode() {
+        let body = |v: Value| serde_json::from_value::<CacheMode>(v);
+        assert_eq!(
+            body("amortize".into()).unwrap(),
+            CacheMode::Edit(Mode::Amortize)
+        );
+        assert_eq!(
+            body("forget".into()).unwrap(),
+            CacheMode::Edit(Mode::Forget)
+        );
+        assert_eq!(body("prefix".into()).unwrap(), CacheMode::Prefix);
+        let e = body("Forget".into()).unwrap_err().to_string();
+        assert!(
+            e.contains("`Forget`") && e.contains("`amortize`, `forget`, `prefix`"),
+            "{e}"
+        );
+        assert!(body(3.into()).is_err());
+        assert_eq!(
+            CacheMode::parse(" FORGET "),
+            Some(CacheMode::Edit(Mode::Forget))
+        );
+        assert_eq!(CacheMode::parse("Prefix"), Some(CacheMode::Prefix));
+        assert_eq!(CacheMode::parse("splice"), None);
+        for (m, name) in [
+            (CacheMode::Edit(Mode::Amortize), "\"amortize\""),
+            (CacheMode::Edit(Mode::Forget), "\"forget\""),
+            (CacheMode::Prefix, "\"prefix\""),
+        ] {
+            assert_eq!(serde_json::to_string(&m).unwrap(), name);
+        }
+        assert_eq!(CacheMode::DEFAULT.directive_mode(), Mode::Amortize);
+        assert_eq!(CacheMode::Prefix.directive_mode(), Mode::Amortize);
+        assert_eq!(CacheMode::Edit(Mode::Forget).directive_mode(), Mode::Forget);
+    }
 
     fn fields(v: Value) -> GenerationFields {
         serde_json::from_value(v).unwrap()

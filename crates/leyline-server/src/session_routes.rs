@@ -105,14 +105,9 @@ pub(crate) async fn apply_directives(
 ) -> Result<Json<Value>> {
     let req: DirectiveRequest = parse(&v)?;
     let mode = req.mode.unwrap_or(Mode::Amortize);
-    let mode_name = if mode == Mode::Amortize {
-        "amortize"
-    } else {
-        "forget"
-    };
     let result = apply_batch(&st, who, &id, req, mode).await;
     st.metrics.record_directives(
-        mode_name,
+        mode.name(),
         if result.is_ok() { "applied" } else { "refused" },
     );
     result

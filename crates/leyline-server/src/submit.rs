@@ -40,18 +40,15 @@ impl CachePlan {
     /// server's implicit-splice switch, then the `X-Leyline-Mode` header.
     pub(crate) fn of(st: &AppState, fields: &GenerationFields) -> Self {
         let body = fields.leyline.as_ref().and_then(|l| l.mode);
-        if fields.session_id.is_some()
-            || matches!(body, Some(CacheMode::Amortize | CacheMode::Forget))
-        {
+        if fields.session_id.is_some() || matches!(body, Some(CacheMode::Edit(_))) {
             return CachePlan::Session;
         }
         if body == Some(CacheMode::Prefix) || !st.config.implicit_splices {
             return CachePlan::Prefix;
         }
-        match fields.header_mode {
-            Some(CacheMode::Prefix) => CachePlan::Prefix,
-            Some(CacheMode::Forget) => CachePlan::Implicit(Mode::Forget),
-            Some(CacheMode::Amortize) | None => CachePlan::Implicit(Mode::Amortize),
+        match fields.header_mode.unwrap_or(CacheMode::DEFAULT) {
+            CacheMode::Prefix => CachePlan::Prefix,
+            CacheMode::Edit(mode) => CachePlan::Implicit(mode),
         }
     }
 
@@ -179,7 +176,7 @@ async fn open_session(
                 (id.clone(), engine, true)
             }
         },
-        (None, Some(CacheMode::Amortize | CacheMode::Forget)) => {
+        (None, Some(CacheMode::Edit(_))) => {
             let (id, engine) = create_engine_session(st, who, None, salt).await?;
             (id, engine, false)
         }
@@ -194,7 +191,7 @@ async fn open_session(
     Ok(Some(SessionRun {
         id,
         engine,
-        mode: mode.unwrap_or(CacheMode::Amortize),
+        mode: mode.unwrap_or(CacheMode::DEFAULT),
         rebuilt,
     }))
 }
@@ -259,7 +256,7 @@ pub(crate) async fn start(
             };
             let req = SessionRequest {
                 id: s.engine,
-                mode: s.mode.engine_mode(),
+                mode: s.mode.directive_mode(),
                 edits,
             };
             (Some(req), None)
