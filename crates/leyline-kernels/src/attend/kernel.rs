@@ -93,9 +93,7 @@ pub(super) trait Load<T: Copy>: Copy {
     /// a conversion of its own (the same exact values).
     #[inline(always)]
     fn row(self, _tier: Tier, src: &[T], dst: &mut [f32]) {
-        for (d, &x) in dst.iter_mut().zip(src) {
-            *d = self.f32(x);
-        }
+        each(self, src, dst);
     }
     /// The rows themselves when they already are f32.
     fn in_place(self, rows: &[T]) -> Option<&[f32]>;
@@ -104,6 +102,14 @@ pub(super) trait Load<T: Copy>: Copy {
     #[inline(always)]
     fn f16_bits(self, _rows: &[T]) -> Option<&[u16]> {
         None
+    }
+}
+
+/// [`Load::row`] one value at a time.
+#[inline(always)]
+fn each<T: Copy>(ld: impl Load<T>, src: &[T], dst: &mut [f32]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = ld.f32(x);
     }
 }
 
@@ -153,11 +159,7 @@ impl Load<u16> for FromF16 {
             // every x86 tier above the portable one has F16C.
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 | Tier::Avx512 | Tier::Avx512Vnni => unsafe { avx2::f16_row(src, dst) },
-            _ => {
-                for (d, &x) in dst.iter_mut().zip(src) {
-                    *d = self.f32(x);
-                }
-            }
+            _ => each(self, src, dst),
         }
     }
     #[inline(always)]
