@@ -656,6 +656,15 @@ fn byte_to_char() -> [char; 256] {
     table
 }
 
+/// How a byte-level BPE vocabulary (`tokenizer.ggml.model = gpt2`) spells a token of
+/// these bytes: each byte as its char of GPT-2's alphabet (the inverse of the decoder's map).
+pub fn byte_level_text(bytes: &[u8]) -> String {
+    use std::sync::OnceLock;
+    static CHARS: OnceLock<[char; 256]> = OnceLock::new();
+    let chars = CHARS.get_or_init(byte_to_char);
+    bytes.iter().map(|&b| chars[b as usize]).collect()
+}
+
 /// The bytes a byte-level token stands for; a token with a char outside the alphabet
 /// stands for its own UTF-8 (as the `tokenizers` byte-level decoder treats it).
 fn byte_level_bytes(token: &str) -> Vec<u8> {
@@ -731,6 +740,9 @@ mod tests {
         seen.dedup();
         assert_eq!(seen.len(), 256);
         assert_eq!(byte_level_bytes("Ġhello"), b" hello");
+        assert_eq!(byte_level_text(b" hello"), "Ġhello");
+        let all: Vec<u8> = (0..=255).collect();
+        assert_eq!(byte_level_bytes(&byte_level_text(&all)), all);
         assert_eq!(byte_level_bytes("ÃĥÂ"), vec![0xc3, 0x83, 0xc2]);
     }
 
