@@ -28,9 +28,11 @@ use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-pub use format::{GgmlKind, QMatrix};
+pub use format::QMatrix;
+pub use kind::GgmlKind;
 
 mod format;
+mod kind;
 mod q8;
 mod scalar;
 mod wide;

@@ -12,7 +12,6 @@
 
 use crate::auth::Principal;
 use crate::error::{Result, ServerError};
-use crate::state::AppState;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::Method;
@@ -25,7 +24,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio_stream::StreamExt;
 
 /// The routes whose POSTs are recorded.
@@ -57,22 +56,35 @@ const REDACTED: &str = "[redacted]";
 /// everywhere would garble the recording (header values are checked for every key).
 const MIN_BODY_KEY_LEN: usize = 8;
 
-/// The open recording of one server start.
+/// The open recording of one server start, with what recording a request needs of the
+/// server's configuration.
 pub(crate) struct Recorder {
     file: Mutex<File>,
     path: PathBuf,
     start: Instant,
     seq: AtomicU64,
     warned: AtomicBool,
+    /// The configured API keys: redacted wherever a line would hold one.
+    keys: Vec<String>,
+    /// The server's body size limit and body timeout (`Config::max_body_bytes`,
+    /// `Config::body_timeout`), which buffering a body keeps.
+    max_body_bytes: usize,
+    body_timeout: Duration,
 }
 
 impl Recorder {
     /// Creates `dir` if missing and a new file `<unix-ms-now>.jsonl` in it (`-1`, `-2`, ...
-    /// appended when a file of that name exists).
+    /// appended when a file of that name exists). `keys` are redacted from every line;
+    /// bodies are read within `max_body_bytes` and `body_timeout`.
     ///
     /// # Errors
     /// [`ServerError::Startup`] when the directory or the file cannot be created.
-    pub(crate) fn open(dir: &Path) -> Result<Self> {
+    pub(crate) fn open(
+        dir: &Path,
+        keys: Vec<String>,
+        max_body_bytes: usize,
+        body_timeout: Duration,
+    ) -> Result<Self> {
         let fail = |what: &str, e: std::io::Error| {
             ServerError::Startup(format!("--record {}: {what}: {e}", dir.display()))
         };
@@ -97,6 +109,9 @@ impl Recorder {
                         start: Instant::now(),
                         seq: AtomicU64::new(0),
                         warned: AtomicBool::new(false),
+                        keys,
+                        max_body_bytes,
+                        body_timeout,
                     });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 1000 => n += 1,
@@ -128,19 +143,19 @@ impl Recorder {
 
 /// `router` with the recording middleware on its routes when the server records; to be
 /// layered inside `require_key`, so that a line names the key index the caller used.
-pub(crate) fn layer(router: Router<Arc<AppState>>, st: &Arc<AppState>) -> Router<Arc<AppState>> {
-    if st.recorder.is_none() {
-        return router;
+pub(crate) fn layer<S>(router: Router<S>, recorder: Option<&Arc<Recorder>>) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+{
+    match recorder {
+        Some(rec) => router.route_layer(from_fn_with_state(Arc::clone(rec), record)),
+        None => router,
     }
-    router.route_layer(from_fn_with_state(Arc::clone(st), record))
 }
 
 /// Middleware: buffers a recorded route's body, runs the handler on it, and writes the line
 /// once the response head is ready.
-async fn record(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let Some(rec) = st.recorder.as_ref() else {
-        return next.run(req).await;
-    };
+async fn record(State(rec): State<Arc<Recorder>>, req: Request, next: Next) -> Response {
     if req.method() != Method::POST || !RECORDED.contains(&req.uri().path()) {
         return next.run(req).await;
     }
@@ -151,14 +166,14 @@ async fn record(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Re
         .uri()
         .path_and_query()
         .map_or_else(|| req.uri().path().to_string(), |p| p.as_str().to_string());
-    let keys = &st.config.api_keys;
+    let keys = &rec.keys;
     let headers = kept_headers(req.headers(), keys);
     let key = match req.extensions().get::<Principal>() {
         Some(Principal::Key(i)) => json!(i),
         _ => Value::Null,
     };
     let (parts, body) = req.into_parts();
-    let (body, recorded) = match buffer(body, &st).await {
+    let (body, recorded) = match buffer(body, &rec).await {
         Ok(b) => b,
         Err(e) if parts.uri.path().starts_with("/v1/messages") => {
             return crate::anthropic::error_response(e)
@@ -190,7 +205,7 @@ async fn record(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Re
         }
     }
     let mut pending = Pending {
-        st: Arc::clone(&st),
+        rec: Arc::clone(&rec),
         line: Some(line),
         arrived,
     };
@@ -203,14 +218,14 @@ async fn record(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Re
 /// away first (the handler's future is dropped), with `status: null` and `cancelled: true`,
 /// so that the replay still sends what the client sent.
 struct Pending {
-    st: Arc<AppState>,
+    rec: Arc<Recorder>,
     line: Option<Value>,
     arrived: Instant,
 }
 
 impl Pending {
     fn finish(&mut self, status: Option<u16>) {
-        let (Some(mut line), Some(rec)) = (self.line.take(), self.st.recorder.as_ref()) else {
+        let Some(mut line) = self.line.take() else {
             return;
         };
         line["status"] = json!(status);
@@ -218,7 +233,7 @@ impl Pending {
         if status.is_none() {
             line["cancelled"] = Value::Bool(true);
         }
-        rec.write(&line);
+        self.rec.write(&line);
     }
 }
 
@@ -239,9 +254,9 @@ enum Recorded {
 /// Reads `body` within the server's size limit and body timeout; returns a body that yields
 /// the same bytes for the handler, and what to record. A body over the limit is handed on
 /// as it arrives (the bytes read first, then the rest), for the handler to refuse.
-async fn buffer(body: Body, st: &AppState) -> Result<(Body, Recorded)> {
-    let limit = st.config.max_body_bytes;
-    let timeout = st.config.body_timeout;
+async fn buffer(body: Body, rec: &Recorder) -> Result<(Body, Recorded)> {
+    let limit = rec.max_body_bytes;
+    let timeout = rec.body_timeout;
     let mut stream = body.into_data_stream();
     let mut buf: Vec<u8> = Vec::new();
     let read = async {

@@ -49,7 +49,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             post(crate::messages::count_tokens),
         )
         .merge(crate::responses_routes::router(&state));
-    let guarded = crate::record::layer(guarded, &state)
+    let guarded = crate::record::layer(guarded, state.recorder.as_ref())
         .route_layer(from_fn_with_state(Arc::clone(&state), require_key));
     Router::new()
         .route("/health", get(health))

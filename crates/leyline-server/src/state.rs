@@ -131,7 +131,7 @@ pub struct AppState {
     /// its outputs' reasoning is split from their answers.
     pub(crate) thinks: bool,
     /// The open recording (`record`).
-    pub(crate) recorder: Option<crate::record::Recorder>,
+    pub(crate) recorder: Option<Arc<crate::record::Recorder>>,
 }
 
 impl AppState {
@@ -168,7 +168,15 @@ impl AppState {
         let recorder = config
             .record
             .as_deref()
-            .map(crate::record::Recorder::open)
+            .map(|dir| {
+                crate::record::Recorder::open(
+                    dir,
+                    config.api_keys.clone(),
+                    config.max_body_bytes,
+                    config.body_timeout,
+                )
+                .map(Arc::new)
+            })
             .transpose()?;
         Ok(Arc::new(Self {
             config,

@@ -11,8 +11,9 @@
 //! of one thread, minimum of 31 samples, on the shared 2-core Zen 3 VM), since the quants'
 //! extraction and conversion, not the multiply-adds, bound these kernels on AVX2.
 
-use super::format::{GgmlKind, RowGeom, BLOCK, SLACK};
-use super::format::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
+use super::format::{RowGeom, SLACK};
+use super::kind::{GgmlKind, BLOCK};
+use super::kind::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
 use super::tile::{prefetch_past_tile, Tile, DIRECT_MAX_M};
 use std::arch::x86_64::*;
 

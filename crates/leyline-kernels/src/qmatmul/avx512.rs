@@ -2,7 +2,8 @@
 //! against transposed activations (16 rows per vector) for many. Q4_1 and Q8_0 only:
 //! `rows_into` sends the other kinds to the AVX2 kernels ([`has_kernels`]).
 
-use super::format::{GgmlKind, RowGeom, BLOCK, SLACK};
+use super::format::{RowGeom, SLACK};
+use super::kind::{GgmlKind, BLOCK};
 use super::tile::{prefetch_past_tile, Tile, DIRECT_MAX_M};
 use std::arch::x86_64::*;
 

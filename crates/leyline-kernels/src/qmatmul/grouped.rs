@@ -14,10 +14,10 @@
 //! bytes (Q8_0's offset by 128); each kind's offset or minimum comes from the activations'
 //! integer sums.
 
-use super::format::GgmlKind;
-use super::format::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q8_0};
 use super::interleave::{group_bytes, legacy_quants, GROUP, Q4K_BYTES, Q5K_BYTES, Q6K_BYTES};
 use super::interleave::{Q4K_LO, Q4K_MINS, Q5K_HI, Q6K_HI, Q6K_LO, SC};
+use super::kind::GgmlKind;
+use super::kind::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q8_0};
 use super::q8::{Q8KRow, Q8Row};
 use super::tile::PREFETCH;
 

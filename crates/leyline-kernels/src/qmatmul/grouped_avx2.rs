@@ -13,11 +13,11 @@
 //! offset bytes would saturate `maddubs`. Every sum is exact in integers, so a lane's result
 //! depends on its row and activation row alone: batched equals solo bit for bit.
 
-use super::format::GgmlKind;
-use super::format::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q8_0};
 use super::grouped::{block, check_blocks32, check_supers, drive, prefetch_ahead};
 use super::interleave::{group_bytes, legacy_quants, GROUP, Q4K_BYTES, Q5K_BYTES, Q6K_BYTES};
 use super::interleave::{Q4K_LO, Q4K_MINS, Q5K_HI, Q6K_HI, Q6K_LO, SC};
+use super::kind::GgmlKind;
+use super::kind::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q8_0};
 use super::q8::{Q8KRow, Q8Row};
 use std::arch::x86_64::*;
 

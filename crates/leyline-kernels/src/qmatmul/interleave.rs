@@ -21,7 +21,7 @@
 //! 2304, Q5_K 2880 against 2816, Q6_K 3392 against 3360; the blocks of 32 exactly), so
 //! decode, which streams them, reads no more.
 
-use super::format::GgmlKind;
+use super::kind::GgmlKind;
 use rayon::prelude::*;
 
 /// Rows per interleaved group: one output per 32-bit lane of a 512-bit vector.
@@ -116,7 +116,7 @@ impl Super {
             GgmlKind::Q4K | GgmlKind::Q5K => {
                 self.d = half(0);
                 self.dmin = half(2);
-                let (sc, mn) = super::format::k_scales_mins(&b[4..16]);
+                let (sc, mn) = super::kind::k_scales_mins(&b[4..16]);
                 for (d, &v) in self.sc.iter_mut().zip(&sc) {
                     *d = v as i8;
                 }
@@ -511,7 +511,7 @@ fn k45<const G: usize, const B: usize>(b: &[u8], g: &mut [u8], r: usize) {
     let five = G == Q5K_BYTES;
     g[2 * r..2 * r + 2].copy_from_slice(&b[0..2]);
     g[32 + 2 * r..34 + 2 * r].copy_from_slice(&b[2..4]);
-    let (sc, mn) = super::format::k_scales_mins(&b[4..16]);
+    let (sc, mn) = super::kind::k_scales_mins(&b[4..16]);
     for u in 0..8 {
         g[SC + 16 * u + r] = sc[u];
         g[Q4K_MINS + 32 * (u / 2) + 2 * r + u % 2] = mn[u];

@@ -6,7 +6,7 @@
 //! values turned back into floats ([`Q8Row::dequantize_into`]), so every path and every tier
 //! computes the same products up to the order of f32 additions.
 
-use super::format::{GgmlKind, BLOCK};
+use super::kind::{GgmlKind, BLOCK};
 
 /// One activation row quantized per block of 32 values: `x[i] ~ d[i / 32] * q[i]`.
 pub(crate) struct Q8Row {

@@ -1,7 +1,8 @@
 //! The scalar kernel: portable Rust for any CPU, each row dequantized into a buffer and
 //! dotted with the activations in 8 running sums.
 
-use super::format::{row_scales, GgmlKind, RowGeom, BLOCK, SLACK, SUPER};
+use super::format::{row_scales, RowGeom, SLACK};
+use super::kind::{GgmlKind, BLOCK, SUPER};
 
 /// `rows` holds `n` rows then the slack; `out: [n, m]`.
 pub(super) fn rows(kind: GgmlKind, g: RowGeom, rows: &[u8], x: &[f32], m: usize, out: &mut [f32]) {
