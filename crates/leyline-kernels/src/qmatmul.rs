@@ -273,11 +273,11 @@ impl QMatrix {
     /// The multiple of rows a thread's share of a product starts on: a group of an
     /// interleaved matrix, else 4.
     fn row_align(&self) -> usize {
+        #[cfg(target_arch = "x86_64")]
         if self.interleaved {
-            16
-        } else {
-            4
+            return interleave::GROUP;
         }
+        4
     }
 
     /// Computes rows `r0 .. r0 + out.len() / m` into `out: [n, m]`.
