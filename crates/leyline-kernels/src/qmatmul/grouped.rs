@@ -24,102 +24,121 @@ use super::tile::PREFETCH;
 /// Activation rows that meet a group's unpacked quants per pass.
 const GA: usize = 4;
 
-/// `out[j * m + i] = row (16 g0 + j) . acts[i]` for `j < n` (`out: [n, m]`) from the
-/// interleaved K-quant matrix `data` of `kind` with `ns` super-blocks per row.
-///
-/// # Safety
-/// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C. Lengths are asserted.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn rows(
-    kind: GgmlKind,
-    data: &[u8],
-    ns: usize,
-    g0: usize,
-    acts: &[Q8KRow],
-    out: &mut [f32],
-) {
-    check_supers(acts, ns);
-    drive::<_, GA>(
-        kind,
-        data,
-        ns,
-        g0,
-        acts,
-        out,
-        |base, xs, ga, stream, sums| {
-            macro_rules! run {
-                ($ga:literal) => {{
-                    // SAFETY: `drive` passes a whole group of `ns` super-blocks and activation
-                    // rows of as many (asserted above); the features are the caller's contract.
-                    let s: [[f32; GROUP]; $ga] = unsafe {
-                        match (kind, stream) {
-                            (GgmlKind::Q4K, false) => group_q4k::<Q4_K, $ga, false>(base, ns, xs),
-                            (GgmlKind::Q4K, true) => group_q4k::<Q4_K, $ga, true>(base, ns, xs),
-                            (GgmlKind::Q5K, false) => group_q4k::<Q5_K, $ga, false>(base, ns, xs),
-                            (GgmlKind::Q5K, true) => group_q4k::<Q5_K, $ga, true>(base, ns, xs),
-                            (GgmlKind::Q6K, false) => group_q6k::<$ga, false>(base, ns, xs),
-                            (GgmlKind::Q6K, true) => group_q6k::<$ga, true>(base, ns, xs),
-                            _ => unreachable!("{kind:?} is not an interleaved K-quant"),
-                        }
-                    };
-                    sums[..$ga].copy_from_slice(&s);
-                }};
-            }
-            by_ga!(ga, run)
-        },
-    );
-}
-
-/// [`rows`] for the kinds in blocks of 32, `nb` blocks per row.
-///
-/// # Safety
-/// As [`rows`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn rows32(
-    kind: GgmlKind,
-    data: &[u8],
-    nb: usize,
-    g0: usize,
-    acts: &[Q8Row],
-    out: &mut [f32],
-) {
-    check_blocks32(acts, nb);
-    drive::<_, GA>(
-        kind,
-        data,
-        nb,
-        g0,
-        acts,
-        out,
-        |base, xs, ga, stream, sums| {
-            macro_rules! run {
-                ($ga:literal) => {{
-                    macro_rules! of {
-                        ($k:expr) => {
-                            if stream {
-                                group32::<$k, $ga, true>(base, nb, xs)
-                            } else {
-                                group32::<$k, $ga, false>(base, nb, xs)
-                            }
-                        };
+/// A grouped tier's two entry points over the invoking module's kernels (`group_q4k`,
+/// `group_q6k`, `group32`), compiled with the target features `$features`; `$by_ga` maps a
+/// pass's activation-row count (1..=`GA`) to the kernels' const parameter.
+macro_rules! entry_points {
+    ($features:literal, $by_ga:ident) => {
+        /// `out[j * m + i] = row (16 g0 + j) . acts[i]` for `j < n` (`out: [n, m]`) from the
+        /// interleaved K-quant matrix `data` of `kind` with `ns` super-blocks per row.
+        ///
+        /// # Safety
+        #[doc = concat!("The CPU has ", $features, ". Lengths are asserted.")]
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn rows(
+            kind: GgmlKind,
+            data: &[u8],
+            ns: usize,
+            g0: usize,
+            acts: &[Q8KRow],
+            out: &mut [f32],
+        ) {
+            super::grouped::check_supers(acts, ns);
+            super::grouped::drive::<_, GA>(
+                kind,
+                data,
+                ns,
+                g0,
+                acts,
+                out,
+                |base, xs, ga, stream, sums| {
+                    macro_rules! run {
+                        ($ga:literal) => {{
+                            // SAFETY: `drive` passes a whole group of `ns` super-blocks and
+                            // activation rows of as many (asserted above); the features are
+                            // the caller's contract.
+                            let s: [[f32; GROUP]; $ga] = unsafe {
+                                match (kind, stream) {
+                                    (GgmlKind::Q4K, false) => {
+                                        group_q4k::<Q4_K, $ga, false>(base, ns, xs)
+                                    }
+                                    (GgmlKind::Q4K, true) => {
+                                        group_q4k::<Q4_K, $ga, true>(base, ns, xs)
+                                    }
+                                    (GgmlKind::Q5K, false) => {
+                                        group_q4k::<Q5_K, $ga, false>(base, ns, xs)
+                                    }
+                                    (GgmlKind::Q5K, true) => {
+                                        group_q4k::<Q5_K, $ga, true>(base, ns, xs)
+                                    }
+                                    (GgmlKind::Q6K, false) => group_q6k::<$ga, false>(base, ns, xs),
+                                    (GgmlKind::Q6K, true) => group_q6k::<$ga, true>(base, ns, xs),
+                                    _ => unreachable!("{kind:?} is not an interleaved K-quant"),
+                                }
+                            };
+                            sums[..$ga].copy_from_slice(&s);
+                        }};
                     }
-                    // SAFETY: as in `rows`.
-                    let s: [[f32; GROUP]; $ga] = unsafe {
-                        match kind {
-                            GgmlKind::Q4_0 => of!(Q4_0),
-                            GgmlKind::Q4_1 => of!(Q4_1),
-                            GgmlKind::Q5_0 => of!(Q5_0),
-                            GgmlKind::Q8_0 => of!(Q8_0),
-                            _ => unreachable!("{kind:?} is not in blocks of 32"),
-                        }
-                    };
-                    sums[..$ga].copy_from_slice(&s);
-                }};
-            }
-            by_ga!(ga, run)
-        },
-    );
+                    $by_ga!(ga, run)
+                },
+            );
+        }
+
+        /// [`rows`] for the kinds in blocks of 32, `nb` blocks per row.
+        ///
+        /// # Safety
+        /// As [`rows`].
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn rows32(
+            kind: GgmlKind,
+            data: &[u8],
+            nb: usize,
+            g0: usize,
+            acts: &[Q8Row],
+            out: &mut [f32],
+        ) {
+            super::grouped::check_blocks32(acts, nb);
+            super::grouped::drive::<_, GA>(
+                kind,
+                data,
+                nb,
+                g0,
+                acts,
+                out,
+                |base, xs, ga, stream, sums| {
+                    macro_rules! run {
+                        ($ga:literal) => {{
+                            macro_rules! of {
+                                ($k:expr) => {
+                                    if stream {
+                                        group32::<$k, $ga, true>(base, nb, xs)
+                                    } else {
+                                        group32::<$k, $ga, false>(base, nb, xs)
+                                    }
+                                };
+                            }
+                            // SAFETY: as in `rows`.
+                            let s: [[f32; GROUP]; $ga] = unsafe {
+                                match kind {
+                                    GgmlKind::Q4_0 => of!(Q4_0),
+                                    GgmlKind::Q4_1 => of!(Q4_1),
+                                    GgmlKind::Q5_0 => of!(Q5_0),
+                                    GgmlKind::Q8_0 => of!(Q8_0),
+                                    _ => unreachable!("{kind:?} is not in blocks of 32"),
+                                }
+                            };
+                            sums[..$ga].copy_from_slice(&s);
+                        }};
+                    }
+                    $by_ga!(ga, run)
+                },
+            );
+        }
+    };
 }
+pub(super) use entry_points;
+
+entry_points!("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c", by_ga);
 
 /// Asserts that each activation row has `ns` super-blocks with their sums.
 pub(super) fn check_supers(acts: &[Q8KRow], ns: usize) {

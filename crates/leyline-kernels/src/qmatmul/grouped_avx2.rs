@@ -13,7 +13,7 @@
 //! offset bytes would saturate `maddubs`. Every sum is exact in integers, so a lane's result
 //! depends on its row and activation row alone: batched equals solo bit for bit.
 
-use super::grouped::{block, check_blocks32, check_supers, drive, prefetch_ahead};
+use super::grouped::{block, prefetch_ahead};
 use super::interleave::{group_bytes, legacy_quants, GROUP, Q4K_BYTES, Q5K_BYTES, Q6K_BYTES};
 use super::interleave::{Q4K_LO, Q4K_MINS, Q5K_HI, Q6K_HI, Q6K_LO, SC};
 use super::kind::GgmlKind;
@@ -25,107 +25,17 @@ use std::arch::x86_64::*;
 /// rows' accumulators of both halves).
 const GA: usize = 2;
 
-/// [`super::grouped::rows`] on AVX2: `out[j * m + i] = row (16 g0 + j) . acts[i]`.
-///
-/// # Safety
-/// AVX2, FMA and F16C. Lengths are asserted.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn rows(
-    kind: GgmlKind,
-    data: &[u8],
-    ns: usize,
-    g0: usize,
-    acts: &[Q8KRow],
-    out: &mut [f32],
-) {
-    check_supers(acts, ns);
-    drive::<_, GA>(
-        kind,
-        data,
-        ns,
-        g0,
-        acts,
-        out,
-        |base, xs, ga, stream, sums| {
-            macro_rules! run {
-                ($ga:literal) => {{
-                    // SAFETY: `drive` passes a whole group of `ns` super-blocks and activation
-                    // rows of as many (asserted above); the features are the caller's contract.
-                    let s: [[f32; GROUP]; $ga] = unsafe {
-                        match (kind, stream) {
-                            (GgmlKind::Q4K, false) => group_q4k::<Q4_K, $ga, false>(base, ns, xs),
-                            (GgmlKind::Q4K, true) => group_q4k::<Q4_K, $ga, true>(base, ns, xs),
-                            (GgmlKind::Q5K, false) => group_q4k::<Q5_K, $ga, false>(base, ns, xs),
-                            (GgmlKind::Q5K, true) => group_q4k::<Q5_K, $ga, true>(base, ns, xs),
-                            (GgmlKind::Q6K, false) => group_q6k::<$ga, false>(base, ns, xs),
-                            (GgmlKind::Q6K, true) => group_q6k::<$ga, true>(base, ns, xs),
-                            _ => unreachable!("{kind:?} is not an interleaved K-quant"),
-                        }
-                    };
-                    sums[..$ga].copy_from_slice(&s);
-                }};
-            }
-            match ga {
-                1 => run!(1),
-                _ => run!(2),
-            }
-        },
-    );
+/// A pass's activation-row count (1 or 2) to the kernels' const parameter.
+macro_rules! by_ga2 {
+    ($ga:expr, $run:ident) => {
+        match $ga {
+            1 => $run!(1),
+            _ => $run!(2),
+        }
+    };
 }
 
-/// [`rows`] for the kinds in blocks of 32, `nb` blocks per row.
-///
-/// # Safety
-/// As [`rows`].
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn rows32(
-    kind: GgmlKind,
-    data: &[u8],
-    nb: usize,
-    g0: usize,
-    acts: &[Q8Row],
-    out: &mut [f32],
-) {
-    check_blocks32(acts, nb);
-    drive::<_, GA>(
-        kind,
-        data,
-        nb,
-        g0,
-        acts,
-        out,
-        |base, xs, ga, stream, sums| {
-            macro_rules! run {
-                ($ga:literal) => {{
-                    macro_rules! of {
-                        ($k:expr) => {
-                            if stream {
-                                group32::<$k, $ga, true>(base, nb, xs)
-                            } else {
-                                group32::<$k, $ga, false>(base, nb, xs)
-                            }
-                        };
-                    }
-                    // SAFETY: as in `rows`.
-                    let s: [[f32; GROUP]; $ga] = unsafe {
-                        match kind {
-                            GgmlKind::Q4_0 => of!(Q4_0),
-                            GgmlKind::Q4_1 => of!(Q4_1),
-                            GgmlKind::Q5_0 => of!(Q5_0),
-                            GgmlKind::Q8_0 => of!(Q8_0),
-                            _ => unreachable!("{kind:?} is not in blocks of 32"),
-                        }
-                    };
-                    sums[..$ga].copy_from_slice(&s);
-                }};
-            }
-            match ga {
-                1 => run!(1),
-                _ => run!(2),
-            }
-        },
-    );
-}
+super::grouped::entry_points!("avx2,fma,f16c", by_ga2);
 
 /// Bytes from a row's entry to the same entry of the second half (rows 8-15) in a group's
 /// region of `per_row` bytes per row.
