@@ -5,13 +5,17 @@
 # each pair, then the median of the per-pair ratios (range) and the median tok/s of each side.
 # The acceptance runs of BENCHMARKS.md take 7 pairs, fixed in advance.
 #
-#   scripts/bench_vs_llamacpp.sh [--pairs N] [--threads T] [--depth D] [--out FILE] [MODEL]
+#   scripts/bench_vs_llamacpp.sh [--pairs N] [--threads T] [--depth D] [--fa LIST] [--out FILE] [MODEL]
 #
 #   --pairs N    alternated pairs (default 7)
 #   --threads T  threads of both engines (default 2)
 #   --depth D    pp and tg after D tokens already in the context (llama-bench -d D,
 #                bench engine --depth D); slow: a pair prefills D tokens four times in
 #                llama.cpp (pp and tg, fa off and on) and once in Leyline
+#   --fa LIST    llama.cpp's flash-attention settings to take the faster of (default 0,1).
+#                Only with a pilot that measured both at the same depth on the same
+#                machine and found one faster in pp and tg alike; say so beside the figures.
+#                It halves llama.cpp's share of a depth pair.
 #   --out FILE   also append the raw JSON lines of every run to FILE
 #   MODEL        a registry name (default: the default model)
 #
@@ -23,6 +27,7 @@ set -euo pipefail
 pairs=7
 threads=2
 depth=0
+fa=0,1
 out=
 model=
 while [[ $# -gt 0 ]]; do
@@ -30,8 +35,9 @@ while [[ $# -gt 0 ]]; do
         --pairs) pairs=$2; shift 2 ;;
         --threads) threads=$2; shift 2 ;;
         --depth) depth=$2; shift 2 ;;
+        --fa) fa=$2; shift 2 ;;
         --out) out=$2; shift 2 ;;
-        -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
         *) model=$1; shift ;;
     esac
@@ -45,10 +51,10 @@ bench=$(llamacpp_bin llama-bench)
 runs=$(mktemp)
 trap 'rm -f "$runs"' EXIT
 
-echo "## $(date -u '+%F %T') UTC, $pairs pairs, $threads threads, depth $depth, $(basename "$gguf")"
+echo "## $(date -u '+%F %T') UTC, $pairs pairs, $threads threads, depth $depth, llama.cpp fa $fa, $(basename "$gguf")"
 echo "## leyline $("$leyline" --version 2>/dev/null || echo "$leyline"), load average $(cut -d' ' -f1-3 /proc/loadavg)"
 for p in $(seq 1 "$pairs"); do
-    "$bench" -m "$gguf" -t "$threads" -p 512 -n 128 -d "$depth" -r 1 -fa 0,1 -o jsonl |
+    "$bench" -m "$gguf" -t "$threads" -p 512 -n 128 -d "$depth" -r 1 -fa "$fa" -o jsonl |
         sed "s/^/{\"pair\": $p, \"engine\": \"llama.cpp\", \"run\": /; s/\$/}/" >>"$runs"
     "$leyline" bench engine --model "$gguf" --prompt-tokens 512 --gen-tokens 128 --repeat 1 \
         --threads "$threads" --depth "$depth" --json |
