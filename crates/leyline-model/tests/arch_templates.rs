@@ -22,6 +22,7 @@ const FILES: &[(&str, &str)] = &[
     ),
     ("qwen3/chat_template_cases.qwen2.5.json", ""),
     ("qwen3/chat_template_cases.qwen3.json", ""),
+    ("qwen3/chat_template_cases.qwen3-4b.json", ""),
     ("qwen3moe/chat_template_cases.qwen3-coder.json", ""),
 ];
 
