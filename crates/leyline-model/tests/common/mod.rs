@@ -2,6 +2,8 @@
 //! slot orders, prefills into a pool, and the process-wide activation switch.
 #![allow(dead_code)] // each test crate uses a subset
 
+pub mod tokenizer_json;
+
 use leyline_kernels::qmatmul::{set_activations, Activations};
 use leyline_kv::KvStorage;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor};
