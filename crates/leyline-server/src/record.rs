@@ -381,8 +381,15 @@ mod tests {
     fn files_are_named_by_the_server_and_never_clobbered() {
         let dir = std::env::temp_dir().join(format!("leyline-record-unit-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let a = Recorder::open(&dir.join("nested")).unwrap();
-        let b = Recorder::open(&dir.join("nested")).unwrap();
+        let open = || {
+            Recorder::open(
+                &dir.join("nested"),
+                Vec::new(),
+                1 << 20,
+                Duration::from_secs(5),
+            )
+        };
+        let (a, b) = (open().unwrap(), open().unwrap());
         assert_ne!(a.path, b.path);
         for r in [&a, &b] {
             assert_eq!(r.path.parent(), Some(dir.join("nested").as_path()));
