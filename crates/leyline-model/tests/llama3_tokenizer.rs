@@ -142,10 +142,6 @@ fn metadata(ranks: &[Vec<u8>]) -> (HashMap<String, Value>, usize) {
     (md, n_merges)
 }
 
-fn ids_of(v: &Json) -> Vec<u32> {
-    common::u32s(v)
-}
-
 /// Leyline's tokenizer over Meta's vocabulary, built once per test binary.
 fn tokenizer() -> &'static Tokenizer {
     static T: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
@@ -212,7 +208,7 @@ fn llama3_chat_renderings_tokenize_as_metas() {
             let text = c["text"].as_str().expect("text");
             assert_eq!(
                 tok.encode(text, false).expect("encodes"),
-                ids_of(ids),
+                common::u32s(ids),
                 "llama {version}: {name}"
             );
             checked += 1;
