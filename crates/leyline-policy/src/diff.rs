@@ -28,12 +28,13 @@ pub struct Edit {
 impl Edit {
     /// How far every token after the span moves: `|replacement| - (end - start)`.
     pub fn delta(&self) -> isize {
-        self.replacement.len() as isize - (self.end - self.start) as isize
+        self.replacement.len() as isize - self.removed() as isize
     }
 
-    /// Tokens of the old sequence this edit removes.
+    /// Tokens of the old sequence this edit removes (none for an inverted edit, which
+    /// [`apply_edits`] refuses).
     pub fn removed(&self) -> usize {
-        self.end - self.start
+        self.end.saturating_sub(self.start)
     }
 
     /// Whether this edit only appends to a sequence of `old_len` tokens.
@@ -90,7 +91,7 @@ pub fn diff(
         edits.extend(run_edits(old, &a, ia, new, &b, ib));
     };
     let (mut i, mut j) = (0, 0);
-    for (mi, mj) in align(a.len(), b.len(), same) {
+    for (mi, mj) in align(a.len(), b.len(), same, |i| a[i].len()) {
         emit(i..mi, j..mj);
         i = mi + 1;
         j = mj + 1;
@@ -212,9 +213,17 @@ fn span(segs: &[Range<usize>], ids: Range<usize>, len: usize) -> Range<usize> {
     segs[ids.start].start..segs[ids.end - 1].end
 }
 
-/// Matched segment pairs `(i, j)`, increasing in both: common prefix and suffix first, then a
-/// longest common subsequence of the middle (quadratic in the message count, which is small).
-fn align(n: usize, m: usize, same: impl Fn(usize, usize) -> bool) -> Vec<(usize, usize)> {
+/// Matched segment pairs `(i, j)`, increasing in both: common prefix and suffix first, then,
+/// of the middle, a common subsequence with the most messages and, of those, the most tokens
+/// (`tokens(i)` for old segment `i`; quadratic in the message count, which is small). The
+/// tokens decide where a client moves a message: a compaction that puts its summary first and
+/// a long system message last keeps the long message, not a short reply that stayed in place.
+fn align(
+    n: usize,
+    m: usize,
+    same: impl Fn(usize, usize) -> bool,
+    tokens: impl Fn(usize) -> usize,
+) -> Vec<(usize, usize)> {
     let mut pre = 0;
     while pre < n && pre < m && same(pre, pre) {
         pre += 1;
@@ -226,25 +235,28 @@ fn align(n: usize, m: usize, same: impl Fn(usize, usize) -> bool) -> Vec<(usize,
     let (n2, m2) = (n - pre - suf, m - pre - suf);
     let mut pairs: Vec<(usize, usize)> = (0..pre).map(|i| (i, i)).collect();
     if n2 > 0 && m2 > 0 {
-        // lcs[i][j]: LCS length of middle suffixes a[i..], b[j..].
+        // kept[i][j]: (messages, tokens) that the best common subsequence of the middles'
+        // suffixes a[i..], b[j..] keeps, compared in that order.
         let w = m2 + 1;
-        let mut lcs = vec![0u32; (n2 + 1) * w];
+        let with = |(k, t): (usize, usize), i: usize| (k + 1, t + tokens(pre + i));
+        let mut kept = vec![(0usize, 0usize); (n2 + 1) * w];
         for i in (0..n2).rev() {
             for j in (0..m2).rev() {
-                lcs[i * w + j] = if same(pre + i, pre + j) {
-                    lcs[(i + 1) * w + j + 1] + 1
+                let skip = kept[(i + 1) * w + j].max(kept[i * w + j + 1]);
+                kept[i * w + j] = if same(pre + i, pre + j) {
+                    skip.max(with(kept[(i + 1) * w + j + 1], i))
                 } else {
-                    lcs[(i + 1) * w + j].max(lcs[i * w + j + 1])
+                    skip
                 };
             }
         }
         let (mut i, mut j) = (0, 0);
         while i < n2 && j < m2 {
-            if same(pre + i, pre + j) && lcs[i * w + j] == lcs[(i + 1) * w + j + 1] + 1 {
+            if same(pre + i, pre + j) && kept[i * w + j] == with(kept[(i + 1) * w + j + 1], i) {
                 pairs.push((pre + i, pre + j));
                 i += 1;
                 j += 1;
-            } else if lcs[(i + 1) * w + j] >= lcs[i * w + j + 1] {
+            } else if kept[(i + 1) * w + j] >= kept[i * w + j + 1] {
                 i += 1;
             } else {
                 j += 1;
@@ -406,6 +418,18 @@ mod tests {
         let new = [1, 1, 3, 3];
         let edits = diff(&old, &[0, 2, 4, 6], &new, &[0, 2, 4]).unwrap();
         assert_eq!(edits, vec![e(2, 4, &[])]);
+    }
+
+    #[test]
+    fn a_moved_message_keeps_the_longer_of_two_that_cannot_both_stay() {
+        // Old: system [1], a long message [7,7,7,7], a short one [8], a user turn [2].
+        // New: system, a summary [3], the short one, the long one moved last. Only one of the
+        // two can stay in order; the long one does, so four tokens are reused, not one.
+        let old = [1, 7, 7, 7, 7, 8, 2];
+        let new = [1, 3, 8, 7, 7, 7, 7];
+        let edits = diff(&old, &[0, 1, 5, 6, 7], &new, &[0, 1, 2, 3, 7]).unwrap();
+        assert_eq!(edits, vec![e(1, 1, &[3, 8]), e(5, 7, &[])]);
+        assert_eq!(apply_edits(&old, &edits).unwrap(), new);
     }
 
     #[test]

@@ -86,6 +86,32 @@ pub struct TurnDiff {
     pub edited_messages: usize,
 }
 
+impl TurnDiff {
+    /// Tokens this turn would prefill if each message that differs from the cached one at
+    /// its index were replaced where it stands and the new ones appended (the tokens after
+    /// the last message, e.g. a generation prompt, included). [`crate::diff()`] prefills
+    /// fewer where it keeps a message that moved instead.
+    pub fn in_place_prefill(&self) -> usize {
+        fn seg(r: &Rendered, i: usize) -> &[u32] {
+            &r.tokens[r.bounds[i]..r.bounds[i + 1]]
+        }
+        let n_old = self.old.bounds.len().saturating_sub(1);
+        let Some(n_new) = self.new.bounds.len().checked_sub(1) else {
+            return self.new.tokens.len();
+        };
+        let changed: usize = (0..n_new)
+            .filter(|&i| i >= n_old || seg(&self.old, i) != seg(&self.new, i))
+            .map(|i| seg(&self.new, i).len())
+            .sum();
+        changed + self.new.tokens.len() - self.new.bounds[n_new]
+    }
+
+    /// Tokens the diff's edits prefill: their replacements.
+    pub fn prefill(&self) -> usize {
+        self.edits.iter().map(|e| e.replacement.len()).sum()
+    }
+}
+
 /// Renders consecutive turns and diffs each prompt against the previous prompt plus its reply.
 pub fn turn_diffs<'a, I>(
     turns: I,

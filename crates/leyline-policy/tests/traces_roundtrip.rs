@@ -1,6 +1,9 @@
 //! Acceptance: on every turn of every trajectory in `data/traces/`, under each built-in policy,
 //! applying the diffed edits to the cached tokens reproduces the new prompt exactly, and (with
-//! a renderer whose tokens never cross a message boundary) there is one edit per edited message.
+//! a renderer whose tokens never cross a message boundary) there is one edit per edited message,
+//! except where a kept message moved: an output repeated word for word, whose old copy the
+//! alignment keeps because it is longer than what stays in place. There the edits must
+//! prefill fewer tokens than editing each message in place would.
 
 use leyline_policy::{
     apply_edits, first_unstable_boundary, load_traces, replay_turns, replay_turns_stateful,
@@ -100,6 +103,8 @@ struct Tally {
     turns: usize,
     exact: usize,
     count_mismatch: usize,
+    /// Turns whose edit count differs from the edited messages because a message moved.
+    moved: usize,
     stats: PolicyStats,
 }
 
@@ -125,7 +130,13 @@ fn run(renderer: &dyn Renderer, stateful: bool) -> BTreeMap<(String, String), Ta
                     .iter()
                     .filter(|e| !e.is_append(d.old.tokens.len()))
                     .count();
-                tally.count_mismatch += usize::from(directives != d.edited_messages);
+                if directives != d.edited_messages {
+                    if d.prefill() < d.in_place_prefill() {
+                        tally.moved += 1;
+                    } else {
+                        tally.count_mismatch += 1;
+                    }
+                }
                 tally
                     .stats
                     .record(d.old.tokens.len(), d.new.tokens.len(), &d.edits);
@@ -139,11 +150,12 @@ fn report(label: &str, r: &BTreeMap<(String, String), Tally>) {
     eprintln!("{label}");
     for ((p, s), t) in r {
         eprintln!(
-            "  {p:<100.100} {s:<16} turns {:>5} exact {:>5} count-mismatch {:>3} edits/turn {:.2} edit-share {:.2} \
-             removed/turn {:.0} mean|delta| {:.0}",
+            "  {p:<100.100} {s:<16} turns {:>5} exact {:>5} count-mismatch {:>3} moved {:>3} edits/turn {:.2} \
+             edit-share {:.2} removed/turn {:.0} mean|delta| {:.0}",
             t.turns,
             t.exact,
             t.count_mismatch,
+            t.moved,
             t.stats.edits_per_turn(),
             t.stats.edit_share(),
             t.stats.tokens_removed_per_turn(),
@@ -173,8 +185,11 @@ fn round_trip_with_boundary_stable_tokens() {
             assert_eq!(t.exact, t.turns, "{p} on {s}: every turn exact");
             assert_eq!(
                 t.count_mismatch, 0,
-                "{p} on {s}: one edit per edited message"
+                "{p} on {s}: one edit per edited message, or a cheaper move"
             );
+            // A repeated output is uncommon (the most: 6 of SWE-agent's 230 turns); more
+            // would mean the alignment moves messages that merely look alike.
+            assert!(t.moved * 20 <= t.turns, "{p} on {s}: moves are rare");
         }
         for (p, _) in policies() {
             let turns: usize = r
