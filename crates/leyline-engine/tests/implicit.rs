@@ -280,6 +280,51 @@ fn another_conversation_with_the_same_system_prompt_is_not_spliced_into() {
 }
 
 #[test]
+fn a_keyed_compaction_that_moves_a_message_is_spliced() {
+    // Claude Code's `/compact`: the follow-up puts a summary first, keeps the last reply and
+    // moves a long message (its environment notes; here the tool output) to the end, after
+    // the new request. The conversation's last message goes, so only the client's key says
+    // that this is the same conversation.
+    let turn1 = history(TOOL_OUTPUT, &[]);
+    let compacted = [
+        turn1[0].clone(),
+        msg(
+            "user",
+            "Summary: the user wants the earliest flight from Paris to Rome on Friday.",
+        ),
+        turn1[4].clone(),
+        msg("user", "Book the earliest one."),
+        msg("tool", TOOL_OUTPUT),
+    ];
+    let (prompt, bounds) = render(&compacted);
+    let shared = leyline_kv::radix::common_prefix(&prompt, &render(&turn1).0);
+    let moved = bounds[5] - bounds[4];
+    assert!(
+        moved > 40,
+        "the moved message is the long one: {moved} tokens"
+    );
+    for key in [None, Some(7)] {
+        let mut e = engine();
+        keyed(&mut e, &turn1, Mode::Amortize, 0, key);
+        let (_, usage) = keyed(&mut e, &compacted, Mode::Amortize, 0, key);
+        let splices = e.metrics().snapshot().implicit_splices;
+        if key.is_none() {
+            // Keyless, a changed last message means another conversation: the tree serves.
+            assert_eq!(splices, 0, "{usage:?}");
+            assert_eq!(usage.cached_tokens, shared);
+        } else {
+            // Keyed, the splice keeps the moved message's KV: it is not prefilled again.
+            assert_eq!(splices, 1, "{usage:?}");
+            assert!(usage.edit.is_some_and(|r| r.directives > 0), "{usage:?}");
+            assert!(
+                usage.prefilled_tokens + moved <= prompt.len() - shared,
+                "{usage:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_sessionless_forget_erases_what_it_drops() {
     let turn1 = history(TOOL_OUTPUT, &[]);
     let (prompt1, _) = render(&turn1);

@@ -9,8 +9,10 @@
 //! first, and dropped whole (not just shed) when the pool needs its KV. A new request is
 //! diffed along message bounds against each idle conversation of its tenant that it
 //! continues (its edits leave the conversation's last message as it was, as agent policies
-//! do: they edit older history); the one that leaves the least to prefill (replacements
-//! included) is taken if it beats the prefix tree. With edits the conversation is forked first: the fork holds its own reference on
+//! do: they edit older history; under the client's conversation key any rewrite continues
+//! it, compactions included); the one that leaves the least to prefill (replacements
+//! included) is taken if it beats the prefix tree. With edits the conversation is forked
+//! first: the fork holds its own reference on
 //! every slot, so the splice copies each downstream slot before rotating it (or, under lazy
 //! rotation, leaves it where it is and shares it) and the original stays as it was, for
 //! other continuations of it. A spliced branch's KV carries
@@ -106,16 +108,20 @@ impl Engine {
                 continue;
             }
             let directives = message_edits(&s.tokens, old_bounds, prompt, bounds, Mode::Amortize);
-            // A continuation keeps the conversation's last message: policies edit older
-            // history. Another conversation that shares a system prompt (or a few messages)
-            // changes it, and splicing its KV would carry a stranger's context downstream.
+            // Without the client's key, a continuation keeps the conversation's last
+            // message: policies edit older history. Another conversation that shares a system
+            // prompt (or a few messages) changes it, and splicing its KV would carry a
+            // stranger's context downstream. A keyed request names its conversation, so it
+            // may rewrite the history whole, as a compaction does (Claude Code's `/compact`
+            // puts a summary first and moves its environment message last).
             let last = match old_bounds.len() {
                 n if n >= 2 => old_bounds[n - 2]..old_bounds[n - 1],
                 _ => 0..usize::MAX,
             };
-            if directives
-                .iter()
-                .any(|d| d.start < last.end && d.end.max(d.start + 1) > last.start)
+            if turn.conversation.is_none()
+                && directives
+                    .iter()
+                    .any(|d| d.start < last.end && d.end.max(d.start + 1) > last.start)
             {
                 continue;
             }
