@@ -221,6 +221,39 @@ impl DirectiveBatch {
         Some((old as i64 + delta) as usize)
     }
 
+    /// This batch with each directive that starts fewer than `gap` tokens after the end of
+    /// the one before it merged into that one: the kept tokens between them (read from
+    /// `tokens`, the sequence the batch was validated against) join the replacement. The
+    /// edited sequence is the same; what changes is that the tokens between are computed
+    /// with the replacements, in order, instead of kept.
+    ///
+    /// # Errors
+    /// [`CoreError::LengthMismatch`] if `tokens` is not `old_len` long.
+    pub fn merge_close(self, gap: usize, tokens: &[TokenId]) -> Result<Self> {
+        if tokens.len() != self.old_len {
+            return Err(CoreError::LengthMismatch {
+                expected: self.old_len,
+                got: tokens.len(),
+            });
+        }
+        let mut out: Vec<Directive> = Vec::with_capacity(self.directives.len());
+        for d in self.directives {
+            match out.last_mut() {
+                Some(last) if d.start - last.end < gap => {
+                    last.replacement
+                        .extend_from_slice(&tokens[last.end..d.start]);
+                    last.replacement.extend_from_slice(&d.replacement);
+                    last.end = d.end;
+                }
+                _ => out.push(d),
+            }
+        }
+        Ok(Self {
+            directives: out,
+            old_len: self.old_len,
+        })
+    }
+
     /// Applies the batch to `tokens` (the sequence it was validated against).
     ///
     /// # Errors

@@ -20,6 +20,7 @@
 //! ```
 
 use crate::batch::DirectiveBatch;
+use crate::TokenId;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
@@ -116,6 +117,27 @@ impl Repair {
             }
         }
         out
+    }
+
+    /// `batch` as the splice should apply it under this repair: for
+    /// [`RepairRule::AfterEdit`], a directive that the window after the one before it would
+    /// reach is merged into that one ([`DirectiveBatch::merge_close`]), since
+    /// [`Repair::ranges`] would recompute its replacement a second time anyway, after the
+    /// tokens between. Merged, the splice computes those tokens and the replacement once, in
+    /// order, under the context the repair would have given them. Other rules and
+    /// [`Repair::NONE`] leave the batch as it is. `tokens` is the pre-edit sequence.
+    ///
+    /// # Errors
+    /// As [`DirectiveBatch::merge_close`].
+    pub fn coalesce(
+        &self,
+        batch: DirectiveBatch,
+        tokens: &[TokenId],
+    ) -> crate::error::Result<DirectiveBatch> {
+        match self.rule {
+            RepairRule::AfterEdit if !self.is_none() => batch.merge_close(self.tokens, tokens),
+            _ => Ok(batch),
+        }
     }
 
     /// The post-edit range the deviation rule's selection pass scans (every token after the
@@ -229,6 +251,53 @@ mod tests {
             vec![5..18, 23..28]
         );
         assert_eq!(Repair::downstream(&b), b.new_len() - 5 - 4);
+    }
+
+    /// Post-edit indices the splice (replacements) and the repair compute, with repeats.
+    fn computed(b: &DirectiveBatch, r: Repair) -> Vec<usize> {
+        let mut all: Vec<usize> = b.new_ranges().into_iter().flatten().collect();
+        all.extend(r.ranges(b).into_iter().flatten());
+        all.sort_unstable();
+        all
+    }
+
+    #[test]
+    fn coalesce_computes_the_same_tokens_once_each() {
+        let tokens: Vec<TokenId> = (0..40).collect();
+        let b = batch(40, &[(3, 6, 2), (10, 10, 4), (20, 30, 0)]);
+        let r = Repair::new(5, RepairRule::AfterEdit);
+        // Unmerged, the first window runs through the second replacement: 9..13 twice.
+        let before = computed(&b, r);
+        let mut once = before.clone();
+        once.dedup();
+        assert_eq!(before.len(), once.len() + 4);
+        // The second directive starts 4 < 5 tokens after the first: merged, with the kept
+        // tokens 6..10 between them; the third starts 10 after and stays apart.
+        let c = r.coalesce(b.clone(), &tokens).unwrap();
+        let mut merged = vec![1, 1, 6, 7, 8, 9];
+        merged.extend([1; 4]);
+        assert_eq!(
+            c.directives(),
+            &[
+                Directive::new(3, 10, merged, Mode::Amortize),
+                Directive::new(20, 30, vec![], Mode::Amortize)
+            ]
+        );
+        assert_eq!(
+            c.apply_to_tokens(&tokens).unwrap(),
+            b.apply_to_tokens(&tokens).unwrap()
+        );
+        assert_eq!(computed(&c, r), once);
+        // Other rules, no repair, or a window shorter than every gap: unchanged.
+        for r in [
+            Repair::NONE,
+            Repair::new(5, RepairRule::BeforeEnd),
+            Repair::new(5, RepairRule::Deviation),
+            Repair::new(4, RepairRule::AfterEdit),
+        ] {
+            assert_eq!(r.coalesce(b.clone(), &tokens).unwrap(), b, "{r:?}");
+        }
+        assert!(r.coalesce(b, &tokens[1..]).is_err());
     }
 
     #[test]

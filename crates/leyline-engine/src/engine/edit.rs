@@ -408,7 +408,12 @@ impl Engine {
                 let repair = repair
                     .or(self.session(id)?.repair)
                     .unwrap_or(self.cfg.repair);
-                let (report, repaired) = self.amortize(id, &batch, repair)?;
+                // Directives a repair window would reach go as one, so that no replacement
+                // is computed twice; the report counts the directives as sent.
+                let sent = batch.directives().len();
+                let batch = repair.coalesce(batch, &self.session(id)?.tokens)?;
+                let (mut report, repaired) = self.amortize(id, &batch, repair)?;
+                report.directives = sent;
                 let mut computed = batch.new_ranges();
                 computed.extend(repaired);
                 Ok((report, union(computed), None))
