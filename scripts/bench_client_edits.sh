@@ -12,7 +12,11 @@
 # comes (extra flags in $LLAMACPP_ARGS, e.g. "--cache-reuse 256"); its prefilled tokens are
 # the prompt less its cached ones.
 #
-#   scripts/bench_client_edits.sh [--pairs N] [--model NAME] [--llamacpp] RECORDING.jsonl...
+# --max-output-tokens N caps every reply (default 256); at 1, each request's E2E is its time
+# to first token (the replay does not stream).
+#
+#   scripts/bench_client_edits.sh [--pairs N] [--model NAME] [--max-output-tokens N] [--llamacpp]
+#       RECORDING.jsonl...
 #
 # Recordings of Claude Code or Codex hold their vendors' prompts: keep them out of the
 # repository (make them as BENCHMARKS.md "Claude Code and Codex" says).
@@ -21,17 +25,22 @@ cd "$(dirname "$0")/.."
 
 pairs=5
 model=qwen2.5-coder-0.5b
+max_out=256
 arms=(default prefix)
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --pairs) pairs=$2; shift 2 ;;
         --model) model=$2; shift 2 ;;
+        --max-output-tokens) max_out=$2; shift 2 ;;
         --llamacpp) arms+=(llamacpp); shift ;;
-        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) break ;;
     esac
 done
-[[ $# -ge 1 ]] || { echo "usage: $0 [--pairs N] [--model NAME] [--llamacpp] RECORDING.jsonl..." >&2; exit 2; }
+[[ $# -ge 1 ]] || {
+    echo "usage: $0 [--pairs N] [--model NAME] [--max-output-tokens N] [--llamacpp] RECORDING.jsonl..." >&2
+    exit 2
+}
 
 bin=target/release/leyline
 [[ -x $bin ]] || cargo build --release -p leyline
@@ -50,7 +59,7 @@ if [[ " ${arms[*]} " == *" llamacpp "* ]]; then
 fi
 start_llamacpp() {
     # shellcheck disable=SC2086
-    "$llama" -m "$gguf" --host 127.0.0.1 --port "$port" -c 40000 -t 2 -np 1 --jinja \
+    "$llama" -m "$gguf" --host 127.0.0.1 --port "$port" -c 40000 -t 2 -np 1 --jinja -n "$max_out" \
         ${LLAMACPP_ARGS:-} > "$out/llama-server.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 600); do curl -sf "$base/health" > /dev/null && return; sleep 0.2; done
@@ -58,7 +67,7 @@ start_llamacpp() {
 }
 start() {
     "$bin" serve --model "$model" --addr "127.0.0.1:$port" --kv-slots 40000 \
-        --max-output-tokens 256 > "$out/serve.log" 2>&1 &
+        --max-output-tokens "$max_out" > "$out/serve.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 600); do curl -sf "$base/health" > /dev/null && return; sleep 0.2; done
     echo "the server did not start: $out/serve.log" >&2; exit 1
