@@ -408,12 +408,7 @@ impl Engine {
                 let repair = repair
                     .or(self.session(id)?.repair)
                     .unwrap_or(self.cfg.repair);
-                // Directives a repair window would reach go as one, so that no replacement
-                // is computed twice; the report counts the directives as sent.
-                let sent = batch.directives().len();
-                let batch = repair.coalesce(batch, &self.session(id)?.tokens)?;
-                let (mut report, repaired) = self.amortize(id, &batch, repair)?;
-                report.directives = sent;
+                let (report, repaired) = self.amortize(id, &batch, repair)?;
                 let mut computed = batch.new_ranges();
                 computed.extend(repaired);
                 Ok((report, union(computed), None))
@@ -436,6 +431,11 @@ impl Engine {
         info.rope
             .ensure_shiftable()
             .map_err(leyline_kv::KvError::from)?;
+        // Directives a repair window would reach go as one, so that no replacement is
+        // computed twice; the report and the metrics count the directives as sent.
+        let sent = batch.directives().len();
+        let merged = repair.coalesce(batch.clone(), &self.session(id)?.tokens)?;
+        let batch = &merged;
         let n_repl: usize = batch.directives().iter().map(|d| d.replacement.len()).sum();
         let mut forward = std::time::Duration::ZERO;
         let spliced = loop {
@@ -461,7 +461,7 @@ impl Engine {
         let tokens = batch.apply_to_tokens(&s.tokens)?;
         let mut report = EditReport {
             mode: Mode::Amortize,
-            directives: batch.directives().len(),
+            directives: sent,
             reused: tokens.len() - n_repl,
             rotated: spliced.rotated,
             copied: spliced.copied,
