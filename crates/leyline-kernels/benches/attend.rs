@@ -2,18 +2,20 @@
 //! cut as the model's planner cuts a decode step (one task per kv head and [`SPAN`] of keys,
 //! partial sums merged), on the global pool's threads.
 //!
-//! `cargo bench -p leyline-kernels --bench attend [-- KEYS] [TIER...] [cached] [f32]` prints, per shape and
-//! tier (every tier the CPU runs unless some are named), the best and median time of a whole
+//! `cargo bench -p leyline-kernels --bench attend [-- KEYS] [TIER...] [SHAPE...] [cached] [f32] [slots]`
+//! prints,
+//! per shape (those whose name contains a SHAPE argument, e.g. `1.5b`; all by default) and tier (every tier the CPU runs unless some are named), the best and median time of a whole
 //! token's attention (one call per layer, each layer's keys and values in memory of their
 //! own; `cached`: one layer's, read by every layer, which the last-level cache may hold) and
 //! the key and value bytes streamed per second. `f32` stores keys and values as f32 (default:
-//! f16, the engine's default). The shapes are Qwen2.5-Coder 0.5B (14 heads,
+//! f16, the engine's default); `slots` lays each slot's kv heads side by side (default: each
+//! head's slots one after the other, as the engine's pool). The shapes are Qwen2.5-Coder 0.5B (14 heads,
 //! 2 kv heads, head dim 64, 24 layers) and 1.5B (12, 2, 128, 28 layers); KEYS defaults to 16384.
 
 use leyline_kernels::attend::{attend, Heads, KvRows, Queries, Task, Work, SPAN};
 use leyline_kernels::mem::HugeBuf;
 use leyline_kernels::pool::SpinPool;
-use leyline_kernels::rows::RowsRef;
+use leyline_kernels::rows::{RowsRef, Strides};
 use leyline_kernels::Tier;
 use std::time::Instant;
 
@@ -103,13 +105,21 @@ fn main() {
         .collect();
     let cached = args.iter().any(|a| a == "cached");
     let f32_store = args.iter().any(|a| a == "f32");
+    let slot_major = args.iter().any(|a| a == "slots");
     let pool = SpinPool::global();
     let dtype = if f32_store { "f32" } else { "f16" };
+    let layout = if slot_major {
+        "slot-major"
+    } else {
+        "head-major"
+    };
     println!(
-        "decode attention over {keys} {dtype} keys, {} threads",
+        "decode attention over {keys} {dtype} keys ({layout}), {} threads",
         pool.threads()
     );
-    for s in &SHAPES {
+    let named = |s: &Shape| args.iter().any(|a| s.name.contains(a.as_str()));
+    let any_named = SHAPES.iter().any(named);
+    for s in SHAPES.iter().filter(|s| !any_named || named(s)) {
         let Heads {
             heads,
             kv_heads,
@@ -150,6 +160,11 @@ fn main() {
             stride: heads * hd,
         };
         let mut out = vec![0f32; heads * hd];
+        let strides = if slot_major {
+            Strides::slot_major(kv_heads, hd)
+        } else {
+            Strides::head_major(keys + 1, hd)
+        };
         for tier in Tier::ALL
             .into_iter()
             .filter(|t| t.available() && (only.is_empty() || only.contains(t)))
@@ -163,8 +178,8 @@ fn main() {
                     let rows = KvRows {
                         k,
                         v,
-                        k_width: width,
-                        v_width: width,
+                        k_strides: strides,
+                        v_strides: strides,
                     };
                     attend(tier, pool, rows, queries, &mut work, &mut out);
                 }

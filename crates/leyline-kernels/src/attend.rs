@@ -30,7 +30,7 @@
 
 use crate::pool::SpinPool;
 use crate::rope::Rotation;
-use crate::rows::RowsRef;
+use crate::rows::{RowsRef, Strides};
 use crate::Tier;
 use kernel::{run, AsIs, FromBf16, FromF16, Job, Scratch};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -69,18 +69,18 @@ pub struct Work<'a> {
     pub rotations: Vec<(i64, Rotation)>,
 }
 
-/// The key and value rows one layer's attention reads: rows of `k_width` and `v_width`
-/// values, each holding the kv heads side by side, at one storage dtype.
+/// The key and value rows one layer's attention reads, at one storage dtype: a kv head's
+/// row of a slot (`head_dim` values) starts where its [`Strides`] say.
 #[derive(Debug, Clone, Copy)]
 pub struct KvRows<'a> {
     /// Key rows.
     pub k: RowsRef<'a>,
     /// Value rows.
     pub v: RowsRef<'a>,
-    /// Values per key row.
-    pub k_width: usize,
-    /// Values per value row.
-    pub v_width: usize,
+    /// Where the key rows lie.
+    pub k_strides: Strides,
+    /// Where the value rows lie.
+    pub v_strides: Strides,
 }
 
 /// Writes into `out: [n, heads * head_dim]` the causal attention of the batch's queries `q`
@@ -115,7 +115,7 @@ pub fn attend(
             rest = b;
         }
         let (kr, vr) = (rows.k, rows.v);
-        let (kw, vw) = (rows.k_width, rows.v_width);
+        let (kw, vw) = (rows.k_strides, rows.v_strides);
         let next = AtomicUsize::new(0);
         // Sized for the largest task, not for a whole block of query tokens: a decode step's
         // tasks have a few rows, and this is allocated per thread and layer.

@@ -1,14 +1,24 @@
 //! KV storage: one pair of row buffers per layer, indexed by slot.
 //!
-//! Every layer holds a *key-part* buffer `k: [slots, k_width]` whose rows carry the rotary
-//! dimensions, and a *value-part* buffer `v: [slots, v_width]` that is position-free.
-//! GQA: `k` is `[kv_heads, head_dim]` post-RoPE keys, `v` the values. MLA: `k` is `k_pe`
-//! (one "head" of `rope_dim`), `v` is the normalized latent. A splice therefore only ever
-//! rotates `k` rows and never reads `v`.
+//! Every layer holds a *key-part* buffer whose rows carry the rotary dimensions, and a
+//! *value-part* buffer that is position-free. GQA: a slot's key part is `[kv_heads, head_dim]`
+//! post-RoPE keys, its value part the values. MLA: the key part is `k_pe` (one "head" of
+//! `rope_dim`), the value part the normalized latent. A splice therefore only ever rotates
+//! key rows and never reads values.
+//!
+//! Both buffers are head-major, `[heads][slots][head width]`: a decode's attention task reads
+//! one kv head's rows of consecutive slots, which then lie one after the other in memory
+//! (the hardware prefetchers follow them; with the heads side by side in each slot it read
+//! every other row: 0.60x the time on the 1.5B's decode at 16K keys, `benches/attend.rs`).
+//! Rows go in and out of the storage as slot rows, heads side by side.
 
 use crate::error::{KvError, Result};
+use leyline_kernels::attend::KvRows;
 use leyline_kernels::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
-use leyline_kernels::rows::{RowsMut, RowsRef};
+use leyline_kernels::rope::Rotation;
+use leyline_kernels::rotate::shift_rows_with;
+use leyline_kernels::rows::{RowsMut, RowsRef, Strides};
+use leyline_kernels::Tier;
 
 /// Storage element type of the pool. Rotation math is always f32; this is only how the
 /// numbers rest in memory.
@@ -78,6 +88,11 @@ impl KvGeometry {
     /// Elements in a key-part row.
     pub fn k_width(&self) -> usize {
         self.k_heads * self.k_head_dim
+    }
+
+    /// Width of one head's value part (the value row split as the key row is).
+    pub fn v_head_dim(&self) -> usize {
+        self.v_width / self.k_heads.max(1)
     }
 
     /// Bytes one slot costs across all layers at `dtype`.
@@ -237,6 +252,12 @@ impl KvStorage {
                 "capacity {capacity} and geometry {geometry:?} must be non-zero"
             )));
         }
+        if !geometry.v_width.is_multiple_of(geometry.k_heads) {
+            return Err(KvError::Sizing(format!(
+                "value rows of {} do not split into {} heads",
+                geometry.v_width, geometry.k_heads
+            )));
+        }
         capacity
             .checked_mul(geometry.bytes_per_slot(dtype))
             .ok_or_else(|| KvError::Sizing(format!("{capacity} slots overflow memory")))?;
@@ -312,9 +333,13 @@ impl KvStorage {
                 got: v.len(),
             });
         }
+        let (ks, vs) = (self.k_strides(), self.v_strides());
+        let (khd, vhd) = (self.geometry.k_head_dim, self.geometry.v_head_dim());
         let l = &mut self.layers[layer];
-        l.k.write(slot as usize * kw, k);
-        l.v.write(slot as usize * vw, v);
+        for h in 0..self.geometry.k_heads {
+            l.k.write(ks.at(slot as usize, h), &k[h * khd..(h + 1) * khd]);
+            l.v.write(vs.at(slot as usize, h), &v[h * vhd..(h + 1) * vhd]);
+        }
         Ok(())
     }
 
@@ -352,14 +377,17 @@ impl KvStorage {
                 got: out.len(),
             });
         }
-        let rows = if k {
-            &self.layers[layer].k
+        let (rows, strides) = if k {
+            (&self.layers[layer].k, self.k_strides())
         } else {
-            &self.layers[layer].v
+            (&self.layers[layer].v, self.v_strides())
         };
+        let hw = w / self.geometry.k_heads;
         for (i, &s) in slots.iter().enumerate() {
             self.check_slot(s)?;
-            rows.read(s as usize * w, &mut out[i * w..(i + 1) * w]);
+            for (h, dst) in out[i * w..(i + 1) * w].chunks_exact_mut(hw).enumerate() {
+                rows.read(strides.at(s as usize, h), dst);
+            }
         }
         Ok(())
     }
@@ -370,10 +398,13 @@ impl KvStorage {
     /// Out-of-range slot.
     pub fn zero_slot(&mut self, slot: u32) -> Result<()> {
         self.check_slot(slot)?;
-        let (kw, vw) = (self.geometry.k_width(), self.geometry.v_width);
+        let (ks, vs) = (self.k_strides(), self.v_strides());
+        let (khd, vhd) = (self.geometry.k_head_dim, self.geometry.v_head_dim());
         for l in &mut self.layers {
-            l.k.fill_zero(slot as usize * kw, kw);
-            l.v.fill_zero(slot as usize * vw, vw);
+            for h in 0..self.geometry.k_heads {
+                l.k.fill_zero(ks.at(slot as usize, h), khd);
+                l.v.fill_zero(vs.at(slot as usize, h), vhd);
+            }
         }
         Ok(())
     }
@@ -389,13 +420,18 @@ impl KvStorage {
             self.check_slot(src)?;
             self.check_slot(dst)?;
         }
-        let (kw, vw) = (self.geometry.k_width(), self.geometry.v_width);
+        let (ks, vs) = (self.k_strides(), self.v_strides());
+        let (khd, vhd) = (self.geometry.k_head_dim, self.geometry.v_head_dim());
         for l in &mut self.layers {
-            for &(src, dst) in pairs {
-                l.k.copy_within(src as usize * kw, dst as usize * kw, kw);
-            }
-            for &(src, dst) in pairs {
-                l.v.copy_within(src as usize * vw, dst as usize * vw, vw);
+            for h in 0..self.geometry.k_heads {
+                for &(src, dst) in pairs {
+                    let (src, dst) = (src as usize, dst as usize);
+                    l.k.copy_within(ks.at(src, h), ks.at(dst, h), khd);
+                }
+                for &(src, dst) in pairs {
+                    let (src, dst) = (src as usize, dst as usize);
+                    l.v.copy_within(vs.at(src, h), vs.at(dst, h), vhd);
+                }
             }
         }
         Ok(())
@@ -407,14 +443,16 @@ impl KvStorage {
     /// Out-of-range slot.
     pub fn slot_is_zero(&self, slot: u32) -> Result<bool> {
         self.check_slot(slot)?;
-        let (kw, vw) = (self.geometry.k_width(), self.geometry.v_width);
-        let mut k = vec![0.0f32; kw];
-        let mut v = vec![0.0f32; vw];
+        let (ks, vs) = (self.k_strides(), self.v_strides());
+        let mut k = vec![0.0f32; self.geometry.k_head_dim];
+        let mut v = vec![0.0f32; self.geometry.v_head_dim()];
         for l in &self.layers {
-            l.k.read(slot as usize * kw, &mut k);
-            l.v.read(slot as usize * vw, &mut v);
-            if k.iter().chain(&v).any(|x| x.to_bits() != 0) {
-                return Ok(false);
+            for h in 0..self.geometry.k_heads {
+                l.k.read(ks.at(slot as usize, h), &mut k);
+                l.v.read(vs.at(slot as usize, h), &mut v);
+                if k.iter().chain(&v).any(|x| x.to_bits() != 0) {
+                    return Ok(false);
+                }
             }
         }
         Ok(true)
@@ -429,17 +467,21 @@ impl KvStorage {
         for &s in slots {
             self.check_slot(s)?;
         }
-        let kw = self.geometry.k_width();
+        let (ks, khd) = (self.k_strides(), self.geometry.k_head_dim);
         let mut out = KRowsBackup {
             slots: slots.to_vec(),
             ..KRowsBackup::default()
         };
         for l in &self.layers {
             for &s in slots {
-                let at = s as usize * kw;
-                match &l.k {
-                    Rows::F32(b) => out.f32s.extend_from_slice(&b[at..at + kw]),
-                    Rows::F16(b) | Rows::Bf16(b) => out.halves.extend_from_slice(&b[at..at + kw]),
+                for h in 0..self.geometry.k_heads {
+                    let at = ks.at(s as usize, h);
+                    match &l.k {
+                        Rows::F32(b) => out.f32s.extend_from_slice(&b[at..at + khd]),
+                        Rows::F16(b) | Rows::Bf16(b) => {
+                            out.halves.extend_from_slice(&b[at..at + khd])
+                        }
+                    }
                 }
             }
         }
@@ -467,35 +509,69 @@ impl KvStorage {
         for &s in &backup.slots {
             self.check_slot(s)?;
         }
+        let (ks, khd) = (self.k_strides(), self.geometry.k_head_dim);
         let mut i = 0;
         for l in &mut self.layers {
             for &s in &backup.slots {
-                let at = s as usize * kw;
-                match &mut l.k {
-                    Rows::F32(b) => b[at..at + kw].copy_from_slice(&backup.f32s[i..i + kw]),
-                    Rows::F16(b) | Rows::Bf16(b) => {
-                        b[at..at + kw].copy_from_slice(&backup.halves[i..i + kw])
+                for h in 0..self.geometry.k_heads {
+                    let at = ks.at(s as usize, h);
+                    match &mut l.k {
+                        Rows::F32(b) => b[at..at + khd].copy_from_slice(&backup.f32s[i..i + khd]),
+                        Rows::F16(b) | Rows::Bf16(b) => {
+                            b[at..at + khd].copy_from_slice(&backup.halves[i..i + khd])
+                        }
                     }
+                    i += khd;
                 }
-                i += kw;
             }
         }
         Ok(())
     }
 
-    /// Mutable key-part rows of `layer` (`[capacity, k_width]`) for rotation kernels.
-    pub fn k_rows_mut(&mut self, layer: usize) -> RowsMut<'_> {
-        self.layers[layer].k.as_mut()
+    /// Where a head's key row of a slot lies in a layer's key buffer.
+    pub fn k_strides(&self) -> Strides {
+        Strides::head_major(self.capacity, self.geometry.k_head_dim)
     }
 
-    /// Key-part rows of `layer` (`[capacity, k_width]`), read in place.
-    pub fn k_rows(&self, layer: usize) -> RowsRef<'_> {
-        self.layers[layer].k.as_ref()
+    /// Where a head's value row of a slot lies in a layer's value buffer.
+    pub fn v_strides(&self) -> Strides {
+        Strides::head_major(self.capacity, self.geometry.v_head_dim())
     }
 
-    /// Value-part rows of `layer` (`[capacity, v_width]`), read in place.
-    pub fn v_rows(&self, layer: usize) -> RowsRef<'_> {
-        self.layers[layer].v.as_ref()
+    /// Rotates the key rows of `slots` in `layer` by `rot` with the kernel of `tier`: every
+    /// head's row of each slot. With no slots it only checks `rot`'s width and the tier.
+    ///
+    /// # Errors
+    /// As [`shift_rows_with`]; nothing is written then.
+    pub fn shift_k(
+        &mut self,
+        layer: usize,
+        slots: &[u32],
+        rot: &Rotation,
+        tier: Tier,
+    ) -> leyline_kernels::Result<()> {
+        let (heads, cap) = (self.geometry.k_heads, self.capacity);
+        if let Some(&s) = slots.iter().find(|&&s| s as usize >= cap) {
+            return Err(leyline_kernels::KernelError::RowOutOfRange { row: s, rows: cap });
+        }
+        // Head-major rows are the rows of one head, `heads * capacity` slots long: slot `s`
+        // of head `h` is its row `h * capacity + s`.
+        let rows: Vec<u32> = (0..heads)
+            .flat_map(|h| slots.iter().map(move |&s| (h * cap) as u32 + s))
+            .collect();
+        let buf = self.layers[layer].k.as_mut();
+        shift_rows_with(buf, 1, self.geometry.k_head_dim, &rows, rot, tier)
+    }
+
+    /// One layer's key and value rows as attention reads them, in place.
+    pub fn attend_rows(&self, layer: usize) -> KvRows<'_> {
+        let l = &self.layers[layer];
+        KvRows {
+            k: l.k.as_ref(),
+            v: l.v.as_ref(),
+            k_strides: self.k_strides(),
+            v_strides: self.v_strides(),
+        }
     }
 }
 
@@ -549,7 +625,8 @@ mod tests {
             let mut s = KvStorage::new(geom(), dtype, slots).unwrap();
             s.write(1, slots as u32 - 1, &[1.0; 8], &[2.0; 8]).unwrap();
             for layer in 0..2 {
-                let (k, v) = (s.k_rows(layer), s.v_rows(layer));
+                let r = s.attend_rows(layer);
+                let (k, v) = (r.k, r.v);
                 for (rows, at) in [(k, 0), (v, 1)] {
                     let (addr, len, last) = match rows {
                         RowsRef::F32(r) => (r.as_ptr() as usize, r.len(), r[r.len() - 1]),
@@ -564,6 +641,46 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn each_heads_rows_of_consecutive_slots_lie_one_after_the_other() {
+        let mut s = KvStorage::new(geom(), KvDtype::F32, 3).unwrap();
+        let k: Vec<f32> = (0..8).map(|i| 10.0 + i as f32).collect();
+        let v: Vec<f32> = (0..8).map(|i| 20.0 + i as f32).collect();
+        s.write(0, 1, &k, &v).unwrap();
+        let r = s.attend_rows(0);
+        let (RowsRef::F32(kb), RowsRef::F32(vb)) = (r.k, r.v) else {
+            panic!("f32 storage")
+        };
+        // Two heads of 4 over 3 slots: head h's row of slot 1 at `h * 12 + 4`.
+        for (buf, src, strides) in [(kb, &k, r.k_strides), (vb, &v, r.v_strides)] {
+            assert_eq!(strides, Strides { slot: 4, head: 12 });
+            assert_eq!(&buf[4..8], &src[..4]);
+            assert_eq!(&buf[16..20], &src[4..]);
+            let zeros = buf.iter().filter(|&&x| x == 0.0).count();
+            assert_eq!(zeros, 24 - 8, "only slot 1's rows were written");
+        }
+        // The rotation turns every head's row of the slot, and only those.
+        let spec = leyline_kernels::rope::RopeSpec::plain(
+            10000.0,
+            4,
+            leyline_kernels::rope::RotaryLayout::Neox,
+        );
+        let rot = leyline_kernels::rotate::shift_table(&spec, 3).unwrap();
+        let mut want = k.clone();
+        for head in want.chunks_exact_mut(4) {
+            rot.apply_f32(head);
+        }
+        s.shift_k(0, &[1], &rot, Tier::Portable).unwrap();
+        let mut got = vec![0.0; 8];
+        s.gather_k(0, &[1], &mut got).unwrap();
+        assert_eq!(got, want);
+        assert!(s.slot_is_zero(0).unwrap() && s.slot_is_zero(2).unwrap());
+        assert!(
+            s.shift_k(0, &[3], &rot, Tier::Portable).is_err(),
+            "slot out of range"
+        );
     }
 
     #[test]

@@ -21,7 +21,8 @@ mod common;
 
 use common::{activations, f32s, listed_diff, max_diff, prefill, shuffled, u32s};
 use leyline_kernels::qmatmul::Activations;
-use leyline_kernels::rotate::shift_rows;
+use leyline_kernels::rotate::shift_table;
+use leyline_kernels::Tier;
 use leyline_kv::{KvDtype, KvStorage};
 use leyline_model::gguf::GgufFile;
 use leyline_model::{load_network, CausalLm};
@@ -285,7 +286,8 @@ fn cached_keys_are_transformers_keys_and_shift_to_new_positions() {
                 }
                 let inv = inv_freq(arch, r, hd, l);
                 let spec = m.info().rope.spec(l).clone();
-                shift_rows(kv.k_rows_mut(l), kvh, hd, slots, &spec, delta).unwrap();
+                let rot = shift_table(&spec, delta).unwrap();
+                kv.shift_k(l, slots, &rot, Tier::best()).unwrap();
                 kv.gather_k(l, slots, &mut ours).unwrap();
                 let pre = &k[&format!("layers.{l}.k_pre_rope")];
                 let hf: Vec<f32> = pre

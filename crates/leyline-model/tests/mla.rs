@@ -9,7 +9,8 @@ mod common;
 use candle_core::{Device, Tensor};
 use common::{f32s, f64s, max_diff, prefill, shuffled, u32s};
 use leyline_kernels::rope::RotaryLayout;
-use leyline_kernels::rotate::shift_rows;
+use leyline_kernels::rotate::shift_table;
+use leyline_kernels::Tier;
 use leyline_kv::{KvDtype, KvGeometry, KvStorage};
 use leyline_model::arch::deepseek2::DeepseekV2;
 use leyline_model::{CausalLm, ForwardSeq, LogitsFor, ModelError};
@@ -343,7 +344,8 @@ fn rope_ref(x: &[f32], inv_freq: &[f64], gain: f64, pos: f64) -> Vec<f32> {
 
 fn shift_all(m: &DeepseekV2, kv: &mut KvStorage, slots: &[u32], delta: i64) {
     for l in 0..3 {
-        shift_rows(kv.k_rows_mut(l), 1, 8, slots, m.info().rope.spec(l), delta).unwrap();
+        let rot = shift_table(m.info().rope.spec(l), delta).unwrap();
+        kv.shift_k(l, slots, &rot, Tier::best()).unwrap();
     }
 }
 

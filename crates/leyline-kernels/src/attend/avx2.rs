@@ -1,5 +1,6 @@
 //! The transposed score product with AVX2 and FMA intrinsics, as `avx512.rs` has it for 16 lanes.
 
+use super::kernel::{prefetch, AHEAD};
 use super::task::KB;
 use std::arch::x86_64::*;
 
@@ -118,27 +119,38 @@ unsafe fn group8(qt: &[f32], keys: &[&[f32]; 8], out: &mut [f32], hd: usize) {
 /// that hold the block's first `nb` keys are computed (rows past `nb` may be empty). The
 /// same bits as [`scores8_avx2`] on the converted rows.
 ///
+/// Memory: each group asks for the keys [`AHEAD`] keys on (from `ahead`, the next block's
+/// first rows, past the block's end) and for its own keys' value rows, which
+/// [`values8_f16_avx2`] reads after the block. A few rows at a time: asking for a whole
+/// block's rows at once fills the cache's miss buffers, and the products wait on the first
+/// loads of their keys (measured with `benches/attend.rs`).
+///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `qt.len() >= 8 hd`, `kg.len() >= 8 hd` and
 /// `st.len() >= 8 KB`.
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn scores8_f16_avx2(
     qt: &[f32],
     krows: &[&[u16]; KB],
+    ahead: &[&[u16]; AHEAD],
+    vrows: &[&[u16]; KB],
     nb: usize,
     kg: &mut [f32],
     st: &mut [f32],
     hd: usize,
 ) {
+    let group_at = |at: usize| {
+        krows
+            .get(at..at + 8)
+            .unwrap_or_else(|| &ahead[at - KB..at - KB + 8])
+    };
     for (jb, group) in krows.chunks_exact(8).take(nb.div_ceil(8)).enumerate() {
-        if let Some(next) = krows.get(8 * jb + 8..8 * jb + 16) {
-            for kr in next.iter().filter(|r| !r.is_empty()) {
-                let p = kr.as_ptr() as *const i8;
-                for off in (0..2 * hd).step_by(64) {
-                    // SAFETY: a prefetch never faults; `off < 2 hd`, inside the row.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(off)) };
-                }
-            }
+        for row in group_at(8 * jb + AHEAD)
+            .iter()
+            .chain(&vrows[8 * jb..8 * jb + 8])
+        {
+            prefetch(row);
         }
         for (kk, kr) in group.iter().enumerate() {
             let row = &mut kg[kk * hd..(kk + 1) * hd];
@@ -156,14 +168,15 @@ pub(super) unsafe fn scores8_f16_avx2(
     }
 }
 
-/// `o[r] += sum_j st[j][r] * v[j]` over the block's first `nb` keys for the 8 rows of
-/// `o: [8][hd]` and the probabilities `st: [KB][8]`, reading f16 value rows: 8 rows x 8 head
-/// dims of accumulators, each value vector converted once per key. One FMA per key, in key
-/// order, as the portable `values` sums them.
+/// `o[r] += sum_j st[j][r] * v[j]` over the block's first `nb` keys for the first `rows`
+/// (at most 8) rows of `o: [8][hd]` and the probabilities `st: [KB][8]`, reading f16 value
+/// rows: each value vector converted once per key and used by every row. One FMA per key, in
+/// key order, as the portable `values` sums them. Rows from `rows` on are padding: they may
+/// change.
 ///
 /// # Safety
-/// The CPU has AVX2, FMA and F16C; `st.len() >= 8 nb`, `o.len() >= 8 hd`, and the first `nb`
-/// value rows hold `hd` values.
+/// The CPU has AVX2, FMA and F16C; `rows <= 8`, `st.len() >= 8 nb`, `o.len() >= 8 hd`, and
+/// the first `nb` value rows hold `hd` values.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn values8_f16_avx2(
     st: &[f32],
@@ -171,33 +184,97 @@ pub(super) unsafe fn values8_f16_avx2(
     o: &mut [f32],
     hd: usize,
     nb: usize,
+    rows: usize,
 ) {
-    let full = hd / 8 * 8;
-    for dc in (0..full).step_by(8) {
-        // SAFETY: `r * hd + dc + 8 <= 8 hd <= o.len()`.
-        let mut acc: [__m256; 8] =
-            std::array::from_fn(|r| unsafe { _mm256_loadu_ps(o.as_ptr().add(r * hd + dc)) });
-        for (j, vr) in vrows.iter().enumerate().take(nb) {
-            // SAFETY: `dc + 8 <= hd`, inside the value row.
-            let v =
-                unsafe { _mm256_cvtph_ps(_mm_loadu_si128(vr.as_ptr().add(dc) as *const __m128i)) };
-            for (r, a) in acc.iter_mut().enumerate() {
-                // SAFETY: `8 j + r < 8 nb <= st.len()`.
-                let p = _mm256_set1_ps(unsafe { *st.get_unchecked(8 * j + r) });
-                *a = _mm256_fmadd_ps(p, v, *a);
-            }
-        }
-        for (r, a) in acc.into_iter().enumerate() {
-            // SAFETY: as the loads above.
-            unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(r * hd + dc), a) };
+    // Accumulators: rows x chunks of 8 dims; 8 or more chains hide the FMA latency, and with
+    // the value vectors and a broadcast they fit AVX2's 16 registers.
+    // SAFETY (all arms): the caller's bounds, `rows` rows of `o` included.
+    unsafe {
+        match rows {
+            ..=4 => values_rows::<4, 2>(st, vrows, o, hd, nb, rows),
+            5 => values_rows::<5, 2>(st, vrows, o, hd, nb, rows),
+            6 => values_rows::<6, 2>(st, vrows, o, hd, nb, rows),
+            7 => values_rows::<7, 1>(st, vrows, o, hd, nb, rows),
+            _ => values_rows::<8, 1>(st, vrows, o, hd, nb, rows),
         }
     }
+}
+
+/// [`values8_f16_avx2`] for `R` rows (the first `rows` of them real), `C` chunks of 8
+/// head dims at a time, then 8 at a time, then one by one.
+///
+/// # Safety
+/// As [`values8_f16_avx2`], with `rows <= R <= 8`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn values_rows<const R: usize, const C: usize>(
+    st: &[f32],
+    vrows: &[&[u16]; KB],
+    o: &mut [f32],
+    hd: usize,
+    nb: usize,
+    rows: usize,
+) {
+    let mut dc = 0;
+    while dc + 8 * C <= hd {
+        // SAFETY: `dc + 8 C <= hd`; the caller's bounds.
+        unsafe { values_chunk::<R, C>(st, vrows, o, hd, nb, dc) };
+        dc += 8 * C;
+    }
+    while dc + 8 <= hd {
+        // SAFETY: as above, one chunk.
+        unsafe { values_chunk::<R, 1>(st, vrows, o, hd, nb, dc) };
+        dc += 8;
+    }
     for (j, vr) in vrows.iter().enumerate().take(nb) {
-        for d in full..hd {
+        for d in dc..hd {
             let v = crate::convert::f16_to_f32(vr[d]);
-            for r in 0..8 {
+            for r in 0..rows {
                 o[r * hd + d] = st[8 * j + r].mul_add(v, o[r * hd + d]);
             }
+        }
+    }
+}
+
+/// Head dims `dc..dc + 8 C` of [`values_rows`] for its `R` rows.
+///
+/// # Safety
+/// As [`values_rows`], with `dc + 8 C <= hd`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn values_chunk<const R: usize, const C: usize>(
+    st: &[f32],
+    vrows: &[&[u16]; KB],
+    o: &mut [f32],
+    hd: usize,
+    nb: usize,
+    dc: usize,
+) {
+    let base = o.as_mut_ptr();
+    // SAFETY: `r * hd + dc + 8 c + 8 <= 8 hd <= o.len()` for `r < R <= 8`, `c < C`.
+    let at = |r: usize, c: usize| unsafe { base.add(r * hd + dc + 8 * c) };
+    // SAFETY: as `at`.
+    let mut acc: [[__m256; C]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|c| unsafe { _mm256_loadu_ps(at(r, c)) }));
+    for (j, vr) in vrows.iter().enumerate().take(nb) {
+        // SAFETY: `dc + 8 C <= hd`, inside the value row.
+        let v: [__m256; C] = std::array::from_fn(|c| unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(
+                vr.as_ptr().add(dc + 8 * c) as *const __m128i
+            ))
+        });
+        for (r, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `8 j + r < 8 nb <= st.len()`.
+            let p = _mm256_set1_ps(unsafe { *st.get_unchecked(8 * j + r) });
+            for (x, &y) in a.iter_mut().zip(&v) {
+                *x = _mm256_fmadd_ps(p, y, *x);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        for (c, &x) in a.iter().enumerate() {
+            // SAFETY: as `at`.
+            unsafe { _mm256_storeu_ps(at(r, c), x) };
         }
     }
 }

@@ -7,10 +7,17 @@ use super::task::{direct, finish, fold, last_piece, offset_of, Heads, Task, DR, 
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
 use crate::fastmath::exp2;
+use crate::rows::Strides;
 use crate::Tier;
 
 // `turned` marks a block's keys in a u64.
 const _: () = assert!(KB <= 64);
+
+/// Keys past a block's end whose rows AVX2's fused score product asks for ahead: two groups
+/// of 8, about two groups' products of time for a row to come from memory.
+pub(super) const AHEAD: usize = 16;
+
+const _: () = assert!(AHEAD.is_multiple_of(8) && AHEAD <= KB);
 
 /// Head-dim lanes per value accumulator row in the portable kernel; the x86 kernels use
 /// as many as their registers hold (see [`task_for`]).
@@ -179,8 +186,8 @@ pub(super) struct Job<'a> {
     /// The batch's `R(-offset)` per shifted run's offset ([`Task::pieces`] name them).
     pub(super) rotations: &'a [(i64, crate::rope::Rotation)],
     pub(super) shape: Heads,
-    pub(super) kw: usize,
-    pub(super) vw: usize,
+    pub(super) kw: Strides,
+    pub(super) vw: Strides,
 }
 
 /// Runs one task with the kernel of `tier`, which the CPU runs ([`super::attend`] checked).
@@ -435,8 +442,7 @@ fn task<T: Copy, const W: usize>(
     fm[..rows].fill(f32::NEG_INFINITY);
     fl[..rows].fill(0.0);
     let ctx = task.context.len();
-    // Key and value rows both hold the kv heads side by side.
-    let off = task.kv_head * hd;
+    let kvh = task.kv_head;
     let slot = |j: usize| {
         (if j < ctx {
             task.context[j]
@@ -482,25 +488,21 @@ fn task<T: Copy, const W: usize>(
         // The next block's rows sit at scattered slots, which hardware prefetchers do not
         // follow: ask for them while this block computes.
         if fused {
-            // The fused kernels read a block's rows as they go, and the score product asks
-            // for each group's keys one group ahead: ask now for this block's values and the
-            // next block's first keys. (With the whole next block asked for, as below, the
-            // fused kernels still waited on most rows' first loads: measured with
-            // `benches/attend.rs`, 0.5B shape, 0.63x the time of that order. A task reads
-            // half of each row's bytes, so its rows fall in half of the L1 cache's sets.)
-            for j in j0..(j0 + KB).min(task.k1) {
-                let s = slot(j);
-                prefetch(&v[s * vw + off..s * vw + off + hd]);
-            }
-            for j in j0 + KB..(j0 + KB + 8).min(task.k1) {
-                let s = slot(j);
-                prefetch(&k[s * kw + off..s * kw + off + hd]);
+            // The fused score product asks for the keys two groups of 8 ahead and for its
+            // group's values as it goes (see `scores8_f16_avx2`); only a task's first keys
+            // are asked for here. (Asking for a whole block's rows at once floods the
+            // cache's miss buffers: measured with `benches/attend.rs`.)
+            if j0 == task.k0 {
+                for j in j0..(j0 + AHEAD).min(task.k1) {
+                    let s = slot(j);
+                    prefetch(&k[kw.at(s, kvh)..][..hd]);
+                }
             }
         } else {
             for j in j0 + KB..(j0 + 2 * KB).min(task.k1) {
                 let s = slot(j);
-                prefetch(&k[s * kw + off..s * kw + off + hd]);
-                prefetch(&v[s * vw + off..s * vw + off + hd]);
+                prefetch(&k[kw.at(s, kvh)..][..hd]);
+                prefetch(&v[vw.at(s, kvh)..][..hd]);
             }
         }
         let slots: [usize; KB] = std::array::from_fn(|jj| if jj < nb { slot(j0 + jj) } else { 0 });
@@ -510,7 +512,7 @@ fn task<T: Copy, const W: usize>(
             fused && (first..=last).all(|p| offset_of(rotations, task.pieces[p].1) == target);
         if kf.is_none() && !fuse {
             for (jj, &s) in slots[..nb].iter().enumerate() {
-                let (kr, vr) = (&k[s * kw + off..][..hd], &v[s * vw + off..][..hd]);
+                let (kr, vr) = (&k[kw.at(s, kvh)..][..hd], &v[vw.at(s, kvh)..][..hd]);
                 ld.row(tier, kr, &mut kb[jj * hd..(jj + 1) * hd]);
                 ld.row(tier, vr, &mut vb[jj * hd..(jj + 1) * hd]);
             }
@@ -536,21 +538,33 @@ fn task<T: Copy, const W: usize>(
             for jj in start.max(j0) - j0..task.pieces[p].0.min(j0 + nb) - j0 {
                 let row = &mut kb[jj * hd..(jj + 1) * hd];
                 if let Some(f) = kf {
-                    row.copy_from_slice(&f[slots[jj] * kw + off..][..hd]);
+                    row.copy_from_slice(&f[kw.at(slots[jj], kvh)..][..hd]);
                 }
                 r.apply_f32(row);
                 turned |= 1 << jj;
             }
         }
         let zero = &zero[..hd];
-        let krows = block_rows(kf, turned, |jj| slots[jj] * kw + off, kb, zero, nb, hd);
-        let vrows = block_rows(vf, 0, |jj| slots[jj] * vw + off, vb, zero, nb, hd);
+        let krows = block_rows(kf, turned, |jj| kw.at(slots[jj], kvh), kb, zero, nb, hd);
+        let vrows = block_rows(vf, 0, |jj| vw.at(slots[jj], kvh), vb, zero, nb, hd);
         let (k16b, v16b) = match (fuse, k16, v16) {
             (true, Some(k16), Some(v16)) => (
-                stored_rows(k16, |jj| slots[jj] * kw + off, nb, hd),
-                stored_rows(v16, |jj| slots[jj] * vw + off, nb, hd),
+                stored_rows(k16, |jj| kw.at(slots[jj], kvh), nb, hd),
+                stored_rows(v16, |jj| vw.at(slots[jj], kvh), nb, hd),
             ),
             _ => ([&[][..]; KB], [&[][..]; KB]),
+        };
+        // The next block's first keys, for the score product to ask for ahead.
+        let ahead: [&[u16]; AHEAD] = match k16 {
+            Some(k16) if fuse => std::array::from_fn(|i| {
+                let j = j0 + nb + i;
+                if j < task.k1 {
+                    &k16[kw.at(slot(j), kvh)..][..hd]
+                } else {
+                    &[]
+                }
+            }),
+            _ => [&[][..]; AHEAD],
         };
         if fuse {
             assert!(qt.len() >= 8 * hd && kb.len() >= 8 * hd && st.len() >= 8 * KB);
@@ -559,7 +573,7 @@ fn task<T: Copy, const W: usize>(
             // bounds.
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                super::avx2::scores8_f16_avx2(qt, &k16b, nb, kb, st, hd)
+                super::avx2::scores8_f16_avx2(qt, &k16b, &ahead, &v16b, nb, kb, st, hd)
             };
         } else if rows_across {
             assert!(qt.len() >= 8 * hd && st.len() >= 8 * KB);
@@ -606,7 +620,7 @@ fn task<T: Copy, const W: usize>(
             // SAFETY: as for the scores above; the assert is the rest of its bounds.
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                super::avx2::values8_f16_avx2(st, &v16b, o, hd, nb)
+                super::avx2::values8_f16_avx2(st, &v16b, o, hd, nb, rows)
             };
         } else {
             values::<W>(st, lanes, &vrows, o, padded, hd, nb);
@@ -730,7 +744,7 @@ fn softmax_lanes<const L: usize>(
 
 /// Hints the CPU to bring `row` into the cache; no effect on results.
 #[inline(always)]
-fn prefetch<T>(row: &[T]) {
+pub(super) fn prefetch<T>(row: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};

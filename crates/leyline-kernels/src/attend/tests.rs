@@ -180,6 +180,26 @@ fn cut_tasks<'a>(
 enum Store {
     F32,
     F16,
+    /// f16 rows, each kv head's slots one after the other ([`Strides::head_major`]).
+    F16Heads,
+}
+
+/// `rows: [n][heads * hd]` (heads side by side) laid out as `store` lays a pool of `n` slots
+/// out: the same buffer, or each head's rows one after the other.
+fn lay_out(rows: &[f32], heads: usize, hd: usize, store: Store) -> (Vec<f32>, Strides) {
+    let n = rows.len() / (heads * hd);
+    let want = match store {
+        Store::F16Heads => Strides::head_major(n, hd),
+        _ => Strides::slot_major(heads, hd),
+    };
+    let have = Strides::slot_major(heads, hd);
+    let mut out = vec![0f32; rows.len()];
+    for s in 0..n {
+        for h in 0..heads {
+            out[want.at(s, h)..][..hd].copy_from_slice(&rows[have.at(s, h)..][..hd]);
+        }
+    }
+    (out, want)
 }
 
 /// Runs `cut` with `window` on every tier this CPU runs and compares each output row (one
@@ -203,7 +223,7 @@ fn check_window(shape: Heads, cut: Cutting, window: Option<usize>, store: Store)
     }
     let round = |x: f32| match store {
         Store::F32 => x,
-        Store::F16 => crate::convert::f16_to_f32(crate::convert::f32_to_f16(x)),
+        Store::F16 | Store::F16Heads => crate::convert::f16_to_f32(crate::convert::f32_to_f16(x)),
     };
     let kj: Vec<f32> = (0..keys * w).map(|_| round(rng.next() * 3.0)).collect();
     let vj: Vec<f32> = (0..keys * w).map(|_| round(rng.next())).collect();
@@ -213,27 +233,20 @@ fn check_window(shape: Heads, cut: Cutting, window: Option<usize>, store: Store)
         kbuf[s as usize * w..][..w].copy_from_slice(&kj[j * w..][..w]);
         vbuf[s as usize * w..][..w].copy_from_slice(&vj[j * w..][..w]);
     }
-    let k16: Vec<u16> = kbuf
-        .iter()
-        .map(|&x| crate::convert::f32_to_f16(x))
-        .collect();
-    let v16: Vec<u16> = vbuf
-        .iter()
-        .map(|&x| crate::convert::f32_to_f16(x))
-        .collect();
-    let rows = match store {
-        Store::F32 => KvRows {
-            k: RowsRef::F32(&kbuf),
-            v: RowsRef::F32(&vbuf),
-            k_width: w,
-            v_width: w,
-        },
-        Store::F16 => KvRows {
-            k: RowsRef::F16(&k16),
-            v: RowsRef::F16(&v16),
-            k_width: w,
-            v_width: w,
-        },
+    let (kbuf, strides) = lay_out(&kbuf, kvh, hd, store);
+    let (vbuf, _) = lay_out(&vbuf, kvh, hd, store);
+    let to16 =
+        |b: &[f32]| -> Vec<u16> { b.iter().map(|&x| crate::convert::f32_to_f16(x)).collect() };
+    let (k16, v16) = (to16(&kbuf), to16(&vbuf));
+    let (k, v) = match store {
+        Store::F32 => (RowsRef::F32(&kbuf), RowsRef::F32(&vbuf)),
+        Store::F16 | Store::F16Heads => (RowsRef::F16(&k16), RowsRef::F16(&v16)),
+    };
+    let rows = KvRows {
+        k,
+        v,
+        k_strides: strides,
+        v_strides: strides,
     };
     let q: Vec<f32> = (0..cut.new * h * hd).map(|_| rng.next() * 2.0).collect();
     let want = reference(shape, cut.ctx, window, &q, &kj, &vj);
@@ -311,8 +324,8 @@ fn check_parts(work: &Work<'_>, window: Option<usize>, what: &str) {
 /// context; decode rows whose keys are split into spans some of which lie wholly below
 /// the window (their weight in the merge must be 0, not NaN); blocks of query tokens (the
 /// transposed product) and a few (the direct one), within one span and across spans;
-/// GQA groups of 1, 3 and 8; f32 storage, and f16 for groups of 3 and 8 (AVX2 reads a
-/// decode's 8 rows' f16 keys and values as stored).
+/// GQA groups of 1, 3 and 8; f32 storage, and f16 for groups of 3, 6 and 8 (AVX2 reads a
+/// decode's 6 or 8 rows' f16 keys and values as stored) in both layouts of the pool.
 #[test]
 fn sliding_windows_match_a_scalar_f64_reference() {
     let shapes = [(6, 2, 64), (4, 4, 64), (8, 1, 64), (6, 2, 40)].map(|(h, kvh, hd)| Heads {
@@ -359,12 +372,20 @@ fn sliding_windows_match_a_scalar_f64_reference() {
         }
     }
     // f16 storage: GQA groups of 3 and 8 (a decode of 8 rows takes AVX2's fused f16 path).
-    for shape in [shapes[0], shapes[2]] {
+    // Both layouts of the pool; a group of 6 with a head dim of 4 chunks of 16 and one of 8.
+    let six = Heads {
+        heads: 12,
+        kv_heads: 2,
+        head_dim: 72,
+    };
+    for shape in [shapes[0], shapes[2], six] {
         for cut in [decode(true, true), prefill(SPAN - 60, 140, 64, true, true)] {
-            for w in [1, KB, 100] {
-                check_window(shape, cut, Some(w), Store::F16);
+            for store in [Store::F16, Store::F16Heads] {
+                for w in [1, KB, 100] {
+                    check_window(shape, cut, Some(w), store);
+                }
+                check_window(shape, cut, None, store);
             }
-            check_window(shape, cut, None, Store::F16);
         }
     }
 }
@@ -376,6 +397,10 @@ struct Prompt {
     v: Vec<f32>,
     k16: Vec<u16>,
     v16: Vec<u16>,
+    /// `k16` and `v16` laid out head-major, and their strides.
+    k16h: Vec<u16>,
+    v16h: Vec<u16>,
+    heads: Strides,
     q: Vec<f32>,
 }
 
@@ -405,26 +430,37 @@ impl Prompt {
         let q = (0..keys * shape.heads * shape.head_dim)
             .map(|_| rng.next() * 2.0)
             .collect();
+        let (kh, heads) = lay_out(&k, shape.kv_heads, shape.head_dim, Store::F16Heads);
+        let (vh, _) = lay_out(&v, shape.kv_heads, shape.head_dim, Store::F16Heads);
         Self {
             slots,
             k16: to16(&k),
             v16: to16(&v),
+            k16h: to16(&kh),
+            v16h: to16(&vh),
+            heads,
             k,
             v,
             q,
         }
     }
 
-    fn rows(&self, store: Store, w: usize) -> KvRows<'_> {
-        let (k, v) = match store {
-            Store::F32 => (RowsRef::F32(&self.k), RowsRef::F32(&self.v)),
-            Store::F16 => (RowsRef::F16(&self.k16), RowsRef::F16(&self.v16)),
+    fn rows(&self, store: Store, shape: Heads) -> KvRows<'_> {
+        let flat = Strides::slot_major(shape.kv_heads, shape.head_dim);
+        let (k, v, strides) = match store {
+            Store::F32 => (RowsRef::F32(&self.k), RowsRef::F32(&self.v), flat),
+            Store::F16 => (RowsRef::F16(&self.k16), RowsRef::F16(&self.v16), flat),
+            Store::F16Heads => (
+                RowsRef::F16(&self.k16h),
+                RowsRef::F16(&self.v16h),
+                self.heads,
+            ),
         };
         KvRows {
             k,
             v,
-            k_width: w,
-            v_width: w,
+            k_strides: strides,
+            v_strides: strides,
         }
     }
 }
@@ -452,7 +488,7 @@ fn run_prompt(
     let keys = *run.bounds.last().expect("a chunk");
     let mut out = vec![f32::NAN; keys * row];
     let pool = SpinPool::new(run.threads);
-    let rows = prompt.rows(store, shape.kv_heads * shape.head_dim);
+    let rows = prompt.rows(store, shape);
     let mut c0 = 0;
     for &c1 in &run.bounds {
         let cut = Cutting {
@@ -484,15 +520,15 @@ fn run_prompt(
 /// A query row's output bits depend on its keys only: not on how many rows share its task
 /// (the direct product for a few rows, the transposed one for many), on how the prompt is
 /// chunked into forward passes (cuts inside key blocks and spans too), on whether its keys
-/// are split into spans merged afterwards, nor on the thread count; on every tier, with and
-/// without a window, with f32 and f16 storage.
+/// are split into spans merged afterwards, nor on the thread count, nor on the pool's layout;
+/// on every tier, with and without a window, with f32 and f16 storage.
 #[test]
 fn a_rows_bits_do_not_depend_on_how_the_batch_is_cut() {
     let keys = 2 * SPAN + 77;
     // GQA groups of 4 (a token alone takes the direct product; two tokens, 8 rows, AVX2's
     // rows-across one), 1, 8 (a token alone: rows across) and 6 with a head dim that is not
     // a multiple of 8 (tail dims in AVX2's fused f16 value sums).
-    let shapes = [(4, 1, 32), (3, 3, 40), (8, 1, 16), (6, 1, 20)].map(|(h, kvh, hd)| Heads {
+    let shapes = [(4, 1, 32), (3, 3, 40), (8, 1, 16), (12, 2, 20)].map(|(h, kvh, hd)| Heads {
         heads: h,
         kv_heads: kvh,
         head_dim: hd,
@@ -560,16 +596,27 @@ fn a_rows_bits_do_not_depend_on_how_the_batch_is_cut() {
             (Some(SPAN + 3), Store::F32),
             (None, Store::F16),
             (Some(KB), Store::F16),
+            (None, Store::F16Heads),
         ] {
             for tier in Tier::all_available() {
                 // All rows in one task, from key 0.
                 // The portable tier's `mul_add` is a library call in baseline x86-64 code:
                 // a few of its cuts only.
                 let slow = tier == Tier::Portable && cfg!(target_arch = "x86_64");
-                if slow && (si > 0 || store == Store::F16) {
+                if slow && (si > 0 || store != Store::F32) {
                     continue;
                 }
                 let want = run_prompt(tier, &prompt, shape, &whole, window, store);
+                if store == Store::F16Heads {
+                    // Nor on how the pool lays its rows out.
+                    let flat = run_prompt(tier, &prompt, shape, &whole, window, Store::F16);
+                    assert!(
+                        want.iter()
+                            .zip(&flat)
+                            .all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{tier} {shape:?}: head-major rows give other bits"
+                    );
+                }
                 for run in runs.iter().step_by(if slow { 3 } else { 1 }) {
                     let got = run_prompt(tier, &prompt, shape, run, window, store);
                     for (i, (a, b)) in got

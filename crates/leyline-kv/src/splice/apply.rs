@@ -27,7 +27,7 @@ use crate::slots::Lineage;
 use crate::storage::{KRowsBackup, KvStorage};
 use leyline_core::DirectiveBatch;
 use leyline_kernels::rope::{LayerRopes, Rotation};
-use leyline_kernels::rotate::{shift_rows_with, shift_tables};
+use leyline_kernels::rotate::shift_tables;
 use leyline_kernels::Tier;
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -289,14 +289,7 @@ impl Txn {
         let tier = Tier::best();
         for rot in tables.values().flatten() {
             // Zero slots: checks the shapes and the tier, rotates nothing.
-            if let Err(e) = shift_rows_with(
-                kv.k_rows_mut(0),
-                geometry.k_heads,
-                geometry.k_head_dim,
-                &[],
-                rot,
-                tier,
-            ) {
+            if let Err(e) = kv.shift_k(0, &[], rot, tier) {
                 release_reversed(cache, &fresh);
                 return Err(e.into());
             }
@@ -411,14 +404,7 @@ pub(super) fn rotate_checked(
 ) {
     let g = kv.geometry();
     for (layer, &spec) in spec_of_layer.iter().enumerate().take(g.layers) {
-        let _ = shift_rows_with(
-            kv.k_rows_mut(layer),
-            g.k_heads,
-            g.k_head_dim,
-            slots,
-            &rots[spec],
-            tier,
-        );
+        let _ = kv.shift_k(layer, slots, &rots[spec], tier);
     }
 }
 

@@ -11,7 +11,7 @@ use crate::error::{KvError, Result};
 use crate::radix::PrefixCache;
 use crate::storage::KvStorage;
 use leyline_kernels::rope::LayerRopes;
-use leyline_kernels::rotate::{shift_rows_with, shift_tables};
+use leyline_kernels::rotate::shift_tables;
 use leyline_kernels::Tier;
 
 /// What [`compact`] did.
@@ -64,11 +64,10 @@ pub fn compact(
             });
         }
     }
-    let g = kv.geometry();
     let tier = Tier::best();
     for rot in tables.iter().flatten() {
         // Zero slots: checks the shapes and the tier, rotates nothing.
-        shift_rows_with(kv.k_rows_mut(0), g.k_heads, g.k_head_dim, &[], rot, tier)?;
+        kv.shift_k(0, &[], rot, tier)?;
     }
     let pool = cache.pool();
     let shared: Vec<usize> = runs

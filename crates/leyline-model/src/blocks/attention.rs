@@ -29,7 +29,7 @@ use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::linear::{FusedLinear, Linear, RowSplit};
 use crate::model::{ForwardSeq, Ran};
-use leyline_kernels::attend::{Heads, KvRows, Queries};
+use leyline_kernels::attend::{Heads, Queries};
 use leyline_kernels::pool::SpinPool;
 use leyline_kernels::qmatmul::QMatrix;
 use leyline_kernels::rope::LayerRopes;
@@ -263,11 +263,6 @@ fn attend_with(
     out: &mut [f32],
 ) {
     let work = plan.select(layer);
-    let rows = KvRows {
-        k: kv.k_rows(layer),
-        v: kv.v_rows(layer),
-        k_width: kv.geometry().k_width(),
-        v_width: kv.geometry().v_width,
-    };
+    let rows = kv.attend_rows(layer);
     leyline_kernels::attend::attend(tier, pool, rows, q, work, out)
 }
