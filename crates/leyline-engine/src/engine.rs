@@ -388,7 +388,7 @@ impl Engine {
         ) {
             // The conversation search has diffed the prompt already: its directives go as is.
             let (sid, fresh, directives) =
-                self.implicit_session(&req.prompt, &turn, req.tenant, id)?;
+                self.implicit_session(&req.prompt, &turn, req.tenant, req.repair, id)?;
             implicit = Some((sid, fresh));
             bounds = Some(turn.bounds);
             req.session = Some(SessionRequest {

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{lm, Shared};
-use leyline_core::Mode;
+use leyline_core::{Mode, Repair, RepairRule};
 use leyline_engine::{
     render_prompt, Engine, EngineConfig, ImplicitTurn, Request, SessionEdits, SessionRequest, Usage,
 };
@@ -320,6 +320,43 @@ fn a_keyed_compaction_that_moves_a_message_is_spliced() {
                 usage.prefilled_tokens + moved <= prompt.len() - shared,
                 "{usage:?}"
             );
+        }
+    }
+}
+
+#[test]
+fn a_splice_whose_repair_recomputes_what_it_saves_is_not_taken() {
+    // The last reply is edited near its end: everything after the edit is a few tokens, all
+    // inside a 64-token repair window. Spliced, those tokens are recomputed anyway, so the
+    // splice saves nothing over the prefix tree and the tree serves; without repair, the
+    // splice saves them.
+    let turn1 = history(TOOL_OUTPUT, &[]);
+    let mut edited = history(TOOL_OUTPUT, &[("user", "Book it.")]);
+    edited[4] = msg(
+        "assistant",
+        "The cheapest option is FR9801 at 13:05 for 61 EUR.",
+    );
+    let (prompt, bounds) = render(&edited);
+    let shared = leyline_kv::radix::common_prefix(&prompt, &render(&turn1).0);
+    assert!(shared > bounds[4], "the two part inside the reply");
+    for (repair, spliced) in [
+        (Repair::new(64, RepairRule::AfterEdit), 0),
+        (Repair::NONE, 1),
+    ] {
+        let cfg = EngineConfig {
+            prefill_chunk: 256,
+            repair,
+            ..EngineConfig::new(4096)
+        };
+        let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+        implicit(&mut e, &turn1, Mode::Amortize, 0);
+        let (_, usage) = implicit(&mut e, &edited, Mode::Amortize, 0);
+        let m = e.metrics().snapshot();
+        assert_eq!(m.implicit_splices, spliced, "{repair}: {usage:?}");
+        if spliced == 0 {
+            assert_eq!(usage.cached_tokens, shared, "the tree served: {usage:?}");
+        } else {
+            assert!(usage.prefilled_tokens < prompt.len() - shared, "{usage:?}");
         }
     }
 }

@@ -10,20 +10,19 @@
 //! diffed along message bounds against each idle conversation of its tenant that it
 //! continues (its edits leave the conversation's last message as it was, as agent policies
 //! do: they edit older history; under the client's conversation key any rewrite continues
-//! it, compactions included); the one that leaves the least to prefill (replacements
-//! included) is taken if it beats the prefix tree. With edits the conversation is forked
-//! first: the fork holds its own reference on
-//! every slot, so the splice copies each downstream slot before rotating it (or, under lazy
-//! rotation, leaves it where it is and shares it) and the original stays as it was, for
-//! other continuations of it. A spliced branch's KV carries
-//! the fork's lineage and never enters the shared tree, so only a continuation of that
-//! branch within the tenant ever reads it.
+//! it, compactions included); the one that leaves the least to prefill (replacements and
+//! what their repair recomputes included) is taken if it beats the prefix tree. With edits
+//! the conversation is forked first: the fork holds its own reference on every slot, so the
+//! splice copies each downstream slot before rotating it (or, under lazy rotation, leaves
+//! it where it is and shares it) and the original stays as it was, for other continuations
+//! of it. A spliced branch's KV carries the fork's lineage and never enters the shared
+//! tree, so only a continuation of that branch within the tenant ever reads it.
 
 use super::Engine;
 use crate::error::Result;
 use crate::request::{ImplicitTurn, RequestId, Tenant};
 use crate::session::{message_edits, SessionId};
-use leyline_core::{Directive, DirectiveBatch, Mode, SessionState, ValidationContext};
+use leyline_core::{Directive, DirectiveBatch, Mode, Repair, SessionState, ValidationContext};
 use leyline_kv::radix::{common_prefix, Namespace};
 use leyline_kv::slots::Lineage;
 use std::time::Instant;
@@ -34,7 +33,8 @@ struct Candidate {
     id: SessionId,
     /// The diff's directives (none: the prompt extends the conversation or leaves it).
     directives: Vec<Directive>,
-    /// Prompt tokens to compute: replacements plus what follows the reused prefix.
+    /// Prompt tokens to compute: replacements, the tokens their repair recomputes, and what
+    /// follows the reused prefix.
     cost: usize,
 }
 
@@ -43,11 +43,13 @@ impl Engine {
     /// it: a conversation it continues (in AMORTIZE mode a fork of it when it edits it), or
     /// a new one. Also says whether the session is new (a fork or empty), so a failed edit
     /// can drop it, and returns the directives that turn it into the prompt's context.
+    /// `repair` is the request's own ([`crate::Request::repair`]).
     pub(super) fn implicit_session(
         &mut self,
         prompt: &[u32],
         turn: &ImplicitTurn,
         tenant: Tenant,
+        repair: Option<Repair>,
         by: RequestId,
     ) -> Result<(SessionId, bool, Vec<Directive>)> {
         self.drop_stale_conversations()?;
@@ -56,7 +58,7 @@ impl Engine {
         let probe = &prompt[..prompt.len().saturating_sub(1)];
         let ns = Namespace::shared(self.model_id).for_tenant(tenant);
         let tree_cost = probe.len() - self.cache.cached_len(ns, probe);
-        let best = self.best_conversation(prompt, probe, turn, tenant);
+        let best = self.best_conversation(prompt, probe, turn, tenant, repair);
         let (id, fresh, directives) = match best {
             // FORGET edits the conversation itself: what it drops goes for every reader.
             Some(c) if turn.mode == Mode::Forget => (c.id, false, c.directives),
@@ -79,13 +81,17 @@ impl Engine {
         Ok((id, fresh, directives))
     }
 
-    /// The idle conversation of `tenant` that `prompt` continues most cheaply, if any.
+    /// The idle conversation of `tenant` that `prompt` continues most cheaply, if any. An
+    /// edit's cost counts what its repair recomputes (`repair`, else the conversation's, else
+    /// the engine's), as the splice will run it: a splice that saves fewer tokens than its
+    /// repair recomputes is no saving.
     fn best_conversation(
         &self,
         prompt: &[u32],
         probe: &[u32],
         turn: &ImplicitTurn,
         tenant: Tenant,
+        repair: Option<Repair>,
     ) -> Option<Candidate> {
         let bounds = &turn.bounds;
         let vocab_size = self.model.info().vocab_size;
@@ -125,26 +131,33 @@ impl Engine {
             {
                 continue;
             }
-            let replaced: usize = directives.iter().map(|d| d.replacement.len()).sum();
-            let reused = if directives.is_empty() {
-                common_prefix(&s.tokens, probe)
+            let (reused, computed) = if directives.is_empty() {
+                (common_prefix(&s.tokens, probe), 0)
             } else {
                 let ctx = ValidationContext {
                     seq_len: s.tokens.len(),
                     vocab_size,
                     session: SessionState::Idle,
                 };
+                let repair = repair.or(s.repair).unwrap_or(self.cfg.repair);
                 let edited = DirectiveBatch::validate(directives.clone(), &ctx)
-                    .and_then(|batch| batch.apply_to_tokens(&s.tokens));
-                match edited {
-                    Ok(t) => common_prefix(&t, probe),
-                    Err(_) => continue,
+                    .and_then(|batch| repair.coalesce(batch, &s.tokens))
+                    .and_then(|batch| {
+                        let t = batch.apply_to_tokens(&s.tokens)?;
+                        Ok((t, batch))
+                    });
+                let Ok((edited, batch)) = edited else {
+                    continue;
+                };
+                let reused = common_prefix(&edited, probe);
+                if reused < directives.iter().map(|d| d.replacement.len()).sum() {
+                    continue;
                 }
+                // Merged directives' replacements hold the kept tokens between them.
+                let replaced: usize = batch.new_ranges().iter().map(|r| r.len()).sum();
+                (reused, replaced + repaired_within(repair, &batch, reused))
             };
-            if reused < replaced {
-                continue;
-            }
-            let cost = probe.len() - reused + replaced;
+            let cost = probe.len() - reused + computed;
             let better = best
                 .as_ref()
                 .is_none_or(|b| (cost, directives.len()) < (b.cost, b.directives.len()));
@@ -215,4 +228,19 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// Tokens `repair` recomputes after `batch` is spliced, within the first `reused` (the rest
+/// is prefilled anyway): its ranges, or for the deviation rule its token count.
+fn repaired_within(repair: Repair, batch: &DirectiveBatch, reused: usize) -> usize {
+    if let Some(scan) = repair.scan_range(batch) {
+        return repair
+            .tokens
+            .min(scan.end.min(reused).saturating_sub(scan.start));
+    }
+    repair
+        .ranges(batch)
+        .iter()
+        .map(|r| r.end.min(reused).saturating_sub(r.start))
+        .sum()
 }
