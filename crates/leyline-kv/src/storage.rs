@@ -231,6 +231,22 @@ struct LayerRows {
     v: Rows,
 }
 
+/// Where each head's key and value rows of a slot lie in a layer's two buffers.
+#[derive(Debug, Clone, Copy)]
+struct HeadRows {
+    k: Strides,
+    v: Strides,
+    heads: usize,
+}
+
+impl HeadRows {
+    /// `(key offset, value offset)` of each head's rows of `slot`, head by head.
+    fn of(self, slot: u32) -> impl Iterator<Item = (usize, usize)> + Clone {
+        let s = slot as usize;
+        (0..self.heads).map(move |h| (self.k.at(s, h), self.v.at(s, h)))
+    }
+}
+
 /// The pool's storage: `capacity` slots of [`KvGeometry`] at one [`KvDtype`].
 ///
 /// It knows nothing of which slot is free; the slot allocator does.
@@ -333,12 +349,12 @@ impl KvStorage {
                 got: v.len(),
             });
         }
-        let (ks, vs) = (self.k_strides(), self.v_strides());
         let (khd, vhd) = (self.geometry.k_head_dim, self.geometry.v_head_dim());
+        let at = self.head_rows().of(slot);
         let l = &mut self.layers[layer];
-        for h in 0..self.geometry.k_heads {
-            l.k.write(ks.at(slot as usize, h), &k[h * khd..(h + 1) * khd]);
-            l.v.write(vs.at(slot as usize, h), &v[h * vhd..(h + 1) * vhd]);
+        for ((ko, vo), (kh, vh)) in at.zip(k.chunks_exact(khd).zip(v.chunks_exact(vhd))) {
+            l.k.write(ko, kh);
+            l.v.write(vo, vh);
         }
         Ok(())
     }
@@ -398,12 +414,12 @@ impl KvStorage {
     /// Out-of-range slot.
     pub fn zero_slot(&mut self, slot: u32) -> Result<()> {
         self.check_slot(slot)?;
-        let (ks, vs) = (self.k_strides(), self.v_strides());
         let (khd, vhd) = (self.geometry.k_head_dim, self.geometry.v_head_dim());
+        let at = self.head_rows().of(slot);
         for l in &mut self.layers {
-            for h in 0..self.geometry.k_heads {
-                l.k.fill_zero(ks.at(slot as usize, h), khd);
-                l.v.fill_zero(vs.at(slot as usize, h), vhd);
+            for (ko, vo) in at.clone() {
+                l.k.fill_zero(ko, khd);
+                l.v.fill_zero(vo, vhd);
             }
         }
         Ok(())
@@ -420,17 +436,13 @@ impl KvStorage {
             self.check_slot(src)?;
             self.check_slot(dst)?;
         }
-        let (ks, vs) = (self.k_strides(), self.v_strides());
         let (khd, vhd) = (self.geometry.k_head_dim, self.geometry.v_head_dim());
+        let at = self.head_rows();
         for l in &mut self.layers {
-            for h in 0..self.geometry.k_heads {
-                for &(src, dst) in pairs {
-                    let (src, dst) = (src as usize, dst as usize);
-                    l.k.copy_within(ks.at(src, h), ks.at(dst, h), khd);
-                }
-                for &(src, dst) in pairs {
-                    let (src, dst) = (src as usize, dst as usize);
-                    l.v.copy_within(vs.at(src, h), vs.at(dst, h), vhd);
+            for &(src, dst) in pairs {
+                for ((ks, vs), (kd, vd)) in at.of(src).zip(at.of(dst)) {
+                    l.k.copy_within(ks, kd, khd);
+                    l.v.copy_within(vs, vd, vhd);
                 }
             }
         }
@@ -443,13 +455,13 @@ impl KvStorage {
     /// Out-of-range slot.
     pub fn slot_is_zero(&self, slot: u32) -> Result<bool> {
         self.check_slot(slot)?;
-        let (ks, vs) = (self.k_strides(), self.v_strides());
         let mut k = vec![0.0f32; self.geometry.k_head_dim];
         let mut v = vec![0.0f32; self.geometry.v_head_dim()];
+        let at = self.head_rows().of(slot);
         for l in &self.layers {
-            for h in 0..self.geometry.k_heads {
-                l.k.read(ks.at(slot as usize, h), &mut k);
-                l.v.read(vs.at(slot as usize, h), &mut v);
+            for (ko, vo) in at.clone() {
+                l.k.read(ko, &mut k);
+                l.v.read(vo, &mut v);
                 if k.iter().chain(&v).any(|x| x.to_bits() != 0) {
                     return Ok(false);
                 }
@@ -467,15 +479,14 @@ impl KvStorage {
         for &s in slots {
             self.check_slot(s)?;
         }
-        let (ks, khd) = (self.k_strides(), self.geometry.k_head_dim);
+        let (map, khd) = (self.head_rows(), self.geometry.k_head_dim);
         let mut out = KRowsBackup {
             slots: slots.to_vec(),
             ..KRowsBackup::default()
         };
         for l in &self.layers {
             for &s in slots {
-                for h in 0..self.geometry.k_heads {
-                    let at = ks.at(s as usize, h);
+                for (at, _) in map.of(s) {
                     match &l.k {
                         Rows::F32(b) => out.f32s.extend_from_slice(&b[at..at + khd]),
                         Rows::F16(b) | Rows::Bf16(b) => {
@@ -509,12 +520,11 @@ impl KvStorage {
         for &s in &backup.slots {
             self.check_slot(s)?;
         }
-        let (ks, khd) = (self.k_strides(), self.geometry.k_head_dim);
+        let (map, khd) = (self.head_rows(), self.geometry.k_head_dim);
         let mut i = 0;
         for l in &mut self.layers {
             for &s in &backup.slots {
-                for h in 0..self.geometry.k_heads {
-                    let at = ks.at(s as usize, h);
+                for (at, _) in map.of(s) {
                     match &mut l.k {
                         Rows::F32(b) => b[at..at + khd].copy_from_slice(&backup.f32s[i..i + khd]),
                         Rows::F16(b) | Rows::Bf16(b) => {
@@ -528,6 +538,14 @@ impl KvStorage {
         Ok(())
     }
 
+    fn head_rows(&self) -> HeadRows {
+        HeadRows {
+            k: self.k_strides(),
+            v: self.v_strides(),
+            heads: self.geometry.k_heads,
+        }
+    }
+
     /// Where a head's key row of a slot lies in a layer's key buffer.
     pub fn k_strides(&self) -> Strides {
         Strides::head_major(self.capacity, self.geometry.k_head_dim)
@@ -538,16 +556,20 @@ impl KvStorage {
         Strides::head_major(self.capacity, self.geometry.v_head_dim())
     }
 
-    /// Rotates the key rows of `slots` in `layer` by `rot` with the kernel of `tier`: every
-    /// head's row of each slot. With no slots it only checks `rot`'s width and the tier.
+    /// Rotates the key rows of `slots` (every head's row of each slot) in each listed layer
+    /// by that layer's rotation, with the kernel of `tier`. With no slots it only checks each
+    /// rotation's width and the tier.
     ///
     /// # Errors
-    /// As [`shift_rows_with`]; nothing is written then.
-    pub fn shift_k(
+    /// A slot out of range, or as [`shift_rows_with`]; on an error in a later layer the
+    /// earlier listed layers are already rotated (callers check with no slots first).
+    ///
+    /// # Panics
+    /// A layer out of range.
+    pub fn shift_k<'r>(
         &mut self,
-        layer: usize,
+        layers: impl IntoIterator<Item = (usize, &'r Rotation)>,
         slots: &[u32],
-        rot: &Rotation,
         tier: Tier,
     ) -> leyline_kernels::Result<()> {
         let (heads, cap) = (self.geometry.k_heads, self.capacity);
@@ -559,8 +581,11 @@ impl KvStorage {
         let rows: Vec<u32> = (0..heads)
             .flat_map(|h| slots.iter().map(move |&s| (h * cap) as u32 + s))
             .collect();
-        let buf = self.layers[layer].k.as_mut();
-        shift_rows_with(buf, 1, self.geometry.k_head_dim, &rows, rot, tier)
+        for (layer, rot) in layers {
+            let l = &mut self.layers[layer];
+            shift_rows_with(l.k.as_mut(), 1, self.geometry.k_head_dim, &rows, rot, tier)?;
+        }
+        Ok(())
     }
 
     /// One layer's key and value rows as attention reads them, in place.
@@ -672,13 +697,13 @@ mod tests {
         for head in want.chunks_exact_mut(4) {
             rot.apply_f32(head);
         }
-        s.shift_k(0, &[1], &rot, Tier::Portable).unwrap();
+        s.shift_k([(0, &rot)], &[1], Tier::Portable).unwrap();
         let mut got = vec![0.0; 8];
         s.gather_k(0, &[1], &mut got).unwrap();
         assert_eq!(got, want);
         assert!(s.slot_is_zero(0).unwrap() && s.slot_is_zero(2).unwrap());
         assert!(
-            s.shift_k(0, &[3], &rot, Tier::Portable).is_err(),
+            s.shift_k([(0, &rot)], &[3], Tier::Portable).is_err(),
             "slot out of range"
         );
     }

@@ -287,7 +287,7 @@ fn cached_keys_are_transformers_keys_and_shift_to_new_positions() {
                 let inv = inv_freq(arch, r, hd, l);
                 let spec = m.info().rope.spec(l).clone();
                 let rot = shift_table(&spec, delta).unwrap();
-                kv.shift_k(l, slots, &rot, Tier::best()).unwrap();
+                kv.shift_k([(l, &rot)], slots, Tier::best()).unwrap();
                 kv.gather_k(l, slots, &mut ours).unwrap();
                 let pre = &k[&format!("layers.{l}.k_pre_rope")];
                 let hf: Vec<f32> = pre

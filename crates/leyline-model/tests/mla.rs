@@ -345,7 +345,7 @@ fn rope_ref(x: &[f32], inv_freq: &[f64], gain: f64, pos: f64) -> Vec<f32> {
 fn shift_all(m: &DeepseekV2, kv: &mut KvStorage, slots: &[u32], delta: i64) {
     for l in 0..3 {
         let rot = shift_table(m.info().rope.spec(l), delta).unwrap();
-        kv.shift_k(l, slots, &rot, Tier::best()).unwrap();
+        kv.shift_k([(l, &rot)], slots, Tier::best()).unwrap();
     }
 }
 

@@ -289,7 +289,7 @@ impl Txn {
         let tier = Tier::best();
         for rot in tables.values().flatten() {
             // Zero slots: checks the shapes and the tier, rotates nothing.
-            if let Err(e) = kv.shift_k(0, &[], rot, tier) {
+            if let Err(e) = kv.shift_k([(0, rot)], &[], tier) {
                 release_reversed(cache, &fresh);
                 return Err(e.into());
             }
@@ -402,10 +402,9 @@ pub(super) fn rotate_checked(
     spec_of_layer: &[usize],
     tier: Tier,
 ) {
-    let g = kv.geometry();
-    for (layer, &spec) in spec_of_layer.iter().enumerate().take(g.layers) {
-        let _ = kv.shift_k(layer, slots, &rots[spec], tier);
-    }
+    let layers = kv.geometry().layers;
+    let per_layer = spec_of_layer.iter().take(layers).map(|&spec| &rots[spec]);
+    let _ = kv.shift_k(per_layer.enumerate(), slots, tier);
 }
 
 /// Checks that `rope` names a spec for each of the pool's `layers`.

@@ -67,7 +67,7 @@ pub fn compact(
     let tier = Tier::best();
     for rot in tables.iter().flatten() {
         // Zero slots: checks the shapes and the tier, rotates nothing.
-        kv.shift_k(0, &[], rot, tier)?;
+        kv.shift_k([(0, rot)], &[], tier)?;
     }
     let pool = cache.pool();
     let shared: Vec<usize> = runs
