@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Replays recorded client sessions (`leyline serve --record`) against a fresh server per run,
-# in alternated pairs of arms: `default` (implicit splices) and `prefix` (X-Leyline-Mode:
-# prefix, the prefix cache alone). Prints, per recording, the median over the pairs of each
-# edit turn's prompt, cached and prefilled tokens and E2E seconds per arm, the per-pair
-# ratio default / prefix, and the turn's fresh-token floor (the tokens of the messages the
-# previous request of the conversation did not hold, counted by the server's tokenizer,
-# with ChatML's 5 framing tokens each and the 3 of the generation prompt).
+# in rounds of arms, their order flipped every round: `default` (implicit splices) and
+# `prefix` (X-Leyline-Mode: prefix, the prefix cache alone). Prints, per recording, the
+# median over the rounds of each edit turn's prompt, cached and prefilled tokens and E2E
+# seconds per arm, the per-round ratio default / prefix, and the turn's fresh-token floor
+# (the tokens of the messages the previous request of the conversation did not hold,
+# counted by the server's tokenizer, with ChatML's 5 framing tokens each and the 3 of the
+# generation prompt).
 #
 # --llamacpp adds a third arm to each round: llama.cpp's `llama-server` (built by
 # scripts/side_by_side.sh) on the same GGUF, 2 threads, one slot, its prefix cache as it
@@ -74,9 +75,16 @@ start() {
 }
 
 for i in $(seq 1 "$pairs"); do
+    # The arms' order flips every round: with a fixed order, whatever the machine carries
+    # over from one server to the next would weigh on one arm only.
+    order=("${arms[@]}")
+    if (( i % 2 == 0 )); then
+        order=()
+        for ((j = ${#arms[@]} - 1; j >= 0; j--)); do order+=("${arms[j]}"); done
+    fi
     for rec in "$@"; do
         name=$(basename "$rec" .jsonl)
-        for arm in "${arms[@]}"; do
+        for arm in "${order[@]}"; do
             if [[ $arm == llamacpp ]]; then start_llamacpp; else start; fi
             header=()
             [[ $arm == prefix ]] && header=(--header-mode prefix)
