@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Replays recorded client sessions (`leyline serve --record`) against a fresh server per run,
-# in rounds of arms, their order flipped every round: `default` (implicit splices) and
+# in rounds of arms, their order rotated every round: `default` (implicit splices) and
 # `prefix` (X-Leyline-Mode: prefix, the prefix cache alone). Prints, per recording, the
 # median over the rounds of each edit turn's prompt, cached and prefilled tokens and E2E
 # seconds per arm, the per-round ratio default / prefix, and the turn's fresh-token floor
@@ -75,13 +75,10 @@ start() {
 }
 
 for i in $(seq 1 "$pairs"); do
-    # The arms' order flips every round: with a fixed order, whatever the machine carries
-    # over from one server to the next would weigh on one arm only.
-    order=("${arms[@]}")
-    if (( i % 2 == 0 )); then
-        order=()
-        for ((j = ${#arms[@]} - 1; j >= 0; j--)); do order+=("${arms[j]}"); done
-    fi
+    # The arms' order rotates every round (with two arms: flips), so that whatever the
+    # machine carries over from one server to the next does not weigh on one arm only.
+    k=$(( (i - 1) % ${#arms[@]} ))
+    order=("${arms[@]:k}" "${arms[@]:0:k}")
     for rec in "$@"; do
         name=$(basename "$rec" .jsonl)
         for arm in "${order[@]}"; do

@@ -393,16 +393,16 @@ impl KvStorage {
                 got: out.len(),
             });
         }
-        let (rows, strides) = if k {
-            (&self.layers[layer].k, self.k_strides())
+        let rows = if k {
+            &self.layers[layer].k
         } else {
-            (&self.layers[layer].v, self.v_strides())
+            &self.layers[layer].v
         };
-        let hw = w / self.geometry.k_heads;
+        let (map, hw) = (self.head_rows(), w / self.geometry.k_heads);
         for (i, &s) in slots.iter().enumerate() {
             self.check_slot(s)?;
-            for (h, dst) in out[i * w..(i + 1) * w].chunks_exact_mut(hw).enumerate() {
-                rows.read(strides.at(s as usize, h), dst);
+            for (dst, (ko, vo)) in out[i * w..(i + 1) * w].chunks_exact_mut(hw).zip(map.of(s)) {
+                rows.read(if k { ko } else { vo }, dst);
             }
         }
         Ok(())
