@@ -37,6 +37,48 @@ pub struct Segment {
     pub delta: i64,
 }
 
+/// A run of replacement tokens that repeats a run of the pre-edit sequence, as a moved
+/// message does: the splice may copy the old run's KV to its new place (rotated by the
+/// move) instead of computing it. The copy keeps what the run attended to where it was,
+/// as a splice's downstream tokens keep theirs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reuse {
+    /// Post-edit indices of the run, inside one replacement.
+    pub new_range: Range<usize>,
+    /// Pre-edit index of the run's first token.
+    pub old_start: usize,
+}
+
+impl Reuse {
+    /// The pre-edit range the run repeats.
+    pub fn old_range(&self) -> Range<usize> {
+        self.old_start..self.old_start + self.new_range.len()
+    }
+}
+
+/// `ranges` less `holes` (both sorted and disjoint): the parts of each range that no hole
+/// covers, in order. What of a batch's replacements is computed when its reused runs are not.
+pub fn ranges_without(ranges: &[Range<usize>], holes: &[Range<usize>]) -> Vec<Range<usize>> {
+    let mut out = Vec::with_capacity(ranges.len());
+    let mut first = 0;
+    for r in ranges {
+        while holes.get(first).is_some_and(|h| h.end <= r.start) {
+            first += 1;
+        }
+        let mut at = r.start;
+        for h in holes[first..].iter().take_while(|h| h.start < r.end) {
+            if h.start > at {
+                out.push(at..h.start);
+            }
+            at = at.max(h.end);
+        }
+        if at < r.end {
+            out.push(at..r.end);
+        }
+    }
+    out
+}
+
 /// Directives validated as a whole against one sequence, sorted by start.
 ///
 /// Invariants (checked by [`DirectiveBatch::validate`]): every range lies inside the
@@ -254,6 +296,67 @@ impl DirectiveBatch {
         })
     }
 
+    /// The runs of at least `min_len` replacement tokens that repeat a run of `tokens` (the
+    /// sequence the batch was validated against), longest first at each place, scanned left
+    /// to right; sorted and disjoint. `min_len == 0` finds none.
+    ///
+    /// # Errors
+    /// [`CoreError::LengthMismatch`] if `tokens` is not `old_len` long.
+    pub fn reusable_runs(&self, tokens: &[TokenId], min_len: usize) -> Result<Vec<Reuse>> {
+        if tokens.len() != self.old_len {
+            return Err(CoreError::LengthMismatch {
+                expected: self.old_len,
+                got: tokens.len(),
+            });
+        }
+        let mut out = Vec::new();
+        if min_len == 0 || tokens.len() < min_len {
+            return Ok(out);
+        }
+        // Where each run of `min_len` old tokens starts; a long run of one repeated token
+        // would list every place, so a key keeps its first few.
+        const PLACES: usize = 16;
+        let mut starts: std::collections::HashMap<&[TokenId], Vec<usize>> =
+            std::collections::HashMap::new();
+        for (i, w) in tokens.windows(min_len).enumerate() {
+            let v = starts.entry(w).or_default();
+            if v.len() < PLACES {
+                v.push(i);
+            }
+        }
+        for (d, range) in self.directives.iter().zip(self.new_ranges()) {
+            let r = &d.replacement;
+            let mut at = 0;
+            while at + min_len <= r.len() {
+                let longest = starts.get(&r[at..at + min_len]).and_then(|places| {
+                    places
+                        .iter()
+                        .map(|&o| {
+                            let n = r[at..]
+                                .iter()
+                                .zip(&tokens[o..])
+                                .take_while(|(a, b)| a == b)
+                                .count();
+                            (n, o)
+                        })
+                        .max_by_key(|&(n, o)| (n, std::cmp::Reverse(o)))
+                });
+                match longest {
+                    Some((n, o)) => {
+                        let s = range.start + at;
+                        out.push(Reuse {
+                            new_range: s..s + n,
+                            old_start: o,
+                        });
+                        at += n;
+                    }
+                    None => at += 1,
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Applies the batch to `tokens` (the sequence it was validated against).
     ///
     /// # Errors
@@ -412,6 +515,60 @@ mod tests {
         })
     }
 
+    #[test]
+    fn ranges_without_cuts_out_the_holes() {
+        assert_eq!(
+            ranges_without(&[0..10, 12..20, 25..30], &[2..4, 8..14, 15..15, 19..26]),
+            vec![0..2, 4..8, 14..19, 26..30]
+        );
+        let (r, all) = (3..5, 0..9);
+        let one = std::slice::from_ref(&r);
+        assert_eq!(ranges_without(one, &[]), one);
+        assert!(ranges_without(one, std::slice::from_ref(&all)).is_empty());
+    }
+
+    #[test]
+    fn a_moved_run_is_found_where_it_was() {
+        // Old: 0..20 as [a: 0..5][b: 5..12][c: 12..20]; new: [a][c][b] with b moved behind
+        // c, written as deleting b and inserting it (plus one new token) after c.
+        let toks: Vec<u32> = (0..20).collect();
+        let mut moved: Vec<u32> = (5..12).collect();
+        moved.push(40);
+        let b =
+            DirectiveBatch::validate(vec![am(5, 12, &[]), am(20, 20, &moved)], &ctx(20)).unwrap();
+        let runs = b.reusable_runs(&toks, 4).unwrap();
+        // The insertion lands at 13..21 after the edit; its first 7 tokens repeat 5..12.
+        assert_eq!(
+            runs,
+            vec![Reuse {
+                new_range: 13..20,
+                old_start: 5
+            }]
+        );
+        assert_eq!(runs[0].old_range(), 5..12);
+        assert!(b.reusable_runs(&toks, 8).unwrap().is_empty(), "7 < 8");
+        assert!(b.reusable_runs(&toks, 0).unwrap().is_empty());
+        assert!(b.reusable_runs(&toks[1..], 4).is_err());
+        // Of two places, the longer match wins; a replacement may hold several runs.
+        let toks: Vec<u32> = vec![1, 2, 3, 9, 1, 2, 3, 4, 5, 8, 8];
+        let b =
+            DirectiveBatch::validate(vec![am(9, 11, &[1, 2, 3, 4, 7, 1, 2, 3])], &ctx(11)).unwrap();
+        let runs = b.reusable_runs(&toks, 3).unwrap();
+        assert_eq!(
+            runs,
+            vec![
+                Reuse {
+                    new_range: 9..13,
+                    old_start: 4
+                },
+                Reuse {
+                    new_range: 14..17,
+                    old_start: 0
+                }
+            ]
+        );
+    }
+
     proptest! {
         #[test]
         fn batch_equals_one_by_one_from_the_back((toks, ds) in arb_case()) {
@@ -433,6 +590,18 @@ mod tests {
             }
             for (d, r) in b.directives().iter().zip(b.new_ranges()) {
                 prop_assert_eq!(&got[r], &d.replacement[..]);
+            }
+            // Reusable runs repeat old tokens, lie inside one replacement, are long enough,
+            // sorted and disjoint.
+            let runs = b.reusable_runs(&toks, 2).unwrap();
+            let ranges = b.new_ranges();
+            for (i, run) in runs.iter().enumerate() {
+                prop_assert!(run.new_range.len() >= 2);
+                prop_assert_eq!(&got[run.new_range.clone()], &toks[run.old_range()]);
+                prop_assert!(ranges.iter().any(|r| r.start <= run.new_range.start && run.new_range.end <= r.end));
+                if i > 0 {
+                    prop_assert!(runs[i - 1].new_range.end <= run.new_range.start);
+                }
             }
         }
     }

@@ -32,7 +32,7 @@ mod batch;
 mod error;
 mod repair;
 
-pub use batch::{DirectiveBatch, Segment, SessionState, ValidationContext};
+pub use batch::{ranges_without, DirectiveBatch, Reuse, Segment, SessionState, ValidationContext};
 pub use error::{CoreError, Result};
 pub use repair::{Repair, RepairRule};
 

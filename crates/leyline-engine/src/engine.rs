@@ -73,6 +73,12 @@ pub struct EngineConfig {
     /// after a splice ([`leyline_kv::shift::segment_count`]); past it the session is
     /// compacted by the eager kernel. `usize::MAX`: never.
     pub max_segments: usize,
+    /// An AMORTIZE replacement's runs of at least this many tokens that repeat tokens the
+    /// session holds (a message the client moved) take a copy of those tokens' KV, rotated
+    /// to the new place, instead of being prefilled: the copies keep what they attended to
+    /// where they were, as a splice's downstream tokens do. 0: every replacement is
+    /// prefilled.
+    pub reuse_min_tokens: usize,
 }
 
 /// [`EngineConfig::kv_dtype`] unless set otherwise. f16 by measurement on the default model
@@ -84,6 +90,12 @@ pub const DEFAULT_KV_DTYPE: KvDtype = KvDtype::F16;
 /// 0.93x its decode speed (every run boundary ends a key block early), 8 runs at about 0.84x
 /// and 0.95x.
 pub const DEFAULT_MAX_SEGMENTS: usize = 8;
+/// The command line's [`EngineConfig::reuse_min_tokens`]: off. On `verify --moves` probes
+/// (a tool output moved to just before the turn's last message), copying the moved KV
+/// instead of prefilling it lowered SmolLM2's agreement with FORGET's next token from 44
+/// to 38 of 50 (BENCHMARKS.md, "Moved messages"); a server trading that for the prefill
+/// sets it (8 keeps a run to a message's text rather than a template's framing).
+pub const DEFAULT_REUSE_MIN_TOKENS: usize = 0;
 /// [`EngineConfig::prefill_patience`] unless set otherwise.
 pub const DEFAULT_PREFILL_PATIENCE: u32 = 32;
 /// [`EngineConfig::prefill_chunk`] unless set otherwise.
@@ -155,6 +167,7 @@ impl EngineConfig {
             repair: Repair::NONE,
             rotation: RotationMode::Eager,
             max_segments: DEFAULT_MAX_SEGMENTS,
+            reuse_min_tokens: 0,
         }
     }
 

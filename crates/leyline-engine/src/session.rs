@@ -65,6 +65,10 @@ pub struct EditReport {
     /// Tokens prefilled by the edit itself (AMORTIZE replacements; FORGET on the explicit
     /// channel: everything from the first start on).
     pub prefilled: usize,
+    /// Replacement tokens whose KV was copied from the cached tokens they repeat (a moved
+    /// message) instead of prefilled ([`crate::EngineConfig::reuse_min_tokens`]); counted
+    /// in `reused`.
+    pub moved: usize,
     /// Downstream tokens an AMORTIZE edit recomputed under the edited context (its repair).
     pub repaired: usize,
     /// Tokens the repair's selection pass ran through its first layers (rule `deviation`:
@@ -93,6 +97,7 @@ impl EditReport {
             rotated: 0,
             copied: 0,
             prefilled: 0,
+            moved: 0,
             prefill_us: 0,
             repaired: 0,
             scanned: 0,

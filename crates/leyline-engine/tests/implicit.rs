@@ -325,6 +325,57 @@ fn a_keyed_compaction_that_moves_a_message_is_spliced() {
 }
 
 #[test]
+fn a_moved_message_takes_its_kv_along_instead_of_being_prefilled() {
+    // Codex's second compaction reorders what it keeps; here the tool output moves ahead
+    // of the first user message and the reply after it, and the last message stays. The
+    // message diff keeps the most messages in place (the two short ones), so the tool
+    // output is deleted and inserted again: prefilled by the splice, unless its run is
+    // found in the cached conversation.
+    let turn1 = history(TOOL_OUTPUT, &[]);
+    let moved = [
+        turn1[0].clone(),
+        turn1[3].clone(),
+        turn1[1].clone(),
+        turn1[2].clone(),
+        turn1[4].clone(),
+        turn1[5].clone(),
+    ];
+    let (_, bounds) = render(&moved);
+    let (_, old_bounds) = render(&turn1);
+    let span = bounds[2] - bounds[1];
+    assert_eq!(span, old_bounds[4] - old_bounds[3], "the tool message");
+    let run = |reuse_min_tokens: usize| {
+        let cfg = EngineConfig {
+            prefill_chunk: 256,
+            reuse_min_tokens,
+            ..EngineConfig::new(4096)
+        };
+        let mut e = Engine::new(Arc::clone(&lm().model), cfg).unwrap();
+        implicit(&mut e, &turn1, Mode::Amortize, 0);
+        let (_, usage) = implicit(&mut e, &moved, Mode::Amortize, 0);
+        assert_eq!(e.metrics().snapshot().implicit_splices, 1, "{usage:?}");
+        usage
+    };
+    let prefilled = run(0);
+    let copied = run(8);
+    let report = copied.edit.expect("an edit");
+    assert_eq!(prefilled.edit.map(|r| r.moved), Some(0));
+    // Every token of the moved messages is found (they were adjacent before, too), unless
+    // a tokenizer merge at a message bound cut a token off an end.
+    assert!(
+        report.moved + 2 >= span && report.moved <= span,
+        "{report:?}, {span}"
+    );
+    assert_eq!(
+        copied.prefilled_tokens + report.moved,
+        prefilled.prefilled_tokens,
+        "{copied:?} vs {prefilled:?}"
+    );
+    assert_eq!(copied.cached_tokens, prefilled.cached_tokens + report.moved);
+    assert_eq!(copied.prompt_tokens, prefilled.prompt_tokens);
+}
+
+#[test]
 fn a_splice_whose_repair_recomputes_what_it_saves_is_not_taken() {
     // The last reply is edited near its end: everything after the edit is a few tokens, all
     // inside a 64-token repair window. Spliced, those tokens are recomputed anyway, so the

@@ -15,7 +15,7 @@ pub use apply::{apply_splice, PrefillJob, SpliceError, SpliceTarget, Spliced};
 pub use compact::{compact, Compacted};
 
 use crate::error::{KvError, Result};
-use leyline_core::{DirectiveBatch, Mode, Pos};
+use leyline_core::{DirectiveBatch, Mode, Pos, Reuse};
 use std::collections::HashSet;
 use std::ops::Range;
 
@@ -33,6 +33,10 @@ pub struct SpliceRequest<'a> {
     /// Fresh slots for each replacement, in the order of `batch.directives()`, each as long
     /// as its replacement.
     pub replacement_slots: &'a [Vec<u32>],
+    /// Runs of the replacements whose KV is copied from the old slots they repeat instead
+    /// of computed (sorted, disjoint, each inside one replacement). The caller vouches that
+    /// the tokens match ([`DirectiveBatch::reusable_runs`]).
+    pub reuse: &'a [Reuse],
 }
 
 /// What a splice does, before anything is done.
@@ -46,8 +50,14 @@ pub struct SplicePlan {
     pub new_positions: Vec<Pos>,
     /// Kept pre-edit ranges and where they land.
     pub segments: Vec<Segment>,
-    /// Post-edit index ranges to prefill, one per directive.
+    /// Post-edit index ranges of the replacements, one per directive; what of them is not
+    /// [`Self::reused`] is prefilled ([`Self::computed`]).
     pub prefill: Vec<Range<usize>>,
+    /// `(src, dst, delta)`: the old slot `src` is copied into the replacement slot `dst`,
+    /// whose position is `delta` past `src`'s.
+    pub reused: Vec<(u32, u32, i64)>,
+    /// Post-edit ranges of the reused runs, sorted.
+    pub reused_ranges: Vec<Range<usize>>,
     /// Slots of removed spans: the sequence drops its reference to them.
     pub freed: Vec<u32>,
     /// `(src, dst)`: copy `src` into the fresh `dst` before rotating; the sequence then holds
@@ -85,6 +95,13 @@ impl SplicePlan {
     ) -> Result<Self> {
         let plan = plan_metadata(req)?;
         plan.copy_on_write(is_shared, alloc)
+    }
+
+    /// The parts of directive `i`'s replacement that are prefilled: [`Self::prefill`]'s range
+    /// less the reused runs in it.
+    pub fn computed(&self, i: usize) -> Vec<Range<usize>> {
+        let r = self.prefill.get(i).cloned().unwrap_or_default();
+        leyline_core::ranges_without(&[r], &self.reused_ranges)
     }
 
     /// `(delta, slots)` groups of [`Self::to_rotate`], by increasing delta.
@@ -240,11 +257,34 @@ fn plan_metadata(req: &SpliceRequest<'_>) -> Result<SplicePlan> {
         push_kept(s, &mut new_slots, &mut new_positions)?;
     }
     to_rotate.sort_by_key(|&(_, delta)| delta);
+    let mut reused = Vec::new();
+    let mut reused_ranges: Vec<Range<usize>> = Vec::new();
+    for u in req.reuse {
+        let inside = prefill
+            .iter()
+            .any(|r| r.start <= u.new_range.start && u.new_range.end <= r.end);
+        let after = reused_ranges
+            .last()
+            .is_none_or(|l| l.end <= u.new_range.start);
+        if u.new_range.is_empty() || !inside || !after || u.old_range().end > n {
+            return Err(bad(format!(
+                "reused run {:?} from {} is not a sorted run inside a replacement, or its source leaves the {n} tokens",
+                u.new_range, u.old_start
+            )));
+        }
+        for (j, o) in u.new_range.clone().zip(u.old_range()) {
+            let delta = new_positions[j] as i64 - req.old_positions[o] as i64;
+            reused.push((req.old_slots[o], new_slots[j], delta));
+        }
+        reused_ranges.push(u.new_range.clone());
+    }
     Ok(SplicePlan {
         new_slots,
         new_positions,
         segments,
         prefill,
+        reused,
+        reused_ranges,
         freed,
         cow: Vec::new(),
         to_rotate,
@@ -297,6 +337,7 @@ mod tests {
             old_positions: &pos,
             batch: &b,
             replacement_slots: &reps,
+            reuse: &[],
         };
         let p = SplicePlan::new(&req).unwrap();
         assert_eq!(p.new_slots, vec![100, 101, 7, 8, 9, 104, 105, 109]);
@@ -322,6 +363,7 @@ mod tests {
             old_positions: &pos,
             batch: &b,
             replacement_slots: &reps,
+            reuse: &[],
         };
         // 10 is shared but in the prefix (delta 0): not copied. 13 and 15 are shared and move.
         let shared = |s: u32| [10, 13, 15].contains(&s);
@@ -353,6 +395,7 @@ mod tests {
             old_positions: &pos,
             batch: &b,
             replacement_slots: &reps,
+            reuse: &[],
         };
         assert_eq!(
             SplicePlan::new(&req).unwrap().new_positions,
@@ -426,7 +469,7 @@ mod tests {
             let reps: Vec<Vec<u32>> = b.directives().iter().map(|d| {
                 d.replacement.iter().map(|_| { next += 1; next }).collect()
             }).collect();
-            let req = SpliceRequest { old_slots: &old, old_positions: &pos, batch: &b, replacement_slots: &reps };
+            let req = SpliceRequest { old_slots: &old, old_positions: &pos, batch: &b, replacement_slots: &reps, reuse: &[] };
             let p = SplicePlan::new(&req).unwrap();
             prop_assert_eq!(p.new_slots.len(), b.new_len());
             prop_assert_eq!(&p.new_positions, &(0..b.new_len() as u32).collect::<Vec<_>>());

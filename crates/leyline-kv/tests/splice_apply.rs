@@ -4,7 +4,7 @@
 //! free list hands out the same slots next. A splice after a rolled-back one gives the same
 //! bytes as one on an untouched twin, and its rotated keys equal an independent rotation.
 
-use leyline_core::{Directive, DirectiveBatch, Mode, SessionState, ValidationContext};
+use leyline_core::{Directive, DirectiveBatch, Mode, Reuse, SessionState, ValidationContext};
 use leyline_kernels::rope::{LayerRopes, RopeScaling, RopeSpec, RotaryLayout};
 use leyline_kv::radix::{Namespace, PrefixCache};
 use leyline_kv::shift::{KeyShift, RotationMode};
@@ -143,6 +143,7 @@ fn target(seq: &[u32]) -> SpliceTarget<'_> {
         slots: seq,
         lineage: LINEAGE,
         clean_len: 6,
+        reuse: &[],
     }
 }
 
@@ -416,4 +417,142 @@ fn compaction_after_a_lazy_splice_equals_the_eager_splice() {
     let again = leyline_kv::splice::compact(&mut lazy.cache, &mut lazy.kv, &rope(false), &lazy.seq)
         .unwrap();
     assert_eq!((again.rotated, again.copied), (0, 0));
+}
+
+type SpliceResult = Result<leyline_kv::splice::Spliced, SpliceError<String>>;
+/// A prefill job as (directive, positions, tokens).
+type Job = (usize, std::ops::Range<usize>, usize);
+
+/// Old tokens 2..4 deleted and three tokens inserted at old index 9, `reuse` naming runs
+/// to copy; the jobs the prefill saw as (directive, positions, tokens).
+fn splice_moved(
+    w: &mut World,
+    mode: RotationMode,
+    reuse: &[Reuse],
+    fail_at: Option<usize>,
+) -> (SpliceResult, Vec<Job>) {
+    let seq = w.seq.clone();
+    let mut jobs = Vec::new();
+    let mut inner = prefill(fail_at);
+    let r = apply_splice(
+        &mut w.cache,
+        &mut w.kv,
+        &rope(false),
+        mode,
+        SpliceTarget {
+            reuse,
+            ..target(&seq)
+        },
+        &batch(vec![(2, 4, 0), (9, 9, 3)]),
+        |kv, job| {
+            jobs.push((job.index, job.positions.clone(), job.tokens.len()));
+            inner(kv, job)
+        },
+    );
+    (r, jobs)
+}
+
+/// Old tokens 2..4 move behind old token 8: deleted where they were, inserted (with one new
+/// token after them) at old index 9, and the two moved tokens' KV copied from their old
+/// slots instead of computed. Eager: the copies' keys are the old keys rotated by the move
+/// (+5), as the rope's own rotation gives them, their values the old values bit for bit;
+/// only the new token is prefilled. Lazy: the copies keep the old bytes and the old
+/// encoded positions, and the prefill reads them as a shifted run. A forgotten source is
+/// prefilled instead, and a failed prefill rolls the copies back.
+#[test]
+fn a_moved_run_is_copied_and_rotated_not_prefilled() {
+    let reuse = [Reuse {
+        new_range: 7..9,
+        old_start: 2,
+    }];
+    let rows = |w: &World, l: usize, s: u32| {
+        let mut k = vec![0.0; GEOM.k_width()];
+        let mut v = vec![0.0; GEOM.v_width];
+        w.kv.gather_k(l, &[s], &mut k).unwrap();
+        w.kv.gather_v(l, &[s], &mut v).unwrap();
+        (k, v)
+    };
+    let ropes = rope(false);
+    for mode in [RotationMode::Eager, RotationMode::Lazy] {
+        let mut w = world(KvDtype::F32, 64, 0);
+        let old = w.seq.clone();
+        let before: Vec<Vec<_>> = (0..GEOM.layers)
+            .map(|l| old.iter().map(|&s| rows(&w, l, s)).collect())
+            .collect();
+        let (done, jobs) = splice_moved(&mut w, mode, &reuse, None);
+        let done = done.unwrap();
+        w.cache.check_invariants().unwrap();
+        assert_eq!((done.reused, done.prefilled), (2, 1), "{mode}");
+        assert_eq!(jobs, vec![(1, 9..10, 1)], "{mode}: only the new token runs");
+        assert_eq!(done.clean_len, 2, "{mode}: lineage from the first edit on");
+        let pool = w.cache.pool();
+        for (n, o) in [(7usize, 2usize), (8, 3)] {
+            let slot = done.slots[n];
+            assert!(!old.contains(&slot), "{mode}: a fresh slot holds the copy");
+            assert_eq!(pool.lineage(slot).unwrap(), LINEAGE);
+            for (l, before) in before.iter().enumerate() {
+                let (k, v) = rows(&w, l, slot);
+                assert_eq!(v, before[o].1, "{mode} layer {l}: values copied");
+                let mut want = before[o].0.clone();
+                if mode == RotationMode::Eager {
+                    for h in want.chunks_mut(GEOM.k_head_dim) {
+                        ropes.spec(l).rotate_f32(h, 5);
+                    }
+                }
+                for (g, x) in k.iter().zip(&want) {
+                    assert!(
+                        (g - x).abs() <= 1e-5 * (1.0 + x.abs()),
+                        "{mode} layer {l}: {g} vs {x}"
+                    );
+                }
+            }
+            let encoded = if mode == RotationMode::Eager { n } else { o };
+            assert_eq!(pool.position(slot).unwrap(), encoded as u32, "{mode}");
+        }
+        if mode == RotationMode::Lazy {
+            // Old 4..9 now at 2..7 (offset -2), the copies at 7..9 (+5), the new token at
+            // its own index 9, old 9..12 at 10..13 (+1).
+            let run = |range, offset| KeyShift { range, offset };
+            assert_eq!(
+                pool.key_shifts(&done.slots).unwrap(),
+                vec![run(2..7, -2), run(7..9, 5), run(10..13, 1)]
+            );
+        }
+        // The old slots of the moved tokens are the tree's too: kept, bytes unchanged.
+        for o in [2, 3] {
+            assert_eq!(rows(&w, 1, old[o]), before[1][o]);
+        }
+    }
+
+    // A failed prefill after the copies: everything as it was.
+    let mut w = world(KvDtype::F16, 64, 0);
+    let snap = snapshot(&w);
+    let (r, _) = splice_moved(&mut w, RotationMode::Eager, &reuse, Some(1));
+    assert!(
+        matches!(r, Err(SpliceError::Prefill { index: 1, .. })),
+        "{r:?}"
+    );
+    assert_eq!(snapshot(&w), snap);
+
+    // A forgotten source is not copied: the run is prefilled.
+    let mut w = world(KvDtype::F32, 64, 0);
+    w.cache.pool_mut().revoke(w.seq[3]).unwrap();
+    let (done, jobs) = splice_moved(&mut w, RotationMode::Eager, &reuse, None);
+    let done = done.unwrap();
+    assert_eq!((done.reused, done.prefilled), (0, 3));
+    assert_eq!(jobs, vec![(1, 7..10, 3)]);
+
+    // A run outside every replacement is refused before anything changes.
+    let mut w = world(KvDtype::F32, 64, 0);
+    let snap = snapshot(&w);
+    let bad = [Reuse {
+        new_range: 5..7,
+        old_start: 2,
+    }];
+    let (r, _) = splice_moved(&mut w, RotationMode::Eager, &bad, None);
+    assert!(
+        matches!(r, Err(SpliceError::Kv(KvError::SpliceInput(_)))),
+        "{r:?}"
+    );
+    assert_eq!(snapshot(&w), snap);
 }

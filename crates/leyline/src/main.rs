@@ -104,6 +104,15 @@ pub struct RotationArgs {
     /// so attention never cuts its keys at more places (0: never compact)
     #[arg(long, default_value_t = leyline_engine::DEFAULT_MAX_SEGMENTS)]
     pub max_segments: usize,
+    /// A replacement's runs of at least this many tokens that repeat tokens the conversation
+    /// holds (a message the client moved, a summary the model wrote) take a copy of those
+    /// tokens' KV, rotated to the new place, instead of being prefilled; the copies keep
+    /// what they attended to where they were, as downstream tokens do. 0 (the default)
+    /// prefills every replacement: the copies cost next-token agreement with FORGET on
+    /// `verify --moves` (BENCHMARKS.md, "Moved messages"); 8 takes a message's text and
+    /// leaves a template's framing alone
+    #[arg(long, default_value_t = leyline_engine::DEFAULT_REUSE_MIN_TOKENS)]
+    pub reuse_min_tokens: usize,
 }
 
 impl RotationArgs {
@@ -111,6 +120,7 @@ impl RotationArgs {
     pub fn apply(&self, cfg: leyline_engine::EngineConfig) -> leyline_engine::EngineConfig {
         leyline_engine::EngineConfig {
             rotation: self.rotation,
+            reuse_min_tokens: self.reuse_min_tokens,
             max_segments: if self.max_segments == 0 {
                 usize::MAX
             } else {

@@ -24,7 +24,9 @@ use super::Engine;
 use crate::error::{EngineError, Result};
 use crate::request::RequestId;
 use crate::session::{message_edits, EditReport, Session, SessionEdits, SessionId, SessionInfo};
-use leyline_core::{Directive, DirectiveBatch, Mode, Repair, SessionState, ValidationContext};
+use leyline_core::{
+    Directive, DirectiveBatch, Mode, Repair, Reuse, SessionState, ValidationContext,
+};
 use leyline_kv::shift::{segment_count, RotationMode};
 use leyline_kv::slots::Lineage;
 use leyline_kv::splice::{apply_splice, compact, SpliceError, SpliceTarget, Spliced};
@@ -408,9 +410,7 @@ impl Engine {
                 let repair = repair
                     .or(self.session(id)?.repair)
                     .unwrap_or(self.cfg.repair);
-                let (report, repaired) = self.amortize(id, &batch, repair)?;
-                let mut computed = batch.new_ranges();
-                computed.extend(repaired);
+                let (report, computed) = self.amortize(id, &batch, repair)?;
                 Ok((report, union(computed), None))
             }
             Mode::Forget => {
@@ -420,7 +420,8 @@ impl Engine {
         }
     }
 
-    /// The splice, then `repair`; also returns the post-edit ranges the repair recomputed.
+    /// The splice, then `repair`; also returns the post-edit ranges both computed (the
+    /// replacements less their moved runs, and what the repair recomputed).
     fn amortize(
         &mut self,
         id: SessionId,
@@ -434,12 +435,15 @@ impl Engine {
         // Directives a repair window would reach go as one, so that no replacement is
         // computed twice; the report and the metrics count the directives as sent.
         let sent = batch.directives().len();
-        let merged = repair.coalesce(batch.clone(), &self.session(id)?.tokens)?;
+        let old_tokens = &self.session(id)?.tokens;
+        // Moved runs are found in the replacements as sent: the kept tokens a merge adds
+        // between them are the repair's to compute. Post-edit indices are the same in both.
+        let reuse = batch.reusable_runs(old_tokens, self.cfg.reuse_min_tokens)?;
+        let merged = repair.coalesce(batch.clone(), old_tokens)?;
         let batch = &merged;
-        let n_repl: usize = batch.directives().iter().map(|d| d.replacement.len()).sum();
         let mut forward = std::time::Duration::ZERO;
         let spliced = loop {
-            match self.try_splice(id, batch, &info.rope, &mut forward) {
+            match self.try_splice(id, batch, &reuse, &info.rope, &mut forward) {
                 // A refused splice changed nothing: idle sessions' KV goes, as for prefill.
                 Err(SpliceError::Kv(
                     e @ (leyline_kv::KvError::PoolExhausted { .. }
@@ -457,15 +461,17 @@ impl Engine {
             }
         };
         self.note_evicted(spliced.evicted);
+        let moved = spliced.reused_ranges.clone();
         let s = self.session(id)?;
         let tokens = batch.apply_to_tokens(&s.tokens)?;
         let mut report = EditReport {
             mode: Mode::Amortize,
             directives: sent,
-            reused: tokens.len() - n_repl,
+            reused: tokens.len() - spliced.prefilled,
             rotated: spliced.rotated,
             copied: spliced.copied,
             prefilled: spliced.prefilled,
+            moved: spliced.reused,
             prefill_us: forward.as_micros() as u64,
             repaired: 0,
             scanned: 0,
@@ -479,7 +485,7 @@ impl Engine {
         sess.clean_len = spliced.clean_len;
         self.compact_if_needed(id, &info.rope, &mut report)?;
         let m = &self.metrics;
-        m.add(&m.prefilled_tokens, n_repl as u64);
+        m.add(&m.prefilled_tokens, report.prefilled as u64);
         m.add(&m.rotated_tokens, report.rotated as u64);
         m.add(&m.directives_amortize, report.directives as u64);
         // The splice has committed: a repair that fails leaves its session cut where the
@@ -487,7 +493,9 @@ impl Engine {
         let ranges = self.repair_ranges(id, batch, repair, &mut report)?;
         report.repaired = self.repair_session(id, &ranges)?;
         self.update_gauges();
-        Ok((report, ranges))
+        let mut computed = leyline_core::ranges_without(&batch.new_ranges(), &moved);
+        computed.extend(ranges);
+        Ok((report, computed))
     }
 
     /// After a lazy splice: compacts session `id` (its keys rotated to their own positions,
@@ -535,6 +543,7 @@ impl Engine {
         &mut self,
         id: SessionId,
         batch: &DirectiveBatch,
+        reuse: &[Reuse],
         rope: &leyline_kernels::rope::LayerRopes,
         forward: &mut std::time::Duration,
     ) -> std::result::Result<Spliced, SpliceError<leyline_model::ModelError>> {
@@ -549,6 +558,7 @@ impl Engine {
             slots: &s.slots,
             lineage: s.lineage,
             clean_len: s.clean_len,
+            reuse,
         };
         let model = &self.model;
         apply_splice(
@@ -605,6 +615,7 @@ impl Engine {
             rotated: 0,
             copied: 0,
             prefilled: 0,
+            moved: 0,
             prefill_us: 0,
             repaired: 0,
             scanned: 0,

@@ -22,7 +22,9 @@ use super::Engine;
 use crate::error::Result;
 use crate::request::{ImplicitTurn, RequestId, Tenant};
 use crate::session::{message_edits, SessionId};
-use leyline_core::{Directive, DirectiveBatch, Mode, Repair, SessionState, ValidationContext};
+use leyline_core::{
+    ranges_without, Directive, DirectiveBatch, Mode, Repair, SessionState, ValidationContext,
+};
 use leyline_kv::radix::{common_prefix, Namespace};
 use leyline_kv::slots::Lineage;
 use std::time::Instant;
@@ -140,21 +142,27 @@ impl Engine {
                     session: SessionState::Idle,
                 };
                 let repair = repair.or(s.repair).unwrap_or(self.cfg.repair);
-                let edited = DirectiveBatch::validate(directives.clone(), &ctx)
-                    .and_then(|batch| repair.coalesce(batch, &s.tokens))
-                    .and_then(|batch| {
-                        let t = batch.apply_to_tokens(&s.tokens)?;
-                        Ok((t, batch))
-                    });
-                let Ok((edited, batch)) = edited else {
+                // As the splice will: moved runs found in the batch as sent, then merged.
+                let edited = DirectiveBatch::validate(directives.clone(), &ctx).and_then(|sent| {
+                    let moved = sent.reusable_runs(&s.tokens, self.cfg.reuse_min_tokens)?;
+                    let batch = repair.coalesce(sent, &s.tokens)?;
+                    let t = batch.apply_to_tokens(&s.tokens)?;
+                    Ok((t, batch, moved))
+                });
+                let Ok((edited, batch, moved)) = edited else {
                     continue;
                 };
                 let reused = common_prefix(&edited, probe);
                 if reused < directives.iter().map(|d| d.replacement.len()).sum() {
                     continue;
                 }
-                // Merged directives' replacements hold the kept tokens between them.
-                let replaced: usize = batch.new_ranges().iter().map(|r| r.len()).sum();
+                // Merged directives' replacements hold the kept tokens between them; moved
+                // runs are copied, not computed.
+                let moved: Vec<_> = moved.into_iter().map(|u| u.new_range).collect();
+                let replaced: usize = ranges_without(&batch.new_ranges(), &moved)
+                    .iter()
+                    .map(|r| r.len())
+                    .sum();
                 (reused, replaced + repaired_within(repair, &batch, reused))
             };
             let cost = probe.len() - reused + computed;

@@ -5,9 +5,10 @@
 //! 1. **Plan** (no visible change): allocate the replacements' slots and the copy-on-write
 //!    targets (an allocation that cannot succeed evicts nothing), compute every rotation
 //!    table, check every slot against the storage.
-//! 2. **Mutate**: copy shared downstream slots, then for each replacement in order rotate the
-//!    kept segments before it and let the caller prefill it (the model lives above this
-//!    crate); the segment after the last replacement is rotated last.
+//! 2. **Mutate**: copy the reused runs' sources into their fresh slots (rotated by their
+//!    move) and the shared downstream slots, then for each replacement in order rotate the
+//!    kept segments before it and let the caller prefill what of it is not reused (the
+//!    model lives above this crate); the segment after the last replacement is rotated last.
 //! 3. **Commit**: positions, lineages and revocations of the new slot list; the sequence's
 //!    references on removed and copied-from slots are dropped, and those that come free
 //!    holding session-private or forgotten KV are zeroed.
@@ -25,7 +26,7 @@ use crate::radix::PrefixCache;
 use crate::shift::{key_shifts, KeyShift, RotationMode};
 use crate::slots::Lineage;
 use crate::storage::{KRowsBackup, KvStorage};
-use leyline_core::DirectiveBatch;
+use leyline_core::{DirectiveBatch, Reuse};
 use leyline_kernels::rope::{LayerRopes, Rotation};
 use leyline_kernels::rotate::shift_tables;
 use leyline_kernels::Tier;
@@ -41,14 +42,20 @@ pub struct SpliceTarget<'a> {
     pub lineage: Lineage,
     /// Slots before this index hold lineage-free KV (computed from their tokens alone).
     pub clean_len: usize,
+    /// Runs of the replacements whose KV is copied from the sequence's own slots they
+    /// repeat (moved to their new positions) instead of prefilled: sorted, disjoint, each
+    /// inside one replacement, the tokens matching ([`DirectiveBatch::reusable_runs`]). A
+    /// run with a forgotten (revoked) source is prefilled instead.
+    pub reuse: &'a [Reuse],
 }
 
-/// One replacement to prefill, handed to the caller's prefill function.
+/// One replacement, or the part of it between reused runs, to prefill, handed to the
+/// caller's prefill function.
 #[derive(Debug, Clone)]
 pub struct PrefillJob<'a> {
     /// Which directive (in sorted order).
     pub index: usize,
-    /// The replacement's tokens.
+    /// The tokens to compute (the replacement's, less its reused runs).
     pub tokens: &'a [u32],
     /// Their positions in the edited sequence.
     pub positions: Range<usize>,
@@ -74,6 +81,11 @@ pub struct Spliced {
     pub copied: usize,
     /// Replacement tokens prefilled.
     pub prefilled: usize,
+    /// Replacement tokens whose KV was copied from the slots they repeat.
+    pub reused: usize,
+    /// Their post-edit ranges (those of [`SpliceTarget::reuse`] whose sources were not
+    /// forgotten).
+    pub reused_ranges: Vec<Range<usize>>,
     /// Slots the allocations freed by evicting unlocked prefix-cache entries.
     pub evicted: usize,
 }
@@ -124,31 +136,30 @@ pub fn apply_splice<E>(
     let mut txn = Txn::plan(cache, kv, rope, mode, target, batch)?;
     let directives = batch.directives();
     for (i, d) in directives.iter().enumerate() {
-        let range = txn.plan.prefill[i].clone();
-        if range.is_empty() {
-            continue;
-        }
-        // The segments before this replacement must sit at their new positions; a later
-        // prefill can still fail, so keys rotated in place now are backed up.
-        txn.rotate_before(kv, range.start, true);
-        let shifts = match mode {
-            RotationMode::Eager => Vec::new(),
-            RotationMode::Lazy => {
-                let before = &txn.plan.new_positions[..range.start];
-                key_shifts(before, |p| p)
+        let whole = txn.plan.prefill[i].start;
+        for range in txn.plan.computed(i) {
+            // The segments before this replacement must sit at their new positions; a later
+            // prefill can still fail, so keys rotated in place now are backed up.
+            txn.rotate_before(kv, range.start, true);
+            let shifts = match mode {
+                RotationMode::Eager => Vec::new(),
+                RotationMode::Lazy => {
+                    let before = &txn.plan.new_positions[..range.start];
+                    key_shifts(before, |p| p)
+                }
+            };
+            let job = PrefillJob {
+                index: i,
+                tokens: &d.replacement[range.start - whole..range.end - whole],
+                positions: range.clone(),
+                context: &txn.plan.new_slots[..range.start],
+                shifts: &shifts,
+                slots: &txn.plan.new_slots[range.clone()],
+            };
+            if let Err(source) = prefill(kv, job) {
+                txn.rollback(cache, kv);
+                return Err(SpliceError::Prefill { index: i, source });
             }
-        };
-        let job = PrefillJob {
-            index: i,
-            tokens: &d.replacement,
-            positions: range.clone(),
-            context: &txn.plan.new_slots[..range.start],
-            shifts: &shifts,
-            slots: &txn.plan.new_slots[range.clone()],
-        };
-        if let Err(source) = prefill(kv, job) {
-            txn.rollback(cache, kv);
-            return Err(SpliceError::Prefill { index: i, source });
         }
     }
     txn.rotate_before(kv, usize::MAX, false);
@@ -164,6 +175,10 @@ struct Txn {
     /// Kept segments with a non-zero delta, in sequence order: new-index range and one
     /// table per rope spec.
     rotations: Vec<(Range<usize>, Vec<Rotation>)>,
+    /// Reused slots not yet copied: `(src, dst)` pairs, and (eager) the copies' rotations
+    /// grouped by delta.
+    reuse_copies: Vec<(u32, u32)>,
+    reuse_rotations: Vec<(Vec<u32>, Vec<Rotation>)>,
     /// Per layer, the index of its rope spec's table.
     spec_of_layer: Vec<usize>,
     /// Rotations done so far.
@@ -223,6 +238,18 @@ impl Txn {
                 .collect()
         };
 
+        // Nothing derived from a forgotten span is served again: such a run is prefilled.
+        let reuse: Vec<Reuse> = target
+            .reuse
+            .iter()
+            .filter(|u| {
+                target
+                    .slots
+                    .get(u.old_range())
+                    .is_some_and(|src| src.iter().all(|&x| pool.is_revoked(x).is_ok_and(|r| !r)))
+            })
+            .cloned()
+            .collect();
         let n_repl: usize = batch.directives().iter().map(|d| d.replacement.len()).sum();
         let (mut fresh, removed) = cache.alloc_evicting(n_repl)?;
         let mut evicted = removed.freed.len();
@@ -237,6 +264,7 @@ impl Txn {
             old_positions: &old_positions,
             batch,
             replacement_slots: &repl_slots,
+            reuse: &reuse,
         };
         let mut cow_alloc: Result<Vec<u32>> = Ok(Vec::new());
         let planned = SplicePlan::with_cow(
@@ -277,7 +305,44 @@ impl Txn {
                     plan.new_positions[i] = i as u32;
                 }
             }
+            // A reused copy stays encoded where its source was, and is read through a shift.
+            for u in &reuse {
+                for (j, o) in u.new_range.clone().zip(u.old_range()) {
+                    plan.new_positions[j] = old_positions[o];
+                }
+            }
             plan.to_rotate.clear();
+        }
+        let mut reuse_rotations: Vec<(Vec<u32>, Vec<Rotation>)> = Vec::new();
+        if !lazy {
+            let mut groups: Vec<(i64, Vec<u32>)> = Vec::new();
+            let mut moved: Vec<(i64, u32)> = plan
+                .reused
+                .iter()
+                .filter(|r| r.2 != 0)
+                .map(|&(_, dst, delta)| (delta, dst))
+                .collect();
+            moved.sort_by_key(|&(delta, _)| delta);
+            for (delta, dst) in moved {
+                match groups.last_mut() {
+                    Some((d, slots)) if *d == delta => slots.push(dst),
+                    _ => groups.push((delta, vec![dst])),
+                }
+            }
+            for (delta, slots) in groups {
+                if let std::collections::hash_map::Entry::Vacant(e) = tables.entry(delta) {
+                    match shift_tables(rope, delta) {
+                        Ok(t) => {
+                            e.insert(t);
+                        }
+                        Err(err) => {
+                            release_reversed(cache, &fresh);
+                            return Err(err.into());
+                        }
+                    }
+                }
+                reuse_rotations.push((slots, tables[&delta].clone()));
+            }
         }
         let rotations = plan
             .segments
@@ -302,18 +367,30 @@ impl Txn {
             .filter(|s| !copied.contains(s))
             .collect();
         let first = &batch.directives()[0];
+        // A reused copy carries what its source attended to: not clean.
+        let first_reused = plan.reused_ranges.first().map_or(usize::MAX, |r| r.start);
+        let reuse_copies = plan
+            .reused
+            .iter()
+            .map(|&(src, dst, _)| (src, dst))
+            .collect();
         Ok(Txn {
+            clean_len: target
+                .clean_len
+                .min(first.start + first.replacement.len())
+                .min(first_reused),
             plan,
             fresh,
             copies_from,
             rotations,
+            reuse_copies,
+            reuse_rotations,
             spec_of_layer: rope.of_layer().to_vec(),
             rotated: 0,
             owned,
             backups: Vec::new(),
             tier,
             lineage: target.lineage,
-            clean_len: target.clean_len.min(first.start + first.replacement.len()),
             evicted,
         })
     }
@@ -321,6 +398,15 @@ impl Txn {
     /// Copies shared slots (once, before the first rotation) and rotates every segment not
     /// yet rotated that starts before `end`, backing up the owned rows first if `undoable`.
     fn rotate_before(&mut self, kv: &mut KvStorage, end: usize, undoable: bool) {
+        if !self.reuse_copies.is_empty() {
+            // Before any kept slot is rotated in place: the sources are read as they were.
+            kv.copy_slots(&self.reuse_copies)
+                .expect("reused slots checked against the storage in `plan`");
+            self.reuse_copies.clear();
+            for (slots, rot) in std::mem::take(&mut self.reuse_rotations) {
+                rotate_checked(kv, &slots, &rot, &self.spec_of_layer, self.tier);
+            }
+        }
         if self.rotated == 0 && !self.plan.cow.is_empty() {
             // A failure here would leave the splice half applied; `plan` checked every slot.
             kv.copy_slots(&self.plan.cow)
@@ -384,7 +470,9 @@ impl Txn {
         Spliced {
             rotated: plan.to_rotate.len(),
             copied: plan.cow.len(),
-            prefilled: self.copies_from,
+            prefilled: self.copies_from - plan.reused.len(),
+            reused: plan.reused.len(),
+            reused_ranges: plan.reused_ranges,
             slots: plan.new_slots,
             clean_len: self.clean_len,
             evicted: self.evicted,
