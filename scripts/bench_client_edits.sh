@@ -14,7 +14,8 @@
 # the prompt less its cached ones.
 #
 # --max-output-tokens N caps every reply (default 256); at 1, each request's E2E is its time
-# to first token (the replay does not stream).
+# to first token (the replay does not stream). $LEYLINE_SERVE_ARGS adds flags to both Leyline
+# arms' `leyline serve` (e.g. "--reuse-min-tokens 0").
 #
 #   scripts/bench_client_edits.sh [--pairs N] [--model NAME] [--max-output-tokens N] [--llamacpp]
 #       RECORDING.jsonl...
@@ -34,7 +35,7 @@ while [[ $# -gt 0 ]]; do
         --model) model=$2; shift 2 ;;
         --max-output-tokens) max_out=$2; shift 2 ;;
         --llamacpp) arms+=(llamacpp); shift ;;
-        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) break ;;
     esac
 done
@@ -67,8 +68,9 @@ start_llamacpp() {
     echo "llama-server did not start: $out/llama-server.log" >&2; exit 1
 }
 start() {
+    # shellcheck disable=SC2086
     "$bin" serve --model "$model" --addr "127.0.0.1:$port" --kv-slots 40000 \
-        --max-output-tokens "$max_out" > "$out/serve.log" 2>&1 &
+        --max-output-tokens "$max_out" ${LEYLINE_SERVE_ARGS:-} > "$out/serve.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 600); do curl -sf "$base/health" > /dev/null && return; sleep 0.2; done
     echo "the server did not start: $out/serve.log" >&2; exit 1

@@ -58,6 +58,11 @@ pub struct VerifyArgs {
     /// current directory upward.
     #[arg(long, env = "LEYLINE_TRACES")]
     pub traces: Option<PathBuf>,
+    /// Trace probes move the oldest tool output to just before the turn's last message
+    /// (as a client that reorders what it keeps) instead of replacing it by a stub; with
+    /// `--reuse-min-tokens` 0 the moved output is prefilled, above it copied.
+    #[arg(long)]
+    pub moves: bool,
     /// Chain lengths of the drift measurement.
     #[arg(long, value_delimiter = ',', default_value = "1,10,100")]
     pub drift_splices: Vec<usize>,
@@ -402,6 +407,7 @@ fn probes(a: &VerifyArgs, lm: &AnyModel, max_tokens: usize) -> Result<(Vec<Probe
         max_probes: a.probes,
         max_tokens,
         stub: PROBE_STUB.to_string(),
+        moves: a.moves,
     };
     let probes = build_probes(&trajectories, &renderer, &opts)?;
     if probes.is_empty() {
@@ -551,6 +557,8 @@ fn print_json(
                 "amortize_forget_max_abs_diff": p.amortize_forget_max_diff,
                 "rotated": p.amortize_report.rotated,
                 "copied": p.amortize_report.copied,
+                "prefilled": p.amortize_report.prefilled,
+                "moved": p.amortize_report.moved,
                 "kl_forget": p.kl_forget,
                 "repairs": p.repairs.iter().map(|r| serde_json::json!({
                     "repair": r.repair.tokens,
@@ -600,6 +608,8 @@ fn print_json(
             "arch": info.arch,
             "kv_dtype": a.model.kv_dtype.name(),
             "probe_source": source.name(),
+            "moves": a.moves,
+            "reuse_min_tokens": a.rotation.reuse_min_tokens,
             "traces": traces,
             "synthetic_seed": seed,
             "max_tokens_per_probe": a.max_tokens_per_probe,

@@ -98,3 +98,47 @@ fn verify_json_reports_consistent_agreement_and_drift() {
     assert!(rel(100, "f32", "f32") < 1e-4);
     assert!(rel(1, "bf16", "f32") > 1e-4);
 }
+
+/// `verify --moves`: each probe moves a tool output; with `--reuse-min-tokens 0` the moved
+/// tokens are prefilled, with 8 their KV is copied (a tool output repeats whole).
+#[test]
+fn move_probes_prefill_or_copy_the_moved_output() {
+    for reuse in ["0", "8"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_leyline"))
+            .args([
+                "verify",
+                "--moves",
+                "--probes",
+                "2",
+                "--max-tokens-per-probe",
+                "2600",
+            ])
+            .args(["--drift-splices", "1", "--drift-tokens", "8", "--json"])
+            .args(["--reuse-min-tokens", reuse])
+            .arg("--traces")
+            .arg(traces())
+            .output()
+            .expect("run leyline");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "leyline verify failed: {stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        assert_eq!(v["moves"], true);
+        let per = v["per_probe"].as_array().expect("per_probe");
+        assert!(!per.is_empty());
+        for p in per {
+            let (inserted, moved, prefilled) = (
+                p["stub"].as_u64().unwrap(),
+                p["moved"].as_u64().unwrap(),
+                p["prefilled"].as_u64().unwrap(),
+            );
+            // A move deletes what it inserts elsewhere.
+            assert_eq!(p["removed"], p["stub"], "{p}");
+            assert_eq!(moved + prefilled, inserted, "{p}");
+            if reuse == "0" {
+                assert_eq!(moved, 0, "{p}");
+            } else {
+                assert!(moved + 4 >= inserted && moved > 0, "{p}");
+            }
+        }
+    }
+}

@@ -24,7 +24,7 @@ use leyline_kernels::rope::{RopeSpec, RotaryLayout};
 use leyline_kernels::rotate::{shift_rows, shift_rows_lowprec};
 use leyline_kernels::rows::RowsMut;
 use leyline_kv::{KvDtype, KvError};
-use leyline_policy::{diff_rendered, Edit, Renderer, Role, Trajectory};
+use leyline_policy::{apply_edits, diff_rendered, Edit, Renderer, Role, Trajectory};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::ops::ControlFlow;
@@ -33,15 +33,16 @@ use std::sync::{Arc, Mutex};
 /// What an evicted tool output becomes in a probe.
 pub const PROBE_STUB: &str = "[evicted: older tool output]";
 
-/// One probe: a rendered prompt and one edit of an older tool output.
+/// One probe: a rendered prompt and the edits of one change to an older tool output.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Probe {
     /// `trajectory id#turn`.
     pub label: String,
     /// The unedited prompt, generation prompt included.
     pub prompt: Vec<u32>,
-    /// The edit (pre-edit indices into `prompt`); it ends before the last prompt token.
-    pub edit: Edit,
+    /// The edits (pre-edit indices into `prompt`, sorted, disjoint): one for a stub, a
+    /// deletion and an insertion for a move; all end before the last prompt token.
+    pub edits: Vec<Edit>,
 }
 
 /// How probes are picked.
@@ -53,6 +54,9 @@ pub struct ProbeOptions {
     pub max_tokens: usize,
     /// The stub text.
     pub stub: String,
+    /// Move the oldest tool output to just before the turn's last message instead of
+    /// replacing it by the stub (a client that reorders what it keeps).
+    pub moves: bool,
 }
 
 /// Probes from `trajectories`: assistant turns whose history holds at least two tool outputs
@@ -119,16 +123,30 @@ fn probe_at(
         return Ok(None);
     }
     let mut edited = history.to_vec();
-    if edited[oldest].content == opts.stub {
-        return Ok(None);
+    if opts.moves {
+        // Something must lie between it and the last message for the move to move it.
+        if oldest + 2 >= edited.len() {
+            return Ok(None);
+        }
+        let tool = edited.remove(oldest);
+        let last = edited.len() - 1;
+        edited.insert(last, tool);
+    } else {
+        if edited[oldest].content == opts.stub {
+            return Ok(None);
+        }
+        edited[oldest].content.clone_from(&opts.stub);
     }
-    edited[oldest].content.clone_from(&opts.stub);
-    let new = renderer.render_tokens(&edited)?;
-    let edits = diff_rendered(&old, &new)?;
-    let [edit] = edits.as_slice() else {
-        return Ok(None);
+    let new = match renderer.render_tokens(&edited) {
+        Ok(new) => new,
+        // A template that renders a tool output with its neighbours (Qwen's joins
+        // consecutive ones) may not render the moved history message by message.
+        Err(_) if opts.moves => return Ok(None),
+        Err(e) => return Err(e),
     };
-    if edit.end >= old.tokens.len() - 1 {
+    let edits = diff_rendered(&old, &new)?;
+    let fits = edits.last().is_some_and(|e| e.end < old.tokens.len() - 1);
+    if !fits || (!opts.moves && edits.len() != 1) {
         return Ok(None);
     }
     let turn = traj.messages[..i]
@@ -138,7 +156,7 @@ fn probe_at(
     Ok(Some(Probe {
         label: format!("{}#{turn}", traj.id),
         prompt: old.tokens,
-        edit: edit.clone(),
+        edits,
     }))
 }
 
@@ -205,11 +223,11 @@ pub fn synthetic_probes(opts: &SyntheticOptions) -> Result<Vec<Probe>> {
             Probe {
                 label: format!("synthetic#{i}"),
                 prompt,
-                edit: Edit {
+                edits: vec![Edit {
                     start,
                     end: start + removed,
                     replacement: ids(&mut rng, stub),
-                },
+                }],
             }
         })
         .collect())
@@ -421,32 +439,32 @@ pub fn session_with(engine: &mut Engine, tokens: &[u32]) -> Result<SessionId> {
 /// Engine errors; an edit whose result is not the expected token sequence.
 pub fn run_probe(engine: &mut Engine, probe: &Probe, repairs: &[Repair]) -> Result<ProbeOutcome> {
     let n = probe.prompt.len();
-    if n < 2 || probe.edit.end >= n - 1 {
+    let (Some(first), Some(final_edit)) = (probe.edits.first(), probe.edits.last()) else {
         return Err(EngineError::InvalidRequest(
-            "a probe's edit must end before its last token".into(),
+            "a probe without an edit".into(),
+        ));
+    };
+    if n < 2 || final_edit.end >= n - 1 {
+        return Err(EngineError::InvalidRequest(
+            "a probe's edits must end before its last token".into(),
         ));
     }
     let (head, last) = (&probe.prompt[..n - 1], &probe.prompt[n - 1..]);
-    let mut want = head[..probe.edit.start].to_vec();
-    want.extend_from_slice(&probe.edit.replacement);
-    want.extend_from_slice(&head[probe.edit.end..]);
-    let directive = |mode| {
-        Directive::new(
-            probe.edit.start,
-            probe.edit.end,
-            probe.edit.replacement.clone(),
-            mode,
-        )
+    let want = apply_edits(head, &probe.edits)
+        .map_err(|e| EngineError::InvalidRequest(format!("a probe's edits: {e}")))?;
+    let directive = |mode| -> Vec<Directive> {
+        probe
+            .edits
+            .iter()
+            .map(|e| Directive::new(e.start, e.end, e.replacement.clone(), mode))
+            .collect()
     };
 
     let a = session_with(engine, head)?;
     let result = (|| {
         let full = engine.peek_logits(a, last)?;
-        let report = engine.apply_directives_repaired(
-            a,
-            vec![directive(Mode::Amortize)],
-            Some(Repair::NONE),
-        )?;
+        let report =
+            engine.apply_directives_repaired(a, directive(Mode::Amortize), Some(Repair::NONE))?;
         if engine.session_info(a)?.tokens != want {
             return Err(EngineError::InvalidRequest(
                 "AMORTIZE produced an unexpected sequence".into(),
@@ -460,7 +478,7 @@ pub fn run_probe(engine: &mut Engine, probe: &Probe, repairs: &[Repair]) -> Resu
 
     let f = session_with(engine, head)?;
     let result = (|| {
-        engine.apply_directives(f, vec![directive(Mode::Forget)])?;
+        engine.apply_directives(f, directive(Mode::Forget))?;
         if engine.session_info(f)?.tokens != want {
             return Err(EngineError::InvalidRequest(
                 "FORGET produced an unexpected sequence".into(),
@@ -475,11 +493,8 @@ pub fn run_probe(engine: &mut Engine, probe: &Probe, repairs: &[Repair]) -> Resu
     for &repair in repairs {
         let r = session_with(engine, head)?;
         let result = (|| -> Result<RepairOutcome> {
-            let report = engine.apply_directives_repaired(
-                r,
-                vec![directive(Mode::Amortize)],
-                Some(repair),
-            )?;
+            let report =
+                engine.apply_directives_repaired(r, directive(Mode::Amortize), Some(repair))?;
             let logits = engine.peek_logits(r, last)?;
             Ok(RepairOutcome {
                 repair,
@@ -502,9 +517,9 @@ pub fn run_probe(engine: &mut Engine, probe: &Probe, repairs: &[Repair]) -> Resu
     Ok(ProbeOutcome {
         label: probe.label.clone(),
         tokens: n,
-        removed: probe.edit.end - probe.edit.start,
-        stub: probe.edit.replacement.len(),
-        downstream: n - probe.edit.end,
+        removed: probe.edits.iter().map(Edit::removed).sum(),
+        stub: probe.edits.iter().map(|e| e.replacement.len()).sum(),
+        downstream: n - first.end,
         full: full_top,
         amortize: amortize_top,
         forget: top_margin(&forget),

@@ -148,7 +148,9 @@ fn synthetic_probes_are_seeded_bounded_and_evict_an_older_span() {
         let n = p.prompt.len();
         assert_eq!(p.label, format!("synthetic#{i}"));
         assert!((150..=300).contains(&n), "{n}");
-        let e = &p.edit;
+        let [e] = p.edits.as_slice() else {
+            panic!("one edit: {p:?}")
+        };
         assert!(e.start >= 1 && e.end <= 3 * n / 8, "{e:?} of {n}");
         assert!(e.end - e.start >= 2 && e.end - e.start >= n / 8 - 1);
         assert!(!e.replacement.is_empty() && e.replacement.len() < e.end - e.start);
@@ -162,10 +164,10 @@ fn synthetic_probes_are_seeded_bounded_and_evict_an_older_span() {
     })
     .unwrap()
     {
-        assert!(
-            p.edit.end < p.prompt.len() - 1 && p.edit.delta() < 0,
-            "{p:?}"
-        );
+        let [e] = p.edits.as_slice() else {
+            panic!("one edit: {p:?}")
+        };
+        assert!(e.end < p.prompt.len() - 1 && e.delta() < 0, "{p:?}");
     }
     assert!(synthetic_probes(&SyntheticOptions {
         max_tokens: SYNTHETIC_MIN_TOKENS - 1,
@@ -227,6 +229,7 @@ fn outcome(full: (u32, f32), amortize: u32, forget: u32) -> ProbeOutcome {
             rotated: 0,
             copied: 0,
             prefilled: 0,
+            moved: 0,
             prefill_us: 0,
             repaired: 0,
             scanned: 0,
@@ -304,8 +307,9 @@ fn probes_replace_the_oldest_tool_output_when_a_newer_one_exists() {
         max_probes: 10,
         max_tokens: 10_000,
         stub: "[x]".into(),
+        moves: false,
     };
-    let probes = build_probes(&[one_tool, t.clone()], &ByteChatMl, &opts).unwrap();
+    let probes = build_probes(&[one_tool.clone(), t.clone()], &ByteChatMl, &opts).unwrap();
     assert_eq!(
         probes.len(),
         1,
@@ -313,7 +317,10 @@ fn probes_replace_the_oldest_tool_output_when_a_newer_one_exists() {
     );
     let p = &probes[0];
     assert_eq!(p.label, "t#2");
-    let text: String = p.prompt[p.edit.start..p.edit.end]
+    let [edit] = p.edits.as_slice() else {
+        panic!("one edit: {p:?}")
+    };
+    let text: String = p.prompt[edit.start..edit.end]
         .iter()
         .map(|&b| b as u8 as char)
         .collect();
@@ -321,16 +328,30 @@ fn probes_replace_the_oldest_tool_output_when_a_newer_one_exists() {
         "first output".contains(&text) && !text.is_empty(),
         "{text:?}"
     );
-    let repl: String = p
-        .edit
-        .replacement
-        .iter()
-        .map(|&b| b as u8 as char)
-        .collect();
+    let repl: String = edit.replacement.iter().map(|&b| b as u8 as char).collect();
     assert!("[x]".contains(&repl), "{repl:?}");
     // The rendered history ends the prompt (ByteChatMl has no generation prompt).
     let want = ByteChatMl.render_tokens(&t.messages[..6]).unwrap().tokens;
     assert_eq!(p.prompt, want);
+
+    // Moved instead: the oldest output goes just before the last message, and the edits
+    // turn the prompt into that rendering.
+    let moves = ProbeOptions {
+        moves: true,
+        ..opts.clone()
+    };
+    let probes = build_probes(&[one_tool, t.clone()], &ByteChatMl, &moves).unwrap();
+    assert_eq!(probes.len(), 1);
+    let mut reordered = t.messages[..6].to_vec();
+    let tool = reordered.remove(3);
+    reordered.insert(4, tool);
+    let moved = ByteChatMl.render_tokens(&reordered).unwrap().tokens;
+    assert_ne!(moved, want);
+    assert_eq!(
+        leyline_policy::apply_edits(&want, &probes[0].edits).unwrap(),
+        moved
+    );
+    assert!(probes[0].edits.len() >= 2, "{:?}", probes[0].edits);
 
     // A budget below the prompt leaves no probe.
     let tight = ProbeOptions {
