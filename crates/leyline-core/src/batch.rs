@@ -66,7 +66,8 @@ pub fn ranges_without(ranges: &[Range<usize>], holes: &[Range<usize>]) -> Vec<Ra
             first += 1;
         }
         let mut at = r.start;
-        for h in holes[first..].iter().take_while(|h| h.start < r.end) {
+        let inside = holes[first..].iter().take_while(|h| h.start < r.end);
+        for h in inside.filter(|h| !h.is_empty()) {
             if h.start > at {
                 out.push(at..h.start);
             }
