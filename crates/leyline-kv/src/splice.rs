@@ -106,14 +106,18 @@ impl SplicePlan {
 
     /// `(delta, slots)` groups of [`Self::to_rotate`], by increasing delta.
     pub fn rotation_groups(&self) -> Vec<(i64, Vec<u32>)> {
-        let mut out: Vec<(i64, Vec<u32>)> = Vec::new();
-        for &(slot, delta) in &self.to_rotate {
-            match out.last_mut() {
-                Some((d, slots)) if *d == delta => slots.push(slot),
-                _ => out.push((delta, vec![slot])),
-            }
-        }
-        out
+        by_delta(self.to_rotate.iter().copied())
+    }
+
+    /// `(delta, slots)` groups of the reused copies ([`Self::reused`]'s destinations) whose
+    /// position moved, by increasing delta.
+    pub fn reused_rotation_groups(&self) -> Vec<(i64, Vec<u32>)> {
+        by_delta(
+            self.reused
+                .iter()
+                .filter(|r| r.2 != 0)
+                .map(|&(_, dst, delta)| (dst, delta)),
+        )
     }
 
     fn copy_on_write(
@@ -151,6 +155,21 @@ impl SplicePlan {
         }
         Ok(self)
     }
+}
+
+/// `(slot, delta)` pairs grouped by delta, by increasing delta; slots keep their order within
+/// a group.
+fn by_delta(pairs: impl Iterator<Item = (u32, i64)>) -> Vec<(i64, Vec<u32>)> {
+    let mut pairs: Vec<(u32, i64)> = pairs.collect();
+    pairs.sort_by_key(|&(_, delta)| delta);
+    let mut out: Vec<(i64, Vec<u32>)> = Vec::new();
+    for (slot, delta) in pairs {
+        match out.last_mut() {
+            Some((d, slots)) if *d == delta => slots.push(slot),
+            _ => out.push((delta, vec![slot])),
+        }
+    }
+    out
 }
 
 fn bad(msg: String) -> KvError {

@@ -482,7 +482,7 @@ fn a_moved_run_is_copied_and_rotated_not_prefilled() {
         let (done, jobs) = splice_moved(&mut w, mode, &reuse, None);
         let done = done.unwrap();
         w.cache.check_invariants().unwrap();
-        assert_eq!((done.reused, done.prefilled), (2, 1), "{mode}");
+        assert_eq!((done.reused(), done.prefilled), (2, 1), "{mode}");
         assert_eq!(jobs, vec![(1, 9..10, 1)], "{mode}: only the new token runs");
         assert_eq!(done.clean_len, 2, "{mode}: lineage from the first edit on");
         let pool = w.cache.pool();
@@ -539,7 +539,7 @@ fn a_moved_run_is_copied_and_rotated_not_prefilled() {
     w.cache.pool_mut().revoke(w.seq[3]).unwrap();
     let (done, jobs) = splice_moved(&mut w, RotationMode::Eager, &reuse, None);
     let done = done.unwrap();
-    assert_eq!((done.reused, done.prefilled), (0, 3));
+    assert_eq!((done.reused(), done.prefilled), (0, 3));
     assert_eq!(jobs, vec![(1, 7..10, 3)]);
 
     // A run outside every replacement is refused before anything changes.

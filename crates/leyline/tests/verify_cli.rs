@@ -14,18 +14,30 @@ fn traces() -> PathBuf {
         .expect("tau-bench.jsonl under ../shared/data/traces or data/traces")
 }
 
-#[test]
-fn verify_json_reports_consistent_agreement_and_drift() {
+/// `leyline verify --max-tokens-per-probe 2600 --json` on the tau-bench traces with `args`.
+fn verify_json(args: &[&str]) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_leyline"))
-        .args(["verify", "--probes", "3", "--max-tokens-per-probe", "2600"])
-        .args(["--drift-tokens", "32", "--drift-splices", "1,100", "--json"])
+        .args(["verify", "--max-tokens-per-probe", "2600", "--json"])
+        .args(args)
         .arg("--traces")
         .arg(traces())
         .output()
         .expect("run leyline");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "leyline verify failed: {stderr}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+#[test]
+fn verify_json_reports_consistent_agreement_and_drift() {
+    let v = verify_json(&[
+        "--probes",
+        "3",
+        "--drift-tokens",
+        "32",
+        "--drift-splices",
+        "1,100",
+    ]);
 
     let n = v["probes"].as_u64().expect("probes");
     assert!((1..=3).contains(&n), "probes {n}");
@@ -104,24 +116,17 @@ fn verify_json_reports_consistent_agreement_and_drift() {
 #[test]
 fn move_probes_prefill_or_copy_the_moved_output() {
     for reuse in ["0", "8"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_leyline"))
-            .args([
-                "verify",
-                "--moves",
-                "--probes",
-                "2",
-                "--max-tokens-per-probe",
-                "2600",
-            ])
-            .args(["--drift-splices", "1", "--drift-tokens", "8", "--json"])
-            .args(["--reuse-min-tokens", reuse])
-            .arg("--traces")
-            .arg(traces())
-            .output()
-            .expect("run leyline");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "leyline verify failed: {stderr}");
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        let v = verify_json(&[
+            "--moves",
+            "--probes",
+            "2",
+            "--drift-splices",
+            "1",
+            "--drift-tokens",
+            "8",
+            "--reuse-min-tokens",
+            reuse,
+        ]);
         assert_eq!(v["moves"], true);
         let per = v["per_probe"].as_array().expect("per_probe");
         assert!(!per.is_empty());

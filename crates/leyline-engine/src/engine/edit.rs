@@ -471,7 +471,7 @@ impl Engine {
             rotated: spliced.rotated,
             copied: spliced.copied,
             prefilled: spliced.prefilled,
-            moved: spliced.reused,
+            moved: spliced.reused(),
             prefill_us: forward.as_micros() as u64,
             repaired: 0,
             scanned: 0,

@@ -81,13 +81,18 @@ pub struct Spliced {
     pub copied: usize,
     /// Replacement tokens prefilled.
     pub prefilled: usize,
-    /// Replacement tokens whose KV was copied from the slots they repeat.
-    pub reused: usize,
-    /// Their post-edit ranges (those of [`SpliceTarget::reuse`] whose sources were not
-    /// forgotten).
+    /// Post-edit ranges of the replacement tokens whose KV was copied from the slots they
+    /// repeat (those of [`SpliceTarget::reuse`] whose sources were not forgotten).
     pub reused_ranges: Vec<Range<usize>>,
     /// Slots the allocations freed by evicting unlocked prefix-cache entries.
     pub evicted: usize,
+}
+
+impl Spliced {
+    /// Replacement tokens whose KV was copied rather than prefilled.
+    pub fn reused(&self) -> usize {
+        self.reused_ranges.iter().map(|r| r.len()).sum()
+    }
 }
 
 /// Where a splice failed.
@@ -175,9 +180,9 @@ struct Txn {
     /// Kept segments with a non-zero delta, in sequence order: new-index range and one
     /// table per rope spec.
     rotations: Vec<(Range<usize>, Vec<Rotation>)>,
-    /// Reused slots not yet copied: `(src, dst)` pairs, and (eager) the copies' rotations
-    /// grouped by delta.
-    reuse_copies: Vec<(u32, u32)>,
+    /// Whether the reused runs are still to be copied ([`SplicePlan::reused`]), and (eager)
+    /// the copies' rotations, grouped by delta.
+    reuse_pending: bool,
     reuse_rotations: Vec<(Vec<u32>, Vec<Rotation>)>,
     /// Per layer, the index of its rope spec's table.
     spec_of_layer: Vec<usize>,
@@ -315,21 +320,7 @@ impl Txn {
         }
         let mut reuse_rotations: Vec<(Vec<u32>, Vec<Rotation>)> = Vec::new();
         if !lazy {
-            let mut groups: Vec<(i64, Vec<u32>)> = Vec::new();
-            let mut moved: Vec<(i64, u32)> = plan
-                .reused
-                .iter()
-                .filter(|r| r.2 != 0)
-                .map(|&(_, dst, delta)| (delta, dst))
-                .collect();
-            moved.sort_by_key(|&(delta, _)| delta);
-            for (delta, dst) in moved {
-                match groups.last_mut() {
-                    Some((d, slots)) if *d == delta => slots.push(dst),
-                    _ => groups.push((delta, vec![dst])),
-                }
-            }
-            for (delta, slots) in groups {
+            for (delta, slots) in plan.reused_rotation_groups() {
                 if let std::collections::hash_map::Entry::Vacant(e) = tables.entry(delta) {
                     match shift_tables(rope, delta) {
                         Ok(t) => {
@@ -369,12 +360,8 @@ impl Txn {
         let first = &batch.directives()[0];
         // A reused copy carries what its source attended to: not clean.
         let first_reused = plan.reused_ranges.first().map_or(usize::MAX, |r| r.start);
-        let reuse_copies = plan
-            .reused
-            .iter()
-            .map(|&(src, dst, _)| (src, dst))
-            .collect();
         Ok(Txn {
+            reuse_pending: !plan.reused.is_empty(),
             clean_len: target
                 .clean_len
                 .min(first.start + first.replacement.len())
@@ -383,7 +370,6 @@ impl Txn {
             fresh,
             copies_from,
             rotations,
-            reuse_copies,
             reuse_rotations,
             spec_of_layer: rope.of_layer().to_vec(),
             rotated: 0,
@@ -398,11 +384,11 @@ impl Txn {
     /// Copies shared slots (once, before the first rotation) and rotates every segment not
     /// yet rotated that starts before `end`, backing up the owned rows first if `undoable`.
     fn rotate_before(&mut self, kv: &mut KvStorage, end: usize, undoable: bool) {
-        if !self.reuse_copies.is_empty() {
+        if std::mem::take(&mut self.reuse_pending) {
             // Before any kept slot is rotated in place: the sources are read as they were.
-            kv.copy_slots(&self.reuse_copies)
+            let pairs: Vec<(u32, u32)> = self.plan.reused.iter().map(|r| (r.0, r.1)).collect();
+            kv.copy_slots(&pairs)
                 .expect("reused slots checked against the storage in `plan`");
-            self.reuse_copies.clear();
             for (slots, rot) in std::mem::take(&mut self.reuse_rotations) {
                 rotate_checked(kv, &slots, &rot, &self.spec_of_layer, self.tier);
             }
@@ -471,7 +457,6 @@ impl Txn {
             rotated: plan.to_rotate.len(),
             copied: plan.cow.len(),
             prefilled: self.copies_from - plan.reused.len(),
-            reused: plan.reused.len(),
             reused_ranges: plan.reused_ranges,
             slots: plan.new_slots,
             clean_len: self.clean_len,
