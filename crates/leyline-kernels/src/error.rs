@@ -38,7 +38,7 @@ pub enum KernelError {
     #[error("kernel tier {0} is not available on this CPU")]
     TierUnavailable(Tier),
     /// A tier name that is none of the tiers'.
-    #[error("unknown kernel tier {0:?} (expected portable, avx2 or avx512)")]
+    #[error("unknown kernel tier {0:?} (expected portable, avx2, avx512, avx512vnni or amx)")]
     UnknownTier(String),
 }
 

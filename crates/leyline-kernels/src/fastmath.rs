@@ -52,7 +52,7 @@ fn silu_mul_with(tier: Tier, gu: &[f32], width: usize, out: &mut [f32]) {
     match tier {
         // SAFETY: the CPU runs the AVX-512 tier (asserted just above): it has AVX-512F.
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 | Tier::Avx512Vnni => unsafe { silu_mul_avx512(gu, width, out) },
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Amx => unsafe { silu_mul_avx512(gu, width, out) },
         // SAFETY: the CPU runs the AVX2 tier (asserted just above): it has AVX2 and FMA.
         #[cfg(target_arch = "x86_64")]
         Tier::Avx2 => unsafe { silu_mul_avx2(gu, width, out) },

@@ -40,6 +40,8 @@ mod wide;
 #[macro_use]
 mod tile;
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -297,7 +299,7 @@ impl QMatrix {
                 unsafe { avx2::rows(self.kind, g, rows, x, m, out) }
             }
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 | Tier::Avx512Vnni => {
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Amx => {
                 // SAFETY: as above, the CPU has AVX-512F; `tier_on` kept the tier, so the
                 // module has kernels for this kind.
                 unsafe { avx512::rows(self.kind, g, rows, x, xt, m, out) }
@@ -366,8 +368,12 @@ pub struct Int8 {
     rows: Vec<q8::Q8Row>,
     #[cfg(target_arch = "x86_64")]
     krows: Vec<q8::Q8KRow>,
+    /// The tier whose kernels read the rows (AVX2 and up).
     #[cfg(target_arch = "x86_64")]
-    vnni: bool,
+    tier: Tier,
+    /// On the AMX tier, from [`amx::MIN_ROWS`] rows: `rows` and `krows` packed for the tiles.
+    #[cfg(target_arch = "x86_64")]
+    tiles: Option<(amx::Packed, amx::Packed)>,
 }
 
 impl Int8 {
@@ -412,10 +418,19 @@ impl Int8 {
                     legacy = true;
                 }
             }
+            let rows = quantize_rows(pool, legacy, x, m, cols, q8::Q8Row::quantize);
+            let krows = quantize_rows(pool, k, x, m, cols, q8::Q8KRow::quantize);
+            let tiles = (tier >= Tier::Amx && m >= amx::MIN_ROWS).then(|| {
+                (
+                    amx::Packed::of_blocks32(&rows),
+                    amx::Packed::of_supers(&krows),
+                )
+            });
             return Some(Self {
-                rows: quantize_rows(pool, legacy, x, m, cols, q8::Q8Row::quantize),
-                krows: quantize_rows(pool, k, x, m, cols, q8::Q8KRow::quantize),
-                vnni: tier >= Tier::Avx512Vnni,
+                rows,
+                krows,
+                tier,
+                tiles,
             });
         }
         let _ = (pool, tier, x, m, cols, kinds.into_iter().count());
@@ -518,15 +533,18 @@ impl QMatrix {
             );
             let (nb, g0) = (self.cols / self.kind.block_len(), r0 / interleave::GROUP);
             let (k, data) = (self.kind, &self.data[..]);
-            // SAFETY: `vnni` is set only on the AVX-512 VNNI tier, and `act` made only for a
-            // tier from AVX2 (with FMA and F16C) up, which the CPU runs (`Int8::on`); lengths
-            // are asserted by the kernels.
+            let vnni = act.tier >= Tier::Avx512Vnni;
+            // SAFETY: `act` is made only for a tier from AVX2 (with FMA and F16C) up that the
+            // CPU runs (`Int8::on`), and holds tiles only on the AMX tier; lengths are
+            // asserted by the kernels.
             unsafe {
-                match (act.vnni, k.is_k()) {
-                    (true, true) => grouped::rows(k, data, nb, g0, &act.krows, out),
-                    (true, false) => grouped::rows32(k, data, nb, g0, &act.rows, out),
-                    (false, true) => grouped_avx2::rows(k, data, nb, g0, &act.krows, out),
-                    (false, false) => grouped_avx2::rows32(k, data, nb, g0, &act.rows, out),
+                match (&act.tiles, vnni, k.is_k()) {
+                    (Some((_, p)), _, true) => amx::rows(k, data, nb, g0, p, out),
+                    (Some((p, _)), _, false) => amx::rows(k, data, nb, g0, p, out),
+                    (None, true, true) => grouped::rows(k, data, nb, g0, &act.krows, out),
+                    (None, true, false) => grouped::rows32(k, data, nb, g0, &act.rows, out),
+                    (None, false, true) => grouped_avx2::rows(k, data, nb, g0, &act.krows, out),
+                    (None, false, false) => grouped_avx2::rows32(k, data, nb, g0, &act.rows, out),
                 }
             };
         }
@@ -631,9 +649,34 @@ fn feature_major_rows_into(
     stride: usize,
     col: usize,
 ) {
-    for (r, ys) in yt.chunks_exact(m).enumerate() {
-        for (k, &v) in ys[rows.clone()].iter().enumerate() {
-            y[k * stride + col + r] = v;
+    // In blocks of 16 outputs: each row of y takes 64 contiguous bytes per block, and the 16
+    // rows of yt a block reads stay in cache across the block's rows of y; whole 16 x 16
+    // blocks are transposed in registers where the CPU has AVX-512.
+    const B: usize = 16;
+    let n = yt.len() / m.max(1);
+    #[cfg(target_arch = "x86_64")]
+    let simd = Tier::best() >= Tier::Avx512;
+    for r0 in (0..n).step_by(B) {
+        let r1 = (r0 + B).min(n);
+        let mut k = 0;
+        #[cfg(target_arch = "x86_64")]
+        if simd && r1 - r0 == B {
+            while k + B <= rows.len() {
+                let (src, dst) = (r0 * m + rows.start + k, k * stride + col + r0);
+                assert!(src + (B - 1) * m + B <= yt.len() && dst + (B - 1) * stride + B <= y.len());
+                // SAFETY: the tier is AVX-512 (`Tier::best`); the assert keeps the 16 rows
+                // of 16 floats read and written inside `yt` and `y`.
+                unsafe {
+                    avx512::transpose16(yt[src..].as_ptr(), m, y[dst..].as_mut_ptr(), stride)
+                };
+                k += B;
+            }
+        }
+        for (k, i) in rows.clone().enumerate().skip(k) {
+            let at = k * stride + col;
+            for (j, o) in y[at + r0..at + r1].iter_mut().enumerate() {
+                *o = yt[(r0 + j) * m + i];
+            }
         }
     }
 }

@@ -398,7 +398,7 @@ fn dispatch(rows: RowsMut<'_>, head: Head, sel: &Sel<'_>, rot: &Rotation, tier: 
             unsafe { avx2::run(rows, head, sel, &t) }
         }
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 | Tier::Avx512Vnni => {
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Amx => {
             let t = Tables::new(rot);
             // SAFETY: as above, with avx512f/bw/vl detected.
             unsafe { avx512::run(rows, head, sel, &t) }

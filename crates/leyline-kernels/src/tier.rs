@@ -5,7 +5,7 @@
 //! caller (a test, a bench) asks for a tier explicitly. A family without kernels for a tier
 //! runs its next lower one (quantized products: AVX-512 kernels exist for some formats only).
 //!
-//! [`TIER_ENV`] (`LEYLINE_KERNEL_TIER=portable|avx2|avx512|avx512vnni`), read once, caps
+//! [`TIER_ENV`] (`LEYLINE_KERNEL_TIER=portable|avx2|avx512|avx512vnni|amx`), read once, caps
 //! [`Tier::best`]: every family then dispatches on that tier, so that a machine with AVX-512
 //! can run the portable and AVX2 kernels end to end (CI). A tier above what the CPU runs, or
 //! a name that is no tier's, is logged as a warning and the CPU's best is used.
@@ -14,8 +14,8 @@ use crate::cpu::Features;
 use crate::error::KernelError;
 use std::sync::OnceLock;
 
-/// The environment variable that caps [`Tier::best`]: `portable`, `avx2`, `avx512` or
-/// `avx512vnni`.
+/// The environment variable that caps [`Tier::best`]: `portable`, `avx2`, `avx512`,
+/// `avx512vnni` or `amx`.
 pub const TIER_ENV: &str = "LEYLINE_KERNEL_TIER";
 
 /// An instruction-set tier, lowest first. A CPU that runs a tier runs every tier below it.
@@ -30,19 +30,29 @@ pub enum Tier {
     /// [`Tier::Avx512`] with VNNI: the integer products take `vpdpbusd`; every other family
     /// runs its AVX-512 kernels.
     Avx512Vnni,
+    /// [`Tier::Avx512Vnni`] with AMX-INT8 tiles: products of many activation rows take
+    /// `tdpbsud` (few rows, and every other family, run the AVX-512 VNNI kernels).
+    Amx,
 }
 
 impl Tier {
     /// Every tier, lowest first.
-    pub const ALL: [Tier; 4] = [Tier::Portable, Tier::Avx2, Tier::Avx512, Tier::Avx512Vnni];
+    pub const ALL: [Tier; 5] = [
+        Tier::Portable,
+        Tier::Avx2,
+        Tier::Avx512,
+        Tier::Avx512Vnni,
+        Tier::Amx,
+    ];
 
-    /// The tier's name: `portable`, `avx2`, `avx512` or `avx512vnni`.
+    /// The tier's name: `portable`, `avx2`, `avx512`, `avx512vnni` or `amx`.
     pub fn name(self) -> &'static str {
         match self {
             Tier::Portable => "portable",
             Tier::Avx2 => "avx2",
             Tier::Avx512 => "avx512",
             Tier::Avx512Vnni => "avx512vnni",
+            Tier::Amx => "amx",
         }
     }
 
@@ -55,6 +65,7 @@ impl Tier {
             Tier::Avx2 => avx2,
             Tier::Avx512 => avx2 && f.avx512f && f.avx512bw && f.avx512vl,
             Tier::Avx512Vnni => Tier::Avx512.available() && f.avx512vnni,
+            Tier::Amx => Tier::Avx512Vnni.available() && f.amx_int8,
         }
     }
 
@@ -148,7 +159,11 @@ mod tests {
         assert!(Tier::Portable < Tier::Avx2 && Tier::Avx2 < Tier::Avx512);
         let e = "avx-512".parse::<Tier>().unwrap_err();
         assert_eq!(e, KernelError::UnknownTier("avx-512".into()));
-        assert!(e.to_string().contains("portable, avx2 or avx512"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("portable, avx2, avx512, avx512vnni or amx"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -162,7 +177,11 @@ mod tests {
         // A tier the CPU lacks, and no tier's name: the CPU's best, and a warning saying why.
         for (var, cpu, says) in [
             ("avx512", Avx2, ["LEYLINE_KERNEL_TIER=avx512", "using avx2"]),
-            ("sse4", Avx512, ["\"sse4\"", "portable, avx2 or avx512"]),
+            (
+                "sse4",
+                Avx512,
+                ["\"sse4\"", "portable, avx2, avx512, avx512vnni or amx"],
+            ),
         ] {
             let (t, w) = ceiling(Some(var), cpu);
             assert_eq!(t, cpu);

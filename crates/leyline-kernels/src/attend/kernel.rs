@@ -165,7 +165,9 @@ impl Load<u16> for FromF16 {
             // SAFETY: the task runs on `tier`, which the CPU runs ([`super::attend`] checked);
             // every x86 tier above the portable one has F16C.
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Vnni => unsafe { avx2::f16_row(src, dst) },
+            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Vnni | Tier::Amx => unsafe {
+                avx2::f16_row(src, dst)
+            },
             _ => each(self, src, dst),
         }
     }
@@ -204,7 +206,9 @@ pub(super) fn run<T: Copy>(
         Tier::Portable => task::<T, DC>(tier, job, k, v, ld, buf, out),
         // SAFETY: `attend` checked that the CPU runs this tier: it has AVX-512F.
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 | Tier::Avx512Vnni => unsafe { task_avx512(tier, job, k, v, ld, buf, out) },
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Amx => unsafe {
+            task_avx512(tier, job, k, v, ld, buf, out)
+        },
         // SAFETY: `attend` checked that the CPU runs this tier: it has AVX2 and FMA.
         #[cfg(target_arch = "x86_64")]
         Tier::Avx2 => unsafe { task_avx2(tier, job, k, v, ld, buf, out) },
@@ -226,7 +230,9 @@ pub(super) fn transpose_block(
         // SAFETY: the CPU has AVX-512F (see [`run`]), and the assert above holds the bounds
         // `transpose_avx512` relies on.
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 | Tier::Avx512Vnni => unsafe { avx512::transpose_avx512(krows, kt, hd) },
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Amx => unsafe {
+            avx512::transpose_avx512(krows, kt, hd)
+        },
         // SAFETY: the CPU has AVX2 (see [`run`]), and the assert above holds the bounds
         // `transpose_avx2` relies on.
         #[cfg(target_arch = "x86_64")]
@@ -319,7 +325,7 @@ fn scores(tier: Tier, qt: &[f32], lanes: usize, krows: &[&[f32]; KB], st: &mut [
         // SAFETY: the CPU has AVX-512F (see [`run`]), and the asserts above are the bounds
         // `scores_avx512` relies on.
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 | Tier::Avx512Vnni => unsafe {
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Amx => unsafe {
             avx512::scores_avx512(qt, lanes, krows, st, hd)
         },
         // SAFETY: the CPU has AVX2 and FMA (see [`run`]), and the asserts above are the

@@ -198,7 +198,7 @@ use std::arch::x86_64::*;
 
 /// The 4 bytes at `p` (four activation bytes, or two 16-bit sums) in every 32-bit lane.
 #[inline(always)]
-unsafe fn bcast<T>(p: *const T) -> __m512i {
+pub(super) unsafe fn bcast<T>(p: *const T) -> __m512i {
     // SAFETY: the caller's `p` has 4 readable bytes.
     unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
 }
@@ -220,7 +220,7 @@ pub(super) unsafe fn block<const STREAM: bool>(
 
 /// Sixteen f16 at `p` as f32.
 #[inline(always)]
-unsafe fn halves(p: *const u8) -> __m512 {
+pub(super) unsafe fn halves(p: *const u8) -> __m512 {
     // SAFETY: the caller's `p` has 32 readable bytes.
     unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
 }
@@ -240,7 +240,6 @@ unsafe fn group_q4k<const K: u8, const GA: usize, const STREAM: bool>(
     ns: usize,
     xs: &[Q8KRow],
 ) -> [[f32; GROUP]; GA] {
-    let nib = _mm512_set1_epi8(15);
     let mut tot = [_mm512_setzero_ps(); GA];
     for s in 0..ns {
         // SAFETY: the offsets lie in super-block s of the group and of each activation row.
@@ -265,19 +264,7 @@ unsafe fn group_q4k<const K: u8, const GA: usize, const STREAM: bool>(
                 let mut ib = [[_mm512_setzero_si512(); GA]; 2];
                 let mut plane = _mm512_setzero_si512();
                 for q in 0..8 {
-                    let l = _mm512_loadu_si512(b.add(Q4K_LO + 64 * (8 * t + q)) as *const _);
-                    let mut lo = _mm512_and_si512(l, nib);
-                    let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(l), nib);
-                    if K == Q5_K {
-                        if q % 4 == 0 {
-                            let at = Q5K_HI + 64 * (2 * t + q / 4);
-                            plane = _mm512_loadu_si512(b.add(at) as *const _);
-                        }
-                        let fifth = _mm512_set1_epi8(16);
-                        let bit = 2 * (q % 4);
-                        lo = _mm512_or_si512(lo, _mm512_and_si512(bit_to_4(plane, bit), fifth));
-                        hi = _mm512_or_si512(hi, _mm512_and_si512(bit_to_4(plane, bit + 1), fifth));
-                    }
+                    let (lo, hi) = q4k_quad::<K>(b, t, q, &mut plane);
                     let c = q % chains::<GA>();
                     for i in 0..GA {
                         let x = xs[i].q.as_ptr().add(256 * s + 64 * t + 4 * q);
@@ -318,8 +305,6 @@ unsafe fn group_q6k<const GA: usize, const STREAM: bool>(
     ns: usize,
     xs: &[Q8KRow],
 ) -> [[f32; GROUP]; GA] {
-    let nib = _mm512_set1_epi8(15);
-    let top = _mm512_set1_epi8(0x30);
     let mut tot = [_mm512_setzero_ps(); GA];
     for s in 0..ns {
         // SAFETY: as in `group_q4k`.
@@ -340,33 +325,12 @@ unsafe fn group_q6k<const GA: usize, const STREAM: bool>(
                     off[i] = _mm512_dpwssd_epi32(off[i], pa, bcast(bs));
                     off[i] = _mm512_dpwssd_epi32(off[i], pb, bcast(bs.add(2)));
                 }
-                // The low (e = 0) and high (e = 1) scale of a pair, times d.
-                let scale = |p: __m512i, e: usize| {
-                    let v = if e == 0 {
-                        _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(p))
-                    } else {
-                        _mm512_srai_epi32::<16>(p)
-                    };
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(v), d)
-                };
                 for e in 0..2 {
                     let mut ia = [[_mm512_setzero_si512(); GA]; 2];
                     let mut ib = [[_mm512_setzero_si512(); GA]; 2];
                     for p in 2 * e..2 * e + 2 {
-                        let h = _mm512_loadu_si512(b.add(Q6K_HI + 64 * (4 * t + p)) as *const _);
-                        for (k, hs) in [(0, _mm512_slli_epi16::<4>(h)), (1, h)] {
+                        for (k, (lo, hi)) in q6k_quads(b, t, p).into_iter().enumerate() {
                             let q = 2 * p + k;
-                            let l =
-                                _mm512_loadu_si512(b.add(Q6K_LO + 64 * (8 * t + q)) as *const _);
-                            // Unit 2t's top bits at bits 4-5 of hs, unit 2t + 1's two above.
-                            let lo = _mm512_or_si512(
-                                _mm512_and_si512(l, nib),
-                                _mm512_and_si512(hs, top),
-                            );
-                            let hi = _mm512_or_si512(
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(l), nib),
-                                _mm512_and_si512(_mm512_srli_epi16::<2>(hs), top),
-                            );
                             let c = q % chains::<GA>();
                             for i in 0..GA {
                                 let x = xs[i].q.as_ptr().add(256 * s + 64 * t + 4 * q);
@@ -376,7 +340,7 @@ unsafe fn group_q6k<const GA: usize, const STREAM: bool>(
                         }
                     }
                     let (ia, ib) = (join(ia), join(ib));
-                    let (sa, sb) = (scale(pa, e), scale(pb, e));
+                    let (sa, sb) = (q6k_scale(pa, e, d), q6k_scale(pb, e, d));
                     for i in 0..GA {
                         sbf[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), sa, sbf[i]);
                         sbf[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib[i]), sb, sbf[i]);
@@ -455,15 +419,7 @@ unsafe fn group32<const K: u8, const GA: usize, const STREAM: bool>(
     nb: usize,
     xs: &[Q8Row],
 ) -> [[f32; GROUP]; GA] {
-    let nib = _mm512_set1_epi8(15);
-    let fifth = _mm512_set1_epi8(16);
-    let kind = match K {
-        Q4_0 => GgmlKind::Q4_0,
-        Q4_1 => GgmlKind::Q4_1,
-        Q5_0 => GgmlKind::Q5_0,
-        _ => GgmlKind::Q8_0,
-    };
-    let (bytes, at) = (group_bytes(kind), legacy_quants(kind));
+    let bytes = group_bytes(kind32::<K>());
     let offset: i32 = match K {
         Q4_0 => 8,
         Q5_0 => 16,
@@ -476,25 +432,7 @@ unsafe fn group32<const K: u8, const GA: usize, const STREAM: bool>(
         unsafe {
             let g = block::<STREAM>(base, b, bytes);
             let d = halves(g);
-            let mut w = [_mm512_setzero_si512(); 8];
-            if K == Q8_0 {
-                for (j, wj) in w.iter_mut().enumerate() {
-                    *wj = _mm512_loadu_si512(g.add(at + 64 * j) as *const _);
-                }
-            } else {
-                for j in 0..4 {
-                    let l = _mm512_loadu_si512(g.add(at + 64 * j) as *const _);
-                    w[j] = _mm512_and_si512(l, nib);
-                    w[j + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(l), nib);
-                }
-                if K == Q5_0 {
-                    // Bit q of each top-bit byte is quad q's fifth bit: to bit 4.
-                    let h = _mm512_loadu_si512(g.add(32) as *const _);
-                    for (j, wj) in w.iter_mut().enumerate() {
-                        *wj = _mm512_or_si512(*wj, _mm512_and_si512(bit_to_4(h, j), fifth));
-                    }
-                }
-            }
+            let w = quads32::<K>(g);
             let mut acc = [[_mm512_setzero_si512(); GA]; 2];
             for (q, &wq) in w.iter().enumerate() {
                 let c = q % chains::<GA>();
@@ -522,9 +460,135 @@ unsafe fn group32<const K: u8, const GA: usize, const STREAM: bool>(
     store(tot)
 }
 
+/// The kind in blocks of 32 that the const `K` names.
+#[inline(always)]
+pub(super) const fn kind32<const K: u8>() -> GgmlKind {
+    match K {
+        Q4_0 => GgmlKind::Q4_0,
+        Q4_1 => GgmlKind::Q4_1,
+        Q5_0 => GgmlKind::Q5_0,
+        _ => GgmlKind::Q8_0,
+    }
+}
+
+/// The unsigned quants of quad `q` of units `2t` (first) and `2t + 1` of the Q4_K or Q5_K
+/// (`K`) group super-block at `b`, one row per 32-bit lane; `plane` holds Q5_K's fifth bits,
+/// loaded at every fourth quad.
+///
+/// # Safety
+/// `b` is a whole group super-block of the kind; AVX-512BW is the caller's contract.
+#[inline(always)]
+pub(super) unsafe fn q4k_quad<const K: u8>(
+    b: *const u8,
+    t: usize,
+    q: usize,
+    plane: &mut __m512i,
+) -> (__m512i, __m512i) {
+    // SAFETY: the offsets lie in the group super-block (the caller's contract).
+    unsafe {
+        let nib = _mm512_set1_epi8(15);
+        let l = _mm512_loadu_si512(b.add(Q4K_LO + 64 * (8 * t + q)) as *const _);
+        let mut lo = _mm512_and_si512(l, nib);
+        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(l), nib);
+        if K == Q5_K {
+            if q.is_multiple_of(4) {
+                let at = Q5K_HI + 64 * (2 * t + q / 4);
+                *plane = _mm512_loadu_si512(b.add(at) as *const _);
+            }
+            let fifth = _mm512_set1_epi8(16);
+            let bit = 2 * (q % 4);
+            lo = _mm512_or_si512(lo, _mm512_and_si512(bit_to_4(*plane, bit), fifth));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(bit_to_4(*plane, bit + 1), fifth));
+        }
+        (lo, hi)
+    }
+}
+
+/// The unsigned quants (0..64) of quads `2p` and `2p + 1` of units `2t` and `2t + 1` (each
+/// pair: unit `2t`'s, then `2t + 1`'s) of the Q6_K group super-block at `b`.
+///
+/// # Safety
+/// As [`q4k_quad`].
+#[inline(always)]
+pub(super) unsafe fn q6k_quads(b: *const u8, t: usize, p: usize) -> [(__m512i, __m512i); 2] {
+    // SAFETY: as in `q4k_quad`.
+    unsafe {
+        let h = _mm512_loadu_si512(b.add(Q6K_HI + 64 * (4 * t + p)) as *const _);
+        let l0 = _mm512_loadu_si512(b.add(Q6K_LO + 64 * (8 * t + 2 * p)) as *const _);
+        let l1 = _mm512_loadu_si512(b.add(Q6K_LO + 64 * (8 * t + 2 * p + 1)) as *const _);
+        [q6k_split(l0, _mm512_slli_epi16::<4>(h)), q6k_split(l1, h)]
+    }
+}
+
+/// The low (`e` = 0) or high (`e` = 1) scale of each lane's pair in `p` (16-bit scales
+/// widened from a scale-pair vector), times `d`.
+#[inline(always)]
+pub(super) fn q6k_scale(p: __m512i, e: usize, d: __m512) -> __m512 {
+    // SAFETY: AVX-512F is the callers' contract (`target_feature` functions inlined here).
+    unsafe {
+        let v = if e == 0 {
+            _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(p))
+        } else {
+            _mm512_srai_epi32::<16>(p)
+        };
+        _mm512_mul_ps(_mm512_cvtepi32_ps(v), d)
+    }
+}
+
+/// A Q6_K quad's two units from its nibbles `l` and its top bits `hs` (unit `2t`'s at bits
+/// 4-5 of each byte, unit `2t + 1`'s two above).
+#[inline(always)]
+fn q6k_split(l: __m512i, hs: __m512i) -> (__m512i, __m512i) {
+    // SAFETY: AVX-512BW is the callers' contract (`target_feature` functions inlined here).
+    unsafe {
+        let (nib, top) = (_mm512_set1_epi8(15), _mm512_set1_epi8(0x30));
+        let lo = _mm512_or_si512(_mm512_and_si512(l, nib), _mm512_and_si512(hs, top));
+        let hi = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(l), nib),
+            _mm512_and_si512(_mm512_srli_epi16::<2>(hs), top),
+        );
+        (lo, hi)
+    }
+}
+
+/// The unsigned quants of the 8 quads of the group block at `g` of the kind in blocks of 32
+/// that `K` names (Q8_0's offset by 128).
+///
+/// # Safety
+/// As [`q4k_quad`], for a group block of the kind.
+#[inline(always)]
+pub(super) unsafe fn quads32<const K: u8>(g: *const u8) -> [__m512i; 8] {
+    let at = legacy_quants(kind32::<K>());
+    // SAFETY: as in `q4k_quad`.
+    unsafe {
+        let mut w = [_mm512_setzero_si512(); 8];
+        if K == Q8_0 {
+            for (j, wj) in w.iter_mut().enumerate() {
+                *wj = _mm512_loadu_si512(g.add(at + 64 * j) as *const _);
+            }
+        } else {
+            let nib = _mm512_set1_epi8(15);
+            for j in 0..4 {
+                let l = _mm512_loadu_si512(g.add(at + 64 * j) as *const _);
+                w[j] = _mm512_and_si512(l, nib);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(l), nib);
+            }
+            if K == Q5_0 {
+                // Bit q of each top-bit byte is quad q's fifth bit: to bit 4.
+                let fifth = _mm512_set1_epi8(16);
+                let h = _mm512_loadu_si512(g.add(32) as *const _);
+                for (j, wj) in w.iter_mut().enumerate() {
+                    *wj = _mm512_or_si512(*wj, _mm512_and_si512(bit_to_4(h, j), fifth));
+                }
+            }
+        }
+        w
+    }
+}
+
 /// The lanes of each total.
 #[inline(always)]
-fn store<const GA: usize>(tot: [__m512; GA]) -> [[f32; GROUP]; GA] {
+pub(super) fn store<const GA: usize>(tot: [__m512; GA]) -> [[f32; GROUP]; GA] {
     let mut out = [[0f32; GROUP]; GA];
     for (o, t) in out.iter_mut().zip(tot) {
         // SAFETY: `o` holds 16 writable floats; AVX-512F is the callers' contract (they are

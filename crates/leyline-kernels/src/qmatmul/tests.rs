@@ -496,7 +496,7 @@ fn dequantized_rows_are_the_format_values_rounded_once() {
 /// The tiers with integer kernels that this CPU runs and [`Tier::best`] allows (matrices
 /// are interleaved for them only from the AVX2 tier up); the others are named as unverified.
 fn int8_tiers() -> Vec<Tier> {
-    let kernels = [Tier::Avx2, Tier::Avx512Vnni];
+    let kernels = [Tier::Avx2, Tier::Avx512Vnni, Tier::Amx];
     for t in kernels {
         if !t.available() {
             eprintln!("tier {t}: integer kernels not verified here (CPU lacks it)");
@@ -530,15 +530,15 @@ fn rounded(kind: GgmlKind, x: &[f32]) -> (Vec<i8>, Vec<f32>) {
 #[test]
 fn integer_products_match_the_reference_on_their_rounded_activations() {
     // Every kind and integer tier, weight rows in fours and alone (5 and 9 rows), 1 to 6
-    // activation rows spanning magnitudes across blocks, an odd unit count (Q8 kinds: 17
-    // units, the VNNI kernel's lone last unit). Against the f64 product of the format's
+    // activation rows spanning magnitudes across blocks, and 20 (the AMX tier's tiles, one
+    // padded), an odd unit count (Q8 kinds: 17 units, the VNNI kernel's lone last unit). Against the f64 product of the format's
     // weights with the activations as rounded (exact but for f32 sums), and against the
     // unrounded activations within the rounding's bound: half a block's step per value.
     let mut rng = Rng(31);
     for tier in int8_tiers() {
         for kind in GgmlKind::ALL {
             let cols = if kind.block_len() == 256 { 512 } else { 544 };
-            for (rows, m) in [(5, 1), (9, 3), (5, 6)] {
+            for (rows, m) in [(5, 1), (9, 3), (5, 6), (9, 20)] {
                 let raw = random_ggml(kind, rows, cols, &mut rng);
                 let qm = QMatrix::from_ggml(kind, &raw, rows, cols).unwrap();
                 let w = dequant_ref(kind, &raw);
@@ -712,4 +712,33 @@ fn k_quant_tables_left_where_they_are_stored_read_back_their_rows() {
     assert!(QMatrix::from_stored(GgmlKind::Q4_0, 2, 64, owner, 0)
         .unwrap()
         .is_none());
+}
+
+#[test]
+fn feature_major_outputs_land_in_their_rows_and_columns() {
+    // Whole 16 x 16 blocks (transposed in registers on AVX-512) and ragged edges, a subset
+    // of the activation rows, an offset column: every output where the plain index says.
+    for (n, m, rows, stride, col) in [
+        (37, 53, 5..50, 45, 3),
+        (32, 32, 0..32, 32, 0),
+        (16, 17, 1..17, 20, 4),
+    ] {
+        let yt: Vec<f32> = (0..n * m).map(|v| v as f32).collect();
+        let mut y = vec![f32::NAN; rows.len() * stride];
+        super::feature_major_rows_into(&yt, m, rows.clone(), &mut y, stride, col);
+        for (k, i) in rows.clone().enumerate() {
+            for c in 0..stride {
+                let want = if (col..col + n).contains(&c) {
+                    ((c - col) * m + i) as f32
+                } else {
+                    f32::NAN
+                };
+                let got = y[k * stride + c];
+                assert!(
+                    got == want || (got.is_nan() && want.is_nan()),
+                    "row {k} column {c}: {got} != {want}"
+                );
+            }
+        }
+    }
 }

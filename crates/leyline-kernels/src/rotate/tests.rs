@@ -379,7 +379,7 @@ fn simd_conversions_equal_scalar() {
                     checked += 1;
                 }
             }
-            Tier::Avx512 | Tier::Avx512Vnni => {
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Amx => {
                 for x in xs.chunks_exact(16) {
                     let x: &[f32; 16] = x.try_into().unwrap();
                     let (h, b) = avx512::convert(x);
