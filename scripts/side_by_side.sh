@@ -30,7 +30,9 @@ llamacpp_bin() {
         fi
         # The instruction sets are named rather than detected (GGML_NATIVE): on a CPU with AMX
         # this llama.cpp's AMX matmul dies (SIGILL, or SIGSEGV at `ldtilecfg` once the process
-        # holds the AMX permission; seen 2026-12-01), so its AVX-512 kernels are what runs.
+        # holds the AMX permission; seen 2026-12-01, and a general protection fault at
+        # `ldtilecfg` on 2026-12-08 on a VM where other programs' tiles run), so its AVX-512
+        # kernels are what runs.
         # The AVX-512 flags only where the CPU has AVX-512F (else the build dies with SIGILL).
         local avx512=()
         if grep -qw avx512f /proc/cpuinfo; then
