@@ -8,8 +8,8 @@
 //! as in `grouped.rs`, so a row's outputs are the VNNI kernel's to the bit and a batch that
 //! takes the tiles equals its rows alone (which take VNNI). The weights' nibbles are
 //! unpacked to bytes once per group (tiles read bytes) and reused by every tile of
-//! activation rows; the activations are packed into one matrix (`Packed`) whose rows a tile
-//! load strides over, padded to whole tiles with zero rows.
+//! activation rows; the activations are packed as tiles of 16 rows by 32 values, 512
+//! contiguous bytes each (`Packed`), padded to whole tiles with zero rows.
 
 use super::grouped::{bcast, halves, q4k_quad, q6k_quads, q6k_scale, quads32, store};
 use super::interleave::{group_bytes, GROUP, Q4K_BYTES, Q4K_MINS, Q5K_BYTES, Q6K_BYTES, SC};
